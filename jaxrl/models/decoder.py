@@ -1,0 +1,249 @@
+"""The decoder shared by the trainer and the rollout engine (Qwen3 / Llama 3 / Qwen2.5).
+
+Layer weights are stacked on a leading ``layers`` axis and the forward is a ``lax.scan`` over
+them: one layer body is compiled, whatever the depth. Every weight has logical axis names
+(``PARAM_LOGICAL_AXES``); ``jaxrl.parallel`` maps those names to mesh axes in one place.
+
+The same ``__call__`` serves training (packed rows, attention restricted by ``segment_ids``)
+and inference (a KV cache addressed by cache row and absolute position), so trainer and
+sampler log-probs come from one implementation of the math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.models.arch import ModelArch
+
+# Logical axes of every weight, keyed by the weight's attribute name.
+PARAM_LOGICAL_AXES: dict[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "final_norm": ("norm",),
+    "attn_norm": ("layers", "norm"),
+    "mlp_norm": ("layers", "norm"),
+    "wq": ("layers", "embed", "q_heads", "head_dim"),
+    "wk": ("layers", "embed", "kv_heads", "head_dim"),
+    "wv": ("layers", "embed", "kv_heads", "head_dim"),
+    "wo": ("layers", "q_heads", "head_dim", "embed"),
+    "bq": ("layers", "q_heads", "head_dim"),
+    "bk": ("layers", "kv_heads", "head_dim"),
+    "bv": ("layers", "kv_heads", "head_dim"),
+    "q_norm": ("layers", "head_dim"),
+    "k_norm": ("layers", "head_dim"),
+    "w_gate": ("layers", "embed", "mlp"),
+    "w_up": ("layers", "embed", "mlp"),
+    "w_down": ("layers", "mlp", "embed"),
+}
+
+# Logical axes of the KV cache arrays [layers, rows, max_len, kv_heads, head_dim].
+CACHE_LOGICAL_AXES = ("layers", "cache_rows", "cache_len", "kv_heads", "head_dim")
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class KVCache:
+    """Keys and values for ``rows`` sequences, written at each token's absolute position.
+
+    A token whose position is >= ``max_len`` is not written (scatter mode "drop"): the engine
+    gives padding tokens such a position.
+    """
+
+    k: jax.Array  # [layers, rows, max_len, kv_heads, head_dim]
+    v: jax.Array
+
+    @classmethod
+    def zeros(cls, arch: ModelArch, rows: int, max_len: int, dtype: Any = jnp.float32) -> "KVCache":
+        shape = (arch.num_layers, rows, max_len, arch.num_kv_heads, arch.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin of shape [B, T, head_dim] in Hugging Face's rotate-half layout."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [B, T, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    x32 = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return out.astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention. q: [B,T,H,D]; k, v: [B,S,K,D]; mask: bool [B,T,S]."""
+    b, t, h, d = q.shape
+    kv_heads = k.shape[2]
+    qg = q.reshape(b, t, kv_heads, h // kv_heads, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (d**-0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+def packed_causal_mask(segment_ids: jax.Array) -> jax.Array:
+    """Causal mask that never crosses samples packed into one row. segment_ids: [B, T]."""
+    t = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return causal[None] & same
+
+
+class Decoder(nnx.Module):
+    """Decoder-only transformer; ``__call__`` returns final-norm hidden states (not logits).
+
+    Returning hidden states lets the loss compute log-probs in vocabulary blocks without ever
+    materialising ``[tokens, vocab]`` logits; ``logits`` exists for inference and tests.
+    """
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: Any = jnp.float32,
+        dtype: Any = jnp.float32,
+        remat: bool = False,
+    ):
+        self.arch = arch
+        self.dtype = dtype
+        self.remat = remat
+        L, D, F, V = arch.num_layers, arch.hidden_size, arch.intermediate_size, arch.vocab_size
+        H, K, Dh = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        init = nnx.initializers.normal(0.02)
+
+        def param(shape: tuple[int, ...], kind: str = "normal") -> nnx.Param:
+            if kind == "ones":
+                return nnx.Param(jnp.ones(shape, param_dtype))
+            if kind == "zeros":
+                return nnx.Param(jnp.zeros(shape, param_dtype))
+            return nnx.Param(init(rngs.params(), shape, param_dtype))
+
+        self.embed = param((V, D))
+        self.attn_norm = param((L, D), "ones")
+        self.mlp_norm = param((L, D), "ones")
+        self.wq = param((L, D, H, Dh))
+        self.wk = param((L, D, K, Dh))
+        self.wv = param((L, D, K, Dh))
+        self.wo = param((L, H, Dh, D))
+        if arch.qkv_bias:
+            self.bq = param((L, H, Dh), "zeros")
+            self.bk = param((L, K, Dh), "zeros")
+            self.bv = param((L, K, Dh), "zeros")
+        if arch.qk_norm:
+            self.q_norm = param((L, Dh), "ones")
+            self.k_norm = param((L, Dh), "ones")
+        self.w_gate = param((L, D, F))
+        self.w_up = param((L, D, F))
+        self.w_down = param((L, F, D))
+        self.final_norm = param((D,), "ones")
+        if not arch.tie_word_embeddings:
+            self.lm_head = param((D, V))
+
+    def _layer_weights(self) -> dict[str, jax.Array]:
+        names = ["attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"]
+        if self.arch.qkv_bias:
+            names += ["bq", "bk", "bv"]
+        if self.arch.qk_norm:
+            names += ["q_norm", "k_norm"]
+        return {n: getattr(self, n)[...] for n in names}
+
+    def lm_head_weight(self) -> jax.Array:
+        """[D, V] output projection (the transposed embedding when tied)."""
+        return self.embed[...].T if self.arch.tie_word_embeddings else self.lm_head[...]
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        w = self.lm_head_weight().astype(hidden.dtype)
+        return jnp.einsum("btd,dv->btv", hidden, w, preferred_element_type=jnp.float32)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array | None = None,
+        cache: KVCache | None = None,
+        cache_rows: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """tokens, positions, segment_ids: int [B, T].
+
+        Without a cache, attention is causal within each segment. With a cache, row b writes
+        its keys/values into cache row ``cache_rows[b]`` at ``positions[b, t]`` and attends to
+        every cached position <= its own (the engine guarantees those are this sequence's).
+        """
+        arch = self.arch
+        x = self.embed[...].astype(self.dtype)[tokens]
+        cos, sin = rope_tables(positions, jnp.asarray(arch.inv_freq()))
+        weights = self._layer_weights()
+        if cache is None:
+            seg = jnp.ones_like(tokens) if segment_ids is None else segment_ids
+            mask = packed_causal_mask(seg)
+
+            def body(h: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, None]:
+                kv_fn = lambda k, v: (k, v, mask)  # noqa: E731
+                return self._block(h, w, cos, sin, kv_fn), None
+
+            if self.remat:
+                body = jax.checkpoint(body, prevent_cse=False)
+            h, _ = jax.lax.scan(body, x, weights)
+        else:
+            rows = jnp.arange(tokens.shape[0]) if cache_rows is None else cache_rows
+            key_pos = jnp.arange(cache.max_len)
+            mask = key_pos[None, None, :] <= positions[:, :, None]
+
+            def body(carry, w):  # type: ignore[no-untyped-def]
+                h, kc, vc, layer = carry
+
+                def kv_fn(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    nonlocal kc, vc
+                    idx = (layer, rows[:, None], positions)
+                    kc = kc.at[idx].set(k.astype(kc.dtype), mode="drop")
+                    vc = vc.at[idx].set(v.astype(vc.dtype), mode="drop")
+                    return kc[layer][rows].astype(k.dtype), vc[layer][rows].astype(v.dtype), mask
+
+                h = self._block(h, w, cos, sin, kv_fn)
+                return (h, kc, vc, layer + 1), None
+
+            (h, kc, vc, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), weights)
+            cache = KVCache(kc, vc)
+        return rms_norm(h, self.final_norm[...], arch.rms_norm_eps), cache
+
+    def _block(self, x, w, cos, sin, kv_fn):  # type: ignore[no-untyped-def]
+        arch, dt = self.arch, self.dtype
+        eps = arch.rms_norm_eps
+        h = rms_norm(x, w["attn_norm"], eps)
+        q = jnp.einsum("btd,dhk->bthk", h, w["wq"].astype(dt))
+        k = jnp.einsum("btd,dhk->bthk", h, w["wk"].astype(dt))
+        v = jnp.einsum("btd,dhk->bthk", h, w["wv"].astype(dt))
+        if arch.qkv_bias:
+            q, k, v = q + w["bq"].astype(dt), k + w["bk"].astype(dt), v + w["bv"].astype(dt)
+        if arch.qk_norm:
+            q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_all, v_all, mask = kv_fn(k, v)
+        attn = attention(q, k_all, v_all, mask)
+        x = x + jnp.einsum("bthk,hkd->btd", attn, w["wo"].astype(dt))
+        h = rms_norm(x, w["mlp_norm"], eps)
+        gate = jnp.einsum("btd,df->btf", h, w["w_gate"].astype(dt))
+        up = jnp.einsum("btd,df->btf", h, w["w_up"].astype(dt))
+        return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w["w_down"].astype(dt))

@@ -1,0 +1,224 @@
+"""Hugging Face safetensors <-> ``Decoder`` weights.
+
+Loading builds every weight with ``jax.make_array_from_callback``: each device's shard is cut
+from the (memory-mapped) safetensors file on the host, so no device ever holds an unsharded
+copy of a sharded weight. Export writes HF names and layouts that ``transformers`` loads.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxrl.models.arch import ModelArch, load_arch
+from jaxrl.models.decoder import Decoder
+
+ShardingFn = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]
+
+# Our name -> (HF name template, to_ours, from_ours). Templates with {i} are per layer.
+_H = "model.layers.{i}."
+
+
+def _linear_in(shape_out: Callable[[ModelArch], tuple[int, ...]]):  # HF [out, in] -> ours [in, *out]
+    def to_ours(w: np.ndarray, arch: ModelArch) -> np.ndarray:
+        return w.T.reshape((w.shape[1], *shape_out(arch)))
+
+    def from_ours(w: np.ndarray, arch: ModelArch) -> np.ndarray:
+        return w.reshape(w.shape[0], -1).T
+
+    return to_ours, from_ours
+
+
+def _linear_out(w_shape_in: Callable[[ModelArch], tuple[int, ...]]):  # HF [out, in] -> ours [*in, out]
+    def to_ours(w: np.ndarray, arch: ModelArch) -> np.ndarray:
+        return w.T.reshape((*w_shape_in(arch), w.shape[0]))
+
+    def from_ours(w: np.ndarray, arch: ModelArch) -> np.ndarray:
+        return w.reshape(-1, w.shape[-1]).T
+
+    return to_ours, from_ours
+
+
+def _reshape(shape: Callable[[ModelArch], tuple[int, ...]]):
+    return (lambda w, arch: w.reshape(shape(arch))), (lambda w, arch: w.reshape(-1))
+
+
+_IDENT = (lambda w, arch: w), (lambda w, arch: w)
+_T = (lambda w, arch: w.T), (lambda w, arch: w.T)
+_QH = lambda a: (a.num_heads, a.head_dim)  # noqa: E731
+_KH = lambda a: (a.num_kv_heads, a.head_dim)  # noqa: E731
+
+WEIGHT_MAP: dict[str, tuple[str, Any]] = {
+    "embed": ("model.embed_tokens.weight", _IDENT),
+    "final_norm": ("model.norm.weight", _IDENT),
+    "lm_head": ("lm_head.weight", _T),
+    "attn_norm": (_H + "input_layernorm.weight", _IDENT),
+    "mlp_norm": (_H + "post_attention_layernorm.weight", _IDENT),
+    "wq": (_H + "self_attn.q_proj.weight", _linear_in(_QH)),
+    "wk": (_H + "self_attn.k_proj.weight", _linear_in(_KH)),
+    "wv": (_H + "self_attn.v_proj.weight", _linear_in(_KH)),
+    "wo": (_H + "self_attn.o_proj.weight", _linear_out(_QH)),
+    "bq": (_H + "self_attn.q_proj.bias", _reshape(_QH)),
+    "bk": (_H + "self_attn.k_proj.bias", _reshape(_KH)),
+    "bv": (_H + "self_attn.v_proj.bias", _reshape(_KH)),
+    "q_norm": (_H + "self_attn.q_norm.weight", _IDENT),
+    "k_norm": (_H + "self_attn.k_norm.weight", _IDENT),
+    "w_gate": (_H + "mlp.gate_proj.weight", _T),
+    "w_up": (_H + "mlp.up_proj.weight", _T),
+    "w_down": (_H + "mlp.down_proj.weight", _T),
+}
+
+
+def param_name(path: tuple[Any, ...]) -> str:
+    """The weight's attribute name (a ``PARAM_LOGICAL_AXES`` key) from a state tree path."""
+    return [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
+
+
+class SafetensorsDir:
+    """Name -> tensor access over one model directory (single file or sharded index)."""
+
+    def __init__(self, model_dir: str | Path):
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.dir / "model.safetensors").exists():
+            with safe_open(self.dir / "model.safetensors", "numpy") as f:
+                weight_map = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {self.dir}")
+        self.weight_map: dict[str, str] = weight_map
+        self._files: dict[str, Any] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str) -> np.ndarray:
+        file = self.weight_map.get(name)
+        if file is None:
+            raise KeyError(f"weight {name!r} not found in {self.dir}")
+        if file not in self._files:
+            self._files[file] = safe_open(self.dir / file, "numpy")
+        return self._files[file].get_tensor(name)
+
+
+def _stacked_loader(src: SafetensorsDir, name: str, arch: ModelArch, dtype: Any):
+    """Callback for make_array_from_callback: builds one shard, one layer at a time."""
+    template, (to_ours, _) = WEIGHT_MAP[name]
+    per_layer = "{i}" in template
+    cache: dict[int, np.ndarray] = {}  # a weight's layers are reused across devices' shards
+
+    def layer(i: int | None) -> np.ndarray:
+        key = -1 if i is None else i
+        if key not in cache:
+            hf_name = template.format(i=i) if per_layer else template
+            cache[key] = to_ours(src.get(hf_name), arch).astype(dtype)
+        return cache[key]
+
+    def callback(index: tuple[slice, ...]) -> np.ndarray:
+        if not per_layer:
+            return layer(None)[index]
+        layers = range(arch.num_layers)[index[0]]
+        return np.stack([layer(i)[index[1:]] for i in layers])
+
+    return callback
+
+
+def load_decoder(
+    model_dir: str | Path,
+    *,
+    param_dtype: Any = jnp.float32,
+    dtype: Any = jnp.float32,
+    remat: bool = False,
+    sharding_fn: ShardingFn | None = None,
+) -> Decoder:
+    """Load a HF checkpoint directory into a ``Decoder``, each weight placed by ``sharding_fn``."""
+    arch = load_arch(model_dir)
+    src = SafetensorsDir(model_dir)
+    abstract = nnx.eval_shape(
+        lambda: Decoder(arch, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype, remat=remat)
+    )
+    graphdef, state = nnx.split(abstract)
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    np_dtype = np.dtype(jnp.dtype(param_dtype))
+
+    def build(path: tuple[Any, ...], leaf: Any) -> Any:
+        name = param_name(path)
+        if name == "lm_head" and WEIGHT_MAP["lm_head"][0] not in src:
+            raise KeyError(f"{model_dir}: untied model (tie_word_embeddings=false) has no lm_head.weight")
+        sharding = sharding_fn(name, leaf.shape) if sharding_fn else default
+        cb = _stacked_loader(src, name, arch, np_dtype)
+        return jax.make_array_from_callback(leaf.shape, sharding, cb)
+
+    state = jax.tree_util.tree_map_with_path(build, state)
+    return nnx.merge(graphdef, state)
+
+
+def iter_hf_tensors(model: Decoder) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, host array) for every weight; gathers across hosts when multi-process."""
+    arch = model.arch
+    for name, (template, (_, from_ours)) in WEIGHT_MAP.items():
+        if not hasattr(model, name):
+            continue
+        value = getattr(model, name)[...]
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            value = multihost_utils.process_allgather(value, tiled=True)
+        host = np.asarray(jax.device_get(value))
+        if "{i}" in template:
+            for i in range(arch.num_layers):
+                yield template.format(i=i), np.ascontiguousarray(from_ours(host[i], arch))
+        else:
+            yield template, np.ascontiguousarray(from_ours(host, arch))
+
+
+def export_hf(
+    model: Decoder,
+    out_dir: str | Path,
+    hf_config: dict[str, Any],
+    *,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> Path:
+    """Write ``config.json`` + safetensors (sharded with an index past ``max_shard_bytes``).
+
+    Every process must call this (weights may need a cross-host gather); only process 0 writes.
+    """
+    out = Path(out_dir)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, arr in iter_hf_tensors(model):
+        if size and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    if jax.process_index() != 0:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    config = dict(hf_config)
+    config["dtype"] = str(next(iter(shards[0].values())).dtype)
+    config["tie_word_embeddings"] = model.arch.tie_word_embeddings
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if len(shards) == 1:
+        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
+        return out
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out / fname, metadata={"format": "pt"})
+        weight_map.update({n: fname for n in shard})
+    total = sum(a.nbytes for s in shards for a in s.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return out
+

@@ -1,0 +1,63 @@
+"""The training sample: the one type the orchestrator hands to the trainer (DESIGN contract 4).
+
+It lives outside both packages so that neither depends on the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class TrainingSample:
+    """One linear token sequence (a trainable branch of a trace, or an SFT example).
+
+    Per-token arrays all have the sample's length L. The first token has no prediction and
+    is never in any loss, whatever its weights say.
+    """
+
+    token_ids: np.ndarray  # int32[L]
+    sampled_mask: np.ndarray  # bool[L]: True where the policy sampled the token
+    logprobs: np.ndarray  # float32[L]: inference logprob on sampled tokens, 0 elsewhere
+    rl_w: np.ndarray  # float32[L]: weight in the RL component (defaults to sampled_mask)
+    ce_w: np.ndarray  # float32[L]: weight in the CE component (SFT / echo)
+    temperature: float = 1.0
+    advantage: float = 0.0
+    policy_version: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)  # env, group_id, reward, errors...
+
+    def __post_init__(self) -> None:
+        self.token_ids = np.asarray(self.token_ids, dtype=np.int32)
+        n = self.token_ids.shape[0]
+        self.sampled_mask = np.asarray(self.sampled_mask, dtype=bool)
+        self.logprobs = np.asarray(self.logprobs, dtype=np.float32)
+        self.rl_w = np.asarray(self.rl_w, dtype=np.float32)
+        self.ce_w = np.asarray(self.ce_w, dtype=np.float32)
+        for name in ("sampled_mask", "logprobs", "rl_w", "ce_w"):
+            arr = getattr(self, name)
+            if arr.shape != (n,):
+                raise ValueError(f"TrainingSample.{name} has shape {arr.shape}; expected ({n},) like token_ids")
+        if n < 2:
+            raise ValueError("TrainingSample needs at least 2 tokens (the first is never predicted)")
+        if not self.temperature > 0:
+            raise ValueError(f"TrainingSample.temperature must be > 0, got {self.temperature}")
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @classmethod
+    def sft(cls, token_ids: np.ndarray, loss_mask: np.ndarray, **kw: Any) -> "TrainingSample":
+        """An SFT example: CE weight 1 on ``loss_mask`` tokens, nothing in the RL component."""
+        token_ids = np.asarray(token_ids, dtype=np.int32)
+        n = token_ids.shape[0]
+        return cls(
+            token_ids=token_ids,
+            sampled_mask=np.zeros(n, bool),
+            logprobs=np.zeros(n, np.float32),
+            rl_w=np.zeros(n, np.float32),
+            ce_w=np.asarray(loss_mask, np.float32),
+            **kw,
+        )
