@@ -41,6 +41,11 @@ PARAM_LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "w_down": ("layers", "mlp", "embed"),
 }
 
+def param_name(path: tuple[Any, ...]) -> str:
+    """The weight's attribute name (a ``PARAM_LOGICAL_AXES`` key) from a state tree path."""
+    return [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
+
+
 # Logical axes of the KV cache arrays [layers, rows, max_len, kv_heads, head_dim].
 CACHE_LOGICAL_AXES = ("layers", "cache_rows", "cache_len", "kv_heads", "head_dim")
 

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxrl.models.arch import ModelArch, load_arch
-from jaxrl.models.decoder import Decoder
+from jaxrl.models.decoder import Decoder, param_name
 
 ShardingFn = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]
 
@@ -76,11 +76,6 @@ WEIGHT_MAP: dict[str, tuple[str, Any]] = {
     "w_up": (_H + "mlp.up_proj.weight", _T),
     "w_down": (_H + "mlp.down_proj.weight", _T),
 }
-
-
-def param_name(path: tuple[Any, ...]) -> str:
-    """The weight's attribute name (a ``PARAM_LOGICAL_AXES`` key) from a state tree path."""
-    return [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
 
 
 class SafetensorsDir:

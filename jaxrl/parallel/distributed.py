@@ -1,0 +1,35 @@
+"""Multi-host start-up: ``jax.distributed.initialize`` from config or the environment."""
+
+from __future__ import annotations
+
+import jax
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class DistributedConfig(BaseModel):
+    """JAX multi-controller runtime. On TPU pod slices (GKE JobSet) ``enabled = true`` with
+    nothing else set lets JAX discover the coordinator; elsewhere give all three fields."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = Field(False, description="Call jax.distributed.initialize before anything else.")
+    coordinator_address: str | None = Field(None, description="host:port of process 0.")
+    num_processes: int | None = None
+    process_id: int | None = None
+    local_device_ids: list[int] | None = Field(None, description="Devices this process owns (CPU tests).")
+
+
+def initialize(cfg: DistributedConfig) -> None:
+    """Start the runtime once; a no-op when disabled or already running."""
+    if not cfg.enabled or jax.distributed.is_initialized():
+        return
+    jax.distributed.initialize(
+        coordinator_address=cfg.coordinator_address,
+        num_processes=cfg.num_processes,
+        process_id=cfg.process_id,
+        local_device_ids=cfg.local_device_ids,
+    )
+
+
+def is_main_process() -> bool:
+    """Only process 0 writes logs, plots and exports."""
+    return jax.process_index() == 0

@@ -1,0 +1,41 @@
+"""``[trainer]``: optimizer, loss, sequence length, micro-batching and the mesh."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from jaxrl.parallel.mesh import MeshConfig
+from jaxrl.trainer.loss import LossConfig
+from jaxrl.trainer.optim import OptimConfig
+
+
+class TrainerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    steps: int = Field(100, ge=1)
+    """Optimizer steps to run (also the length of the LR schedule)."""
+    seq_len: int = Field(512, ge=8)
+    """Longest packed row; every sample must fit in one row."""
+    seq_len_buckets: list[int] | None = None
+    """Row lengths to pack into (the smallest that holds the longest sample is used). Each
+    bucket compiles the train step once. Default: [seq_len // 4, seq_len // 2, seq_len]."""
+    micro_batch_rows: int = Field(8, ge=1)
+    """Packed rows per micro-batch (one jitted forward/backward); must divide by data*fsdp."""
+    vocab_block: int = Field(4096, ge=128)
+    """Vocabulary block of the fused log-prob (peak memory ~ tokens x vocab_block floats)."""
+    remat: bool = False
+    """Recompute each layer's activations in the backward pass (less memory, ~1/3 more FLOPs)."""
+    optim: OptimConfig = OptimConfig()
+    loss: LossConfig = LossConfig()
+    mesh: MeshConfig = MeshConfig()
+    peak_tflops: float | None = None
+    """Peak FLOP/s per device for MFU (e.g. 197 for a TPU v5e chip). None: measured once at
+    start-up with a float32 matmul (the right peak on CPU)."""
+
+    @model_validator(mode="after")
+    def _buckets(self) -> "TrainerConfig":
+        if self.seq_len_buckets is None:
+            self.seq_len_buckets = sorted({max(self.seq_len // 4, 8), max(self.seq_len // 2, 8), self.seq_len})
+        if max(self.seq_len_buckets) != self.seq_len:
+            raise ValueError(f"trainer.seq_len_buckets {self.seq_len_buckets} must end at trainer.seq_len = {self.seq_len}")
+        return self

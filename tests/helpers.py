@@ -1,0 +1,59 @@
+"""Shared test builders: tiny models and samples (deterministic)."""
+
+from __future__ import annotations
+
+import numpy as np
+from flax import nnx
+
+from jaxrl.models.arch import ModelArch
+from jaxrl.models.decoder import Decoder
+from jaxrl.samples import TrainingSample
+
+
+def tiny_arch(vocab: int = 64, **kw) -> ModelArch:
+    base = dict(
+        model_type="qwen3",
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        rope_scaling=None,
+        qk_norm=True,
+        qkv_bias=False,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+    )
+    base.update(kw)
+    return ModelArch(**base)
+
+
+def tiny_model(seed: int = 0, **kw) -> Decoder:
+    return Decoder(tiny_arch(**kw), rngs=nnx.Rngs(seed))
+
+
+def random_samples(n: int, seed: int = 0, vocab: int = 64, min_len: int = 3, max_len: int = 20) -> list[TrainingSample]:
+    """Mixed RL / CE samples with random lengths, logprobs and advantages."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        L = int(rng.integers(min_len, max_len + 1))
+        sampled = rng.random(L) < 0.6
+        sampled[0] = False
+        ce = (~sampled) & (rng.random(L) < 0.5)
+        out.append(
+            TrainingSample(
+                token_ids=rng.integers(0, vocab, L),
+                sampled_mask=sampled,
+                logprobs=np.where(sampled, -rng.random(L) * 3 - 0.5, 0.0),
+                rl_w=sampled.astype(np.float32),
+                ce_w=ce * 0.5,
+                temperature=float(rng.choice([0.7, 1.0])),
+                advantage=float(rng.normal()),
+            )
+        )
+    return out
