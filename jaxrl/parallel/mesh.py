@@ -46,6 +46,9 @@ class MeshConfig(BaseModel):
     data: int = Field(1, description="Pure data-parallel replicas.")
     fsdp: int = Field(-1, description="Fully-sharded data parallel (parameters sharded on embed).")
     tensor: int = Field(1, description="Tensor parallel (heads, mlp, vocab).")
+    num_devices: int | None = Field(
+        None, ge=1, description="Use only the first N devices (default: all), e.g. to leave some to the engine."
+    )
 
     def resolve(self, num_devices: int) -> tuple[int, int, int]:
         sizes = [self.data, self.fsdp, self.tensor]
@@ -68,6 +71,10 @@ class MeshConfig(BaseModel):
 
 def make_mesh(cfg: MeshConfig, devices: list[Any] | None = None) -> Mesh:
     devices = jax.devices() if devices is None else devices
+    if cfg.num_devices is not None:
+        if cfg.num_devices > len(devices):
+            raise ValueError(f"trainer.mesh.num_devices = {cfg.num_devices} but only {len(devices)} devices exist")
+        devices = devices[: cfg.num_devices]
     shape = cfg.resolve(len(devices))
     grid = np.asarray(devices).reshape(shape)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)

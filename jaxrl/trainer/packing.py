@@ -42,16 +42,20 @@ class PackedBatch:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def choose_bucket(samples: Sequence[TrainingSample], buckets: Sequence[int]) -> int:
-    """Smallest bucket length that holds the longest sample."""
-    longest = max(len(s) for s in samples)
-    for b in sorted(buckets):
-        if b >= longest:
-            return b
-    raise ValueError(
-        f"a sample has {longest} tokens but trainer.seq_len is {max(buckets)}; raise trainer.seq_len "
-        "(or lower the rollout's max tokens) so that every sample fits one row"
-    )
+def choose_bucket(samples: Sequence[TrainingSample], buckets: Sequence[int], rows_multiple: int = 1) -> int:
+    """The bucket row length that packs ``samples`` into the fewest padded tokens (ties: shorter)."""
+    lengths = [len(s) for s in samples]
+    fitting = [b for b in sorted(buckets) if b >= max(lengths)]
+    if not fitting:
+        raise ValueError(
+            f"a sample has {max(lengths)} tokens but trainer.seq_len is {max(buckets)}; raise trainer.seq_len "
+            "(or lower the rollout's max tokens) so that every sample fits one row"
+        )
+
+    def padded_tokens(b: int) -> int:
+        return -(-len(assign_rows(lengths, b)) // rows_multiple) * rows_multiple * b
+
+    return min(fitting, key=lambda b: (padded_tokens(b), b))
 
 
 def assign_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:

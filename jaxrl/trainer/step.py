@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from jaxrl.models.decoder import Decoder
 from jaxrl.parallel.mesh import batch_sharding, replicated
@@ -76,7 +76,12 @@ class Trainer:
         self.graphdef, self.params = nnx.split(model)
         self.param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
         self.tx, self.schedule = make_optimizer(cfg.optim, cfg.steps)
-        self.opt_state = jax.jit(self.tx.init)(self.params)
+        # Scalars of the optimizer state (step counts) are replicated on the mesh explicitly:
+        # left uncommitted they would restore from a checkpoint onto a single device.
+        self.opt_state = jax.tree.map(
+            lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated(mesh)),
+            jax.jit(self.tx.init)(self.params),
+        )
         self.step = 0
         self.peak_flops = peak_flops
         dp = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -114,7 +119,7 @@ class Trainer:
         }
 
     def pack(self, samples: Sequence[TrainingSample]) -> PackedBatch:
-        bucket = choose_bucket(samples, self.cfg.seq_len_buckets or [self.cfg.seq_len])
+        bucket = choose_bucket(samples, self.cfg.seq_len_buckets or [self.cfg.seq_len], self.cfg.micro_batch_rows)
         return pack(samples, bucket, rows_multiple=self.cfg.micro_batch_rows)
 
     def train_step(self, samples: Sequence[TrainingSample]) -> dict[str, float]:

@@ -1,0 +1,1 @@
+"""jaxrl.data: SFT datasets (grain pipelines)."""

@@ -1,0 +1,118 @@
+"""Run metrics: ``<output_dir>/metrics.jsonl`` (one object per step, with ``step``), a rich
+progress bar, optional W&B / TensorBoard, and a PNG plot at the end. Only process 0 writes."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from jaxrl.parallel.distributed import is_main_process
+
+# Shown on the progress bar when present (first match wins per slot).
+_BAR_KEYS = ("ce_loss", "rl_loss", "reward_mean", "eval_reward_mean", "mismatch_kl", "tokens_per_s")
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_metrics(rows: list[dict[str, Any]], keys: list[str], out: str | Path, title: str = "") -> Path | None:
+    """One panel per key that has finite values; returns the PNG path (None if nothing to plot)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = {}
+    for k in keys:
+        pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float)) and math.isfinite(r[k])]
+        if pts:
+            series[k] = pts
+    if not series:
+        return None
+    fig, axes = plt.subplots(1, len(series), figsize=(4 * len(series), 3.2), squeeze=False)
+    for ax, (k, pts) in zip(axes[0], series.items()):
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
+        ax.set_title(k)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return Path(out)
+
+
+class MetricsLogger:
+    def __init__(
+        self,
+        output_dir: str | Path,
+        total_steps: int,
+        *,
+        start_step: int = 0,
+        progress: bool = True,
+        plot_keys: tuple[str, ...] = (),
+        wandb_project: str | None = None,
+        tensorboard: bool = False,
+        run_config: dict[str, Any] | None = None,
+    ):
+        self.main = is_main_process()
+        self.dir = Path(output_dir)
+        self.path = self.dir / "metrics.jsonl"
+        self.plot_keys = plot_keys
+        self._progress: Progress | None = None
+        self._wandb = self._tb = None
+        if not self.main:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if start_step == 0:
+            self.path.write_text("")
+        if progress:
+            self._progress = Progress(
+                TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
+                TimeRemainingColumn(), TextColumn("{task.description}"),
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("", total=total_steps, completed=start_step)
+        if wandb_project:
+            import wandb  # optional dependency, only when asked for
+
+            self._wandb = wandb.init(project=wandb_project, config=run_config, dir=str(self.dir))
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # optional dependency, only when asked for
+
+            self._tb = SummaryWriter(str(self.dir / "tb"))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.main:
+            return
+        row = {"step": step, **metrics}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._progress is not None:
+            shown = [f"{k}={metrics[k]:.4g}" for k in _BAR_KEYS if isinstance(metrics.get(k), (int, float))]
+            self._progress.update(self._task, completed=step, description=" ".join(shown))
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self, title: str = "") -> Path | None:
+        if not self.main:
+            return None
+        if self._progress is not None:
+            self._progress.stop()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._tb is not None:
+            self._tb.close()
+        if not self.plot_keys or not self.path.exists():
+            return None
+        return plot_metrics(read_metrics(self.path), list(self.plot_keys), self.dir / "metrics.png", title)

@@ -1,0 +1,92 @@
+"""What every training run shares, SFT or RL: mesh, model, trainer, checkpoints, metrics,
+preemption handling and the final HF export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxrl.config import RunConfig
+from jaxrl.metrics import MetricsLogger
+from jaxrl.models.hf_io import export_hf
+from jaxrl.models.setup import prepare_model
+from jaxrl.parallel.distributed import initialize, is_main_process
+from jaxrl.parallel.mesh import make_mesh
+from jaxrl.preemption import StopRequest
+from jaxrl.trainer.checkpoint import Checkpointer
+from jaxrl.trainer.flops import measure_matmul_peak
+from jaxrl.trainer.step import Trainer
+
+
+class TrainingRun:
+    def __init__(self, cfg: RunConfig, *, plot_keys: tuple[str, ...]):
+        initialize(cfg.distributed)
+        self.cfg = cfg
+        self.out = Path(cfg.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        if is_main_process():
+            (self.out / "config.json").write_text(cfg.model_dump_json(indent=2))
+        self.mesh = make_mesh(cfg.trainer.mesh)
+        model, self.tokenizer_dir, self.hf_config = prepare_model(cfg.model, self.mesh, self.out)
+        model.remat = cfg.trainer.remat
+        peak = cfg.trainer.peak_tflops * 1e12 if cfg.trainer.peak_tflops else None
+        if peak is None and jax.default_backend() == "cpu":
+            peak = measure_matmul_peak()
+        self.trainer = Trainer(model, cfg.trainer, self.mesh, peak_flops=peak)
+        self.ckpt = Checkpointer(cfg.ckpt.dir or self.out / "checkpoints", cfg.ckpt)
+        self.plot_keys = plot_keys
+        self.logger: MetricsLogger | None = None
+        self._stop = StopRequest()
+
+    def maybe_resume(self, resume: bool) -> dict[str, Any]:
+        """Restore the latest checkpoint when ``resume``; returns its meta ({} when fresh)."""
+        meta: dict[str, Any] = {}
+        if resume:
+            step = self.ckpt.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"--resume: no checkpoint in {self.ckpt.dir}")
+            state, meta = self.ckpt.restore(step, self.trainer.state_for_checkpoint())
+            self.trainer.restore(state, step)
+        log = self.cfg.log
+        self.logger = MetricsLogger(
+            self.out, self.cfg.trainer.steps, start_step=self.trainer.step, progress=log.progress,
+            plot_keys=self.plot_keys if log.plot else (), wandb_project=log.wandb_project,
+            tensorboard=log.tensorboard, run_config=self.cfg.model_dump(),
+        )
+        return meta
+
+    def stop_request(self) -> StopRequest:
+        return self._stop
+
+    def should_checkpoint(self, step: int) -> bool:
+        return bool(self.cfg.ckpt.interval) and step % self.cfg.ckpt.interval == 0
+
+    def save(self, meta: dict[str, Any]) -> None:
+        step = self.trainer.step
+        if step in self.ckpt.all_steps():
+            return
+        self.ckpt.save(step, self.trainer.state_for_checkpoint(), {"step": step, **meta})
+
+    def export(self) -> Path:
+        """HF weights + tokenizer at ``<output_dir>/hf`` (loadable by transformers and jaxrl)."""
+        path = export_hf(self.trainer.model(), self.out / "hf", self.hf_config)
+        if is_main_process():
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(self.tokenizer_dir).save_pretrained(path)
+        return path
+
+    def finish(self, *, title: str, export: bool) -> dict[str, Any]:
+        self.ckpt.close()
+        result: dict[str, Any] = {"steps": self.trainer.step, "stopped_by": self._stop.signal_name}
+        if export:
+            result["export"] = str(self.export())
+        if self.logger is not None:
+            plot = self.logger.close(title)
+            result["plot"] = str(plot) if plot else None
+        if is_main_process():
+            (self.out / "result.json").write_text(json.dumps(result, indent=2))
+        return result

@@ -1,0 +1,35 @@
+"""The SFT loop: grain batches of rendered conversations -> Trainer steps -> checkpoints ->
+HF export (``<output_dir>/hf``, with the tokenizer: the warm start RL recipes load)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from jaxrl.config import DataConfig, RunConfig
+from jaxrl.data.sft import reference_conversations, sft_dataset
+from jaxrl.run_common import TrainingRun
+
+
+def run_sft(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
+    data_cfg = cfg.data or DataConfig()
+    run = TrainingRun(cfg, plot_keys=("ce_loss", "ce_nll_max", "grad_norm", "tokens_per_s"))
+    conversations = reference_conversations(
+        data_cfg.taskset, data_cfg.taskset_args, data_cfg.num_examples, data_cfg.seed
+    )
+    batches = iter(sft_dataset(conversations, run.tokenizer_dir, data_cfg.batch_size, data_cfg.seed).to_iter_dataset())
+    meta = run.maybe_resume(resume)
+    if meta:
+        batches.set_state(meta["data"])
+    last: dict[str, Any] = {}
+    with run.stop_request() as stop:
+        for step in range(run.trainer.step + 1, cfg.trainer.steps + 1):
+            last = run.trainer.train_step(next(batches))
+            run.logger.log(step, last)
+            if run.should_checkpoint(step) or stop.requested:
+                run.save({"data": batches.get_state()})
+            if stop.requested:
+                break
+    if not stop.requested:
+        run.save({"data": batches.get_state()})
+    return run.finish(title=f"SFT {Path(cfg.output_dir).name}", export=not stop.requested) | {"last": last}
