@@ -1,0 +1,98 @@
+"""lookup: multi-turn with a tool — fetch codes with `lookup(key)`, then answer.
+
+The tool's output is a deterministic, learnable function of its argument (each letter of
+the word shifted one place along the alphabet), so a model can learn to predict what the
+tool says back — exactly what the echo loss trains. Rewards: the reply's similarity to the
+codes (weight 0.75) and whether every key was looked up (weight 0.25).
+"""
+
+from __future__ import annotations
+
+import random
+import string
+
+import verifiers.v1 as vf
+from pydantic import Field
+
+from jaxrl.envs.common import SplitTasksetConfig, draw_split, similarity
+from jaxrl.envs.harness import LocalChatHarness, ToolTaskData
+
+SYSTEM_PROMPT = (
+    "You answer questions about secret codes. Call the lookup tool once for each word, "
+    "then reply with the codes only, separated by single spaces, in the order asked."
+)
+
+_SHIFT = str.maketrans(string.ascii_lowercase, string.ascii_lowercase[1:] + "a")
+
+
+def lookup(key: str) -> str:
+    """Return the secret code of a word."""
+    return key.lower().translate(_SHIFT)
+
+
+def question(keys: list[str]) -> str:
+    quoted = ", ".join(f"'{k}'" for k in keys)
+    return f"What are the codes of {quoted}?" if len(keys) > 1 else f"What is the code of {quoted}?"
+
+
+class LookupData(ToolTaskData):
+    keys: list[str]
+    """The words whose codes are asked, in order."""
+    answer: str
+    """The expected reply: the codes joined by single spaces."""
+
+
+class LookupTask(vf.Task[LookupData]):
+    @vf.reward(weight=0.75)
+    async def answer_similarity(self, trace: vf.Trace) -> float:
+        """Similarity of the final reply to the expected codes, in [0, 1]."""
+        return similarity(trace.last_reply, self.data.answer)
+
+    @vf.reward(weight=0.25)
+    async def looked_up(self, trace: vf.Trace) -> float:
+        """Fraction of the asked keys whose code the tool returned."""
+        outputs = {m.content for m in trace.tool_messages if m.name == "lookup"}
+        return sum(lookup(k) in outputs for k in self.data.keys) / len(self.data.keys)
+
+
+class LookupConfig(SplitTasksetConfig):
+    max_keys: int = Field(1, ge=1)
+    """Most words asked per task (each task asks 1..max_keys distinct words)."""
+    min_len: int = Field(3, ge=1)
+    """Shortest word (words are random lowercase letters)."""
+    max_len: int = Field(6, ge=1)
+    """Longest word."""
+
+
+class LookupTaskset(vf.Taskset[LookupTask, LookupConfig]):
+    def load(self) -> list[LookupTask]:
+        cfg = self.config
+
+        if cfg.max_len < cfg.min_len:
+            raise ValueError(f"lookup: max_len={cfg.max_len} < min_len={cfg.min_len}")
+
+        def word(rng: random.Random) -> str:
+            return "".join(
+                rng.choice(string.ascii_lowercase) for _ in range(rng.randint(cfg.min_len, cfg.max_len))
+            )
+
+        def sample(rng: random.Random) -> tuple[str, ...]:
+            return tuple(dict.fromkeys(word(rng) for _ in range(rng.randint(1, cfg.max_keys))))
+
+        items = draw_split(sample, " ".join, split=cfg.split, num=cfg.size, seed=cfg.seed, name="lookup")
+        return [
+            LookupTask(
+                LookupData(
+                    prompt=question(list(keys)),
+                    system_prompt=SYSTEM_PROMPT,
+                    tools=[f"{__name__}:lookup"],
+                    keys=list(keys),
+                    answer=" ".join(lookup(k) for k in keys),
+                ),
+                cfg.task,
+            )
+            for keys in items
+        ]
+
+
+__all__ = ["LocalChatHarness", "LookupTaskset"]

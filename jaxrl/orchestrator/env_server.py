@@ -1,0 +1,506 @@
+"""Env servers: spawn (or attach to) verifiers v1 env servers and run rollouts through them.
+
+One env server process per configured env (`[[orchestrator.train.env]]` / eval entries):
+`python -m jaxrl.orchestrator.env_server` runs verifiers' own `serve_env` — a single
+`EnvServer`, or an `EnvServerPool` of `pool_size` worker processes — bound by ZeroMQ to a
+free port on 127.0.0.1, with its logs in `<output_dir>/logs/envs/{train,eval}/<name>.log`.
+It exits when asked (SIGTERM, handled gracefully by verifiers) or when the orchestrator
+dies (its stdin closes). Or an entry names the `address` of a server someone else runs.
+
+Rollouts go through verifiers' `EnvClient.run(client_config, model, sampling, task_data)`:
+the env server renders prompts with the model's tokenizer, calls the engine's
+`/inference/v1/generate` (DESIGN contract 6), runs the harness and scoring, and streams the
+episode back. Tasks come from the taskset loaded here, on the orchestrator side (the server
+has no list-tasks call). Every run comes back as a `Rollout`: failures (env errors, provider
+errors, timeouts, a dead server) carry their error instead of being dropped.
+
+verifiers takes seconds to import, so it is imported where it is used: parsing a config
+(`EnvConfig`) stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import gc
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from jaxrl.envs import check_env_id, plugin_id, register_plugin
+from jaxrl.orchestrator.algo import AlgoConfig, GRPOConfig
+from jaxrl.orchestrator.traces import Rollout, episode_error
+
+if TYPE_CHECKING:
+    import verifiers.v1 as vf
+
+logger = logging.getLogger(__name__)
+
+ENV_LOG_DIR = Path("logs") / "envs"
+
+
+class EnvConfig(BaseModel):
+    """One environment of the run (an `[[orchestrator.train.env]]` entry)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    id: str
+    """A built-in env (`reverse_text`, `alphabet_sort`, `lookup`), the import path of a module
+    exporting a verifiers `Taskset` (`my_pkg.my_env`), or an installed verifiers env id."""
+    name: str = ""
+    """Name in logs, metrics and the log file (default: `id`); unique within a run."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Taskset config fields, e.g. `{split = "eval", num_tasks = 100, seed = 1}` for a built-in."""
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    """Other verifiers env config fields: a paired `Env` (`id = "user-sim"`), agent seat
+    overrides (`agent = {max_turns = 4, timeout = {rollout = 60}}`), env timeouts, retries.
+    Every seat runs on the local `subprocess` runtime unless its `runtime` is set here."""
+    address: str | None = None
+    """Attach to an env server already running at this ZeroMQ address (`tcp://host:port`)
+    instead of spawning one."""
+    pool_size: int = Field(1, ge=1)
+    """Worker processes of a spawned server (1: one in-process server; more: verifiers'
+    `EnvServerPool` spreads rollouts over that many processes)."""
+    max_concurrent: int | None = Field(None, ge=1)
+    """Episodes in flight per worker (None: no bound)."""
+    group_size: int | None = Field(None, ge=1)
+    """Rollouts per task for this env (None: the orchestrator's `group_size`)."""
+    algo: AlgoConfig = Field(default_factory=GRPOConfig)
+    """How this env's groups become samples: `grpo`, `echo` or `sft`."""
+    startup_timeout: float = Field(300.0, gt=0)
+    """Seconds a spawned server may take to come up and answer health."""
+    rollout_timeout: float | None = Field(None, gt=0)
+    """Seconds one rollout may take before it is cancelled and recorded as failed (None: no limit)."""
+
+    @field_validator("id")
+    @classmethod
+    def _known_id(cls, value: str) -> str:
+        check_env_id(value)
+        return value
+
+    @model_validator(mode="after")
+    def _default_name(self) -> EnvConfig:
+        if not self.name:
+            self.name = self.id
+        if "/" in self.name or self.name in (".", ".."):
+            raise ValueError(f"env name {self.name!r} must be usable as a file name; set `name`")
+        return self
+
+
+@dataclass(frozen=True)
+class ModelEndpoint:
+    """The model the env servers sample from: an OpenAI/vLLM-compatible `/v1` endpoint."""
+
+    base_url: str
+    """E.g. `http://127.0.0.1:8000/v1`; the engine must also serve `/inference/v1/generate`."""
+    model: str
+    """Model name sent with every request (as listed by `GET /v1/models`)."""
+    tokenizer_dir: str
+    """Local tokenizer directory the env server renders prompts with (`renderer_model_name`)."""
+    renderer: Mapping[str, Any] = field(default_factory=lambda: {"name": "qwen3", "enable_thinking": False})
+    """A `renderers` RendererConfig. Name it explicitly: an unknown model falls back to a
+    default renderer without content attribution (so no echo)."""
+    api_key_var: str = "JAXRL_INFERENCE_API_KEY"
+    """Environment variable the env server reads the API key from (unset: "EMPTY")."""
+    headers: Mapping[str, str] = field(default_factory=dict)
+    """Extra HTTP headers on every engine request."""
+
+    def client_config(self) -> vf.TrainClientConfig:
+        """verifiers' train-client config: client-side rendering, token-in/token-out generate."""
+        from verifiers.v1 import TrainClientConfig
+
+        return TrainClientConfig(
+            base_url=self.base_url,
+            api_key_var=self.api_key_var,
+            headers=dict(self.headers),
+            renderer=dict(self.renderer),
+            renderer_model_name=self.tokenizer_dir,
+        )
+
+
+def verifiers_env_config(config: EnvConfig) -> vf.EnvConfig:
+    """The verifiers env config an entry describes, validated (clear errors before any spawn)."""
+    from pydantic import ValidationError
+    from verifiers.v1 import AgentConfig
+    from verifiers.v1.utils.loaders import env_config_type, resolve_env_config
+
+    taskset_id, module = plugin_id(config.id)
+    try:
+        if module is not None:
+            register_plugin(taskset_id, module)
+        data: dict[str, Any] = {**config.env_args, "taskset": {**config.args, "id": taskset_id}}
+        for name, info in env_config_type(taskset_id, data.get("id", "")).model_fields.items():
+            if isinstance(info.default, AgentConfig):
+                seat = dict(data.get(name) or {})
+                seat.setdefault("runtime", {"type": "subprocess"})
+                data[name] = seat
+        return resolve_env_config(data)
+    except (ValidationError, ImportError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"env {config.name!r} (id {config.id!r}): {e}") from e
+
+
+def _child_setup(aliases: Mapping[str, str]) -> None:
+    """Per-process setup of a spawned env server and each of its pool workers.
+
+    Imports the heavy libraries up front (the renderer's tokenizer stack would otherwise
+    load in front of the first rollout) and freezes everything imported out of the garbage
+    collector: tracing those millions of objects made collections, and interpreter exit
+    (which the pool waits on), take seconds.
+    """
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        force=True,
+        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
+    )
+    for noisy in ("httpx", "aiohttp.access"):  # a line per HTTP request
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    for taskset_id, module in aliases.items():
+        register_plugin(taskset_id, module)
+    import renderers.client  # noqa: F401
+    import transformers  # noqa: F401
+    import verifiers.v1  # noqa: F401
+
+    gc.freeze()
+
+
+class EnvServerError(RuntimeError):
+    """A spawned env server failed to start or died."""
+
+
+class EnvServer:
+    """One env's server (spawned or attached) and the client that runs rollouts on it."""
+
+    def __init__(
+        self, config: EnvConfig, *, output_dir: str | Path = ".", kind: Literal["train", "eval"] = "train"
+    ):
+        self.config = config
+        self.name = config.name
+        self.vf_config = verifiers_env_config(config)
+        self.log_path = Path(output_dir) / ENV_LOG_DIR / kind / f"{config.name}.log"
+        self.address: str | None = config.address
+        self._proc: subprocess.Popen | None = None
+        self._address_fd: int | None = None
+        self._client: Any = None
+        self._dead: asyncio.Event | None = None
+        self._watcher: asyncio.Task | None = None
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    def launch(self) -> None:
+        """Start the server process (no-op when attaching); `wait_address` finishes start-up."""
+        if self.config.address is not None or self._proc is not None:
+            return
+        taskset_id, module = plugin_id(self.config.id)
+        from verifiers.v1.serve import env_config_data
+
+        spec = {
+            "config": env_config_data(self.vf_config),
+            "aliases": {taskset_id: module} if module else {},
+            "pool_size": self.config.pool_size,
+            "max_concurrent": self.config.max_concurrent,
+        }
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        read_fd, write_fd = os.pipe()
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "jaxrl.orchestrator.env_server", "--address-fd", str(write_fd)],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(write_fd,),
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        os.close(write_fd)
+        self._address_fd = read_fd
+        assert self._proc.stdin is not None
+        self._proc.stdin.write((json.dumps(spec) + "\n").encode())
+        self._proc.stdin.flush()  # stdin stays open: its EOF tells the server we are gone
+
+    def wait_address(self) -> str:
+        """Block until the spawned server reports its bound address."""
+        if self.address is not None:
+            return self.address
+        assert self._proc is not None and self._address_fd is not None, "launch() first"
+        deadline = time.monotonic() + self.config.startup_timeout
+        line = b""
+        try:
+            while not line.endswith(b"\n"):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise EnvServerError(
+                        f"env server {self.name!r} did not come up in {self.config.startup_timeout:g}s "
+                        f"(startup_timeout); see {self.log_path}:\n{self.log_tail()}"
+                    )
+                ready, _, _ = select.select([self._address_fd], [], [], min(left, 1.0))
+                if ready:
+                    chunk = os.read(self._address_fd, 256)
+                    if not chunk:
+                        self._proc.wait(timeout=10)
+                        raise EnvServerError(
+                            f"env server {self.name!r} exited with code {self._proc.returncode} during "
+                            f"start-up; see {self.log_path}:\n{self.log_tail()}"
+                        )
+                    line += chunk
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            os.close(self._address_fd)
+            self._address_fd = None
+        self.address = line.decode().strip()
+        logger.info("env server %s up at %s (log %s)", self.name, self.address, self.log_path)
+        return self.address
+
+    async def wait_healthy(self) -> None:
+        """Wait until the server answers `health` (the first rollouts need not queue blind)."""
+        client = self._ensure_client()
+        try:
+            await self._guarded(client.wait_for_server_startup(timeout=self.config.startup_timeout), None)
+        except Exception as e:
+            raise EnvServerError(f"env server {self.name!r} at {self.address} is not healthy: {e}") from e
+
+    async def start(self) -> Self:
+        """Spawn (or attach), wait for the address and for health."""
+        self.launch()
+        await asyncio.to_thread(self.wait_address)
+        await self.wait_healthy()
+        return self
+
+    def close(self) -> None:
+        """Stop a spawned server: SIGTERM (verifiers tears down gracefully), then SIGKILL."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            assert proc.stdin is not None
+            proc.stdin.close()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    async def aclose(self) -> None:
+        """Close the client, then the server."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.close()
+        await asyncio.to_thread(self.close)
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def log_tail(self, limit: int = 4000) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_bytes()[-limit:].decode(errors="replace")
+        return ""
+
+    # --- tasks ------------------------------------------------------------------------
+
+    def taskset(self) -> vf.Taskset:
+        """The env's taskset, loaded here (iterate it, or `select`/`shuffle`/`take` views)."""
+        from verifiers.v1 import load_taskset
+
+        return load_taskset(self.vf_config.taskset)
+
+    # --- rollouts ---------------------------------------------------------------------
+
+    def _ensure_client(self) -> Any:
+        if self.address is None:
+            raise EnvServerError(f"env server {self.name!r} has no address yet; call start() first")
+        if self._client is None:
+            from verifiers.v1.serve import EnvClient
+
+            self._client = EnvClient(self.address)
+            self._dead = asyncio.Event()
+            if self._proc is not None:
+                self._watcher = asyncio.create_task(self._watch(self._proc, self._dead))
+        return self._client
+
+    @staticmethod
+    async def _watch(proc: subprocess.Popen, dead: asyncio.Event) -> None:
+        while proc.poll() is None:
+            await asyncio.sleep(0.5)
+        dead.set()
+
+    async def _guarded(self, coro: Any, timeout: float | None) -> Any:
+        """Await `coro`, failing fast if the server process dies or `timeout` passes."""
+        assert self._dead is not None
+        work = asyncio.ensure_future(coro)
+        died = asyncio.ensure_future(self._dead.wait())
+        try:
+            done, _ = await asyncio.wait({work, died}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            died.cancel()
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(BaseException):
+                    await work
+        if work in done:
+            return work.result()
+        if died in done:
+            code = self._proc.returncode if self._proc is not None else None
+            raise EnvServerError(f"env server {self.name!r} died (exit code {code}); see {self.log_path}")
+        raise TimeoutError(f"rollout on env {self.name!r} exceeded {timeout:g}s (rollout_timeout)")
+
+    async def run(
+        self,
+        task_data: Mapping[str, Any],
+        endpoint: ModelEndpoint,
+        sampling: Mapping[str, Any] | vf.SamplingConfig,
+        *,
+        group_id: str | None = None,
+        policy_version: int = 0,
+    ) -> Rollout:
+        """One rollout of one task. Never raises for a failed run: the error is on the record."""
+        from verifiers.v1 import SamplingConfig
+
+        sampling = SamplingConfig.model_validate(sampling)
+        rollout = Rollout(
+            env=self.name,
+            group_id=group_id or uuid.uuid4().hex,
+            task=dict(task_data),
+            episode=None,
+            policy_version=policy_version,
+            temperature=1.0 if sampling.temperature is None else sampling.temperature,
+        )
+        try:
+            client = self._ensure_client()
+            episode = await self._guarded(
+                client.run(endpoint.client_config(), endpoint.model, sampling, dict(task_data)),
+                self.config.rollout_timeout,
+            )
+            rollout.episode = episode.model_dump(mode="python")
+            rollout.error = episode_error(rollout.episode)
+        except Exception as e:  # noqa: BLE001 - a failed run is a record
+            rollout.error = f"{type(e).__name__}: {e}"
+        if rollout.error is not None:
+            logger.warning("rollout on env %s failed: %s", self.name, rollout.error)
+        return rollout
+
+    async def run_group(
+        self,
+        task_data: Mapping[str, Any],
+        endpoint: ModelEndpoint,
+        sampling: Mapping[str, Any] | vf.SamplingConfig,
+        group_size: int,
+        *,
+        policy_version: int = 0,
+    ) -> list[Rollout]:
+        """`group_size` concurrent rollouts of one task, sharing a fresh group id."""
+        group_id = uuid.uuid4().hex
+        return list(
+            await asyncio.gather(
+                *(
+                    self.run(task_data, endpoint, sampling, group_id=group_id, policy_version=policy_version)
+                    for _ in range(group_size)
+                )
+            )
+        )
+
+
+def task_data(task: vf.Task) -> dict:
+    """A task's wire data, as an env server rebuilds the task from it."""
+    return task.data.model_dump(mode="json")
+
+
+async def start_env_servers(
+    configs: Sequence[EnvConfig], *, output_dir: str | Path, kind: Literal["train", "eval"]
+) -> list[EnvServer]:
+    """Validate every entry (unknown ids and bad args fail here, before anything runs), then
+    start all servers at once. On any failure the ones already started are stopped."""
+    names = [c.name for c in configs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{kind} env names must be unique, got {names}; set `name` on duplicates")
+    servers = [EnvServer(c, output_dir=output_dir, kind=kind) for c in configs]
+    try:
+        for server in servers:
+            server.launch()
+        for server in servers:
+            await asyncio.to_thread(server.wait_address)
+        await asyncio.gather(*(server.wait_healthy() for server in servers))
+    except BaseException:
+        await asyncio.gather(*(server.aclose() for server in servers), return_exceptions=True)
+        raise
+    return servers
+
+
+# --- the spawned process ------------------------------------------------------------------
+
+
+class _AddressPipe:
+    """What verifiers' `serve_env` reports its bound address to (an `address_queue`)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def put(self, address: str) -> None:
+        os.write(self.fd, f"{address}\n".encode())
+        os.close(self.fd)
+
+
+def _read_line(fd: int) -> bytes:
+    """One line from a raw fd, unbuffered (the rest of the stream is the parent-death watch)."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = os.read(fd, 1)
+        if not chunk:
+            raise SystemExit("env server: stdin closed before the spec arrived")
+        data += chunk
+    return data
+
+
+def _exit_with_parent() -> None:
+    """SIGTERM ourselves (a graceful verifiers teardown) once the orchestrator's end of stdin closes."""
+    with contextlib.suppress(OSError):
+        while os.read(0, 65536):  # the raw fd: a buffered reader would hold its lock at exit
+            pass
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Run one verifiers env server (spawned by jaxrl).")
+    parser.add_argument("--address-fd", type=int, required=True)
+    args = parser.parse_args(argv)
+    spec = json.loads(_read_line(0))
+    _child_setup(spec["aliases"])
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    from verifiers.v1.serve import serve_env
+
+    serve_env(
+        max_workers=spec["pool_size"],
+        address="tcp://127.0.0.1:0",
+        address_queue=_AddressPipe(args.address_fd),
+        log_setup=functools.partial(_child_setup, spec["aliases"]),
+        elastic=False,
+        config_data=spec["config"],
+        max_concurrent=spec["max_concurrent"],
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""Traces -> branches -> training samples, on the plain-dict wire form of verifiers traces.
+
+A verifiers v1 trace is a message graph: `trace["nodes"][i]` holds one message and only the
+tokens that message adds (`token_ids`, `mask` = sampled by the policy, `logprobs` = one per
+sampled token, `is_content` = the renderer's body-vs-scaffold attribution, possibly empty)
+plus a `parent` link. A branch is one root-to-leaf path; concatenating its nodes' tokens
+gives exactly the sequence the model saw, so each trainable branch becomes one
+`TrainingSample` (DESIGN contract 4).
+
+Everything here works on plain dicts — `Episode.model_dump(mode="python")`, the msgpack wire
+form with full-precision log-probs (the JSON record form rounds them) — so it is tested with
+hand-built traces and never imports verifiers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from jaxrl.samples import TrainingSample
+
+
+@dataclass(frozen=True)
+class NodeSpan:
+    """Where one message node sits in a branch, and what it is."""
+
+    node: int
+    """Index into `trace["nodes"]`."""
+    role: str
+    start: int
+    end: int
+    sampled: bool
+    """True iff a model call produced this message."""
+    tool_name: str | None
+    """For a tool message: the tool that produced it (its `name`, else the issuing call's)."""
+    attributed: bool
+    """Whether the renderer attributed content tokens for this node (`is_content` present)."""
+
+
+@dataclass
+class Branch:
+    """One linear token sequence of a trace, with per-token provenance."""
+
+    index: int
+    token_ids: np.ndarray  # int32[L]
+    sampled_mask: np.ndarray  # bool[L]
+    logprobs: np.ndarray  # float32[L], 0 off the sampled tokens
+    is_content: np.ndarray  # bool[L]; True over a whole node span that has no attribution
+    spans: list[NodeSpan]
+    trainable: bool
+    """verifiers' trainable flag (a dangling compaction attempt is not) and any sampled token."""
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_sampled(self) -> int:
+        return int(self.sampled_mask.sum())
+
+
+def _leaves(nodes: Sequence[Mapping]) -> list[int]:
+    parents = {n["parent"] for n in nodes if n.get("parent") is not None}
+    return [i for i in range(len(nodes)) if i not in parents]
+
+
+def _path(nodes: Sequence[Mapping], leaf: int) -> list[int]:
+    path: list[int] = []
+    current: int | None = leaf
+    while current is not None:
+        parent = nodes[current].get("parent")
+        if parent is not None and not 0 <= parent < current:
+            raise ValueError(f"trace node {current}: parent {parent} must index an earlier node")
+        path.append(current)
+        current = parent
+    return path[::-1]
+
+
+def _node_arrays(node: Mapping, nid: int) -> tuple[list[int], list[bool], list[float], list[bool]]:
+    token_ids = list(node.get("token_ids") or [])
+    mask = list(node.get("mask") or [])
+    logprobs = list(node.get("logprobs") or [])
+    is_content = list(node.get("is_content") or [])
+    n = len(token_ids)
+    if len(mask) != n:
+        raise ValueError(f"trace node {nid}: mask has {len(mask)} entries for {n} token_ids")
+    if is_content and len(is_content) != n:
+        raise ValueError(f"trace node {nid}: is_content has {len(is_content)} entries for {n} token_ids")
+    if len(logprobs) != sum(mask):
+        raise ValueError(
+            f"trace node {nid}: {len(logprobs)} logprobs for {sum(mask)} sampled tokens "
+            "(the engine must return one logprob per sampled token)"
+        )
+    return token_ids, mask, logprobs, is_content
+
+
+def _tool_name(node: Mapping, call_names: Mapping[str, str]) -> str | None:
+    message = node["message"]
+    if message.get("role") != "tool":
+        return None
+    return message.get("name") or call_names.get(message.get("tool_call_id", ""))
+
+
+def trace_branches(trace: Mapping[str, Any]) -> list[Branch]:
+    """Every root-to-leaf branch of a trace, in leaf order (as verifiers' `Trace.branches`)."""
+    nodes = trace.get("nodes") or []
+    accepted_compactions = {
+        link["node"]
+        for n in nodes
+        for link in n.get("semantic_parents") or []
+        if link.get("type") == "compaction"
+    }
+    branches = []
+    for index, leaf in enumerate(_leaves(nodes)):
+        ids: list[int] = []
+        mask: list[bool] = []
+        logprobs: list[float] = []
+        content: list[bool] = []
+        spans: list[NodeSpan] = []
+        call_names: dict[str, str] = {}
+        for nid in _path(nodes, leaf):
+            node = nodes[nid]
+            t, m, lp, c = _node_arrays(node, nid)
+            start = len(ids)
+            ids += t
+            mask += m
+            it = iter(lp)
+            logprobs += [next(it) if s else 0.0 for s in m]
+            content += c if c else [True] * len(t)
+            message = node["message"]
+            spans.append(
+                NodeSpan(
+                    node=nid,
+                    role=message["role"],
+                    start=start,
+                    end=len(ids),
+                    sampled=bool(node.get("sampled", False)),
+                    tool_name=_tool_name(node, call_names),
+                    attributed=bool(c),
+                )
+            )
+            for call in message.get("tool_calls") or []:
+                call_names[call["id"]] = call["name"]
+        compaction_attempt = any(
+            link.get("type") == "compaction_attempt" for link in nodes[leaf].get("semantic_parents") or []
+        )
+        sampled = np.asarray(mask, dtype=bool)
+        branches.append(
+            Branch(
+                index=index,
+                token_ids=np.asarray(ids, dtype=np.int32),
+                sampled_mask=sampled,
+                logprobs=np.asarray(logprobs, dtype=np.float32),
+                is_content=np.asarray(content, dtype=bool),
+                spans=spans,
+                trainable=bool(sampled.any()) and (not compaction_attempt or leaf in accepted_compactions),
+            )
+        )
+    return branches
+
+
+def trace_reward(trace: Mapping[str, Any]) -> float:
+    """The trace's total reward: the weighted sum of its scored rewards (as `Trace.reward`)."""
+    return float(sum(r["score"] * r.get("weight", 1.0) for r in (trace.get("rewards") or {}).values() if r))
+
+
+def trace_error(trace: Mapping[str, Any]) -> str | None:
+    """`"Type: message"` of the trace's last error when it failed, else None."""
+    if trace.get("ok", False):
+        return None
+    errors = trace.get("errors") or []
+    if not errors:
+        return f"trace {trace.get('id')} did not complete (stop: {trace.get('stop_condition')})"
+    return f"{errors[-1]['type']}: {errors[-1]['message']}"
+
+
+def episode_error(episode: Mapping[str, Any]) -> str | None:
+    """The first failure of an episode: its own errors, else its first failed trace's."""
+    errors = episode.get("errors") or []
+    if errors:
+        return f"{errors[-1]['type']}: {errors[-1]['message']}"
+    for trace in episode.get("traces") or []:
+        if (error := trace_error(trace)) is not None:
+            return error
+    if not episode.get("traces"):
+        return "episode produced no trace"
+    return None
+
+
+@dataclass
+class Rollout:
+    """One run of one task on an env server: its episode, or the error that replaced it.
+
+    Failed runs (env errors, provider errors, timeouts, a dead server) are kept as records
+    with `error` set; algorithms leave them out of baselines and samples.
+    """
+
+    env: str
+    group_id: str
+    task: dict
+    """The task's wire data (what was dispatched)."""
+    episode: dict | None
+    """The episode in wire form (`WireEpisode.model_dump(mode="python")`); None if the run raised."""
+    error: str | None = None
+    policy_version: int = 0
+    """Policy version at dispatch: the oldest policy that can have sampled this rollout."""
+    temperature: float = 1.0
+    """Sampling temperature of the run (fans out to every sampled token)."""
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def traces(self) -> list[dict]:
+        return list(self.episode["traces"]) if self.episode else []
+
+    @property
+    def trainable_traces(self) -> list[dict]:
+        """Traces whose tokens train the policy (verifiers' `agent.trainable`)."""
+        return [t for t in self.traces if (t.get("agent") or {}).get("trainable", True)]
+
+    @property
+    def reward(self) -> float:
+        """Mean reward of the trainable traces (one trace for single-agent envs); 0 if none."""
+        traces = self.trainable_traces
+        return sum(trace_reward(t) for t in traces) / len(traces) if traces else 0.0
+
+    def to_record(self) -> dict:
+        """A JSON-safe record for rollouts.jsonl (raw routing/sampling-mask bytes dropped)."""
+        return {
+            "env": self.env,
+            "group_id": self.group_id,
+            "policy_version": self.policy_version,
+            "temperature": self.temperature,
+            "reward": self.reward,
+            "error": self.error,
+            "task": self.task,
+            "episode": _json_safe(self.episode),
+            **({"metadata": self.metadata} if self.metadata else {}),
+        }
+
+
+def _json_safe(value: Any) -> Any:
+    """Drop raw tensors (`__nd__` byte dicts, bytes) that only the msgpack wire can carry."""
+    if isinstance(value, Mapping):
+        if value.get("__nd__"):
+            return None
+        return {k: _json_safe(v) for k, v in value.items() if not isinstance(v, bytes)}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def branch_sample(
+    branch: Branch,
+    rollout: Rollout,
+    *,
+    advantage: float,
+    rl_w: np.ndarray | None = None,
+    ce_w: np.ndarray | None = None,
+    metadata: dict | None = None,
+) -> TrainingSample:
+    """The training sample of one branch: rl_w defaults to the sampled mask, ce_w to 0."""
+    n = len(branch)
+    return TrainingSample(
+        token_ids=branch.token_ids,
+        sampled_mask=branch.sampled_mask,
+        logprobs=branch.logprobs,
+        rl_w=branch.sampled_mask.astype(np.float32) if rl_w is None else rl_w,
+        ce_w=np.zeros(n, np.float32) if ce_w is None else ce_w,
+        temperature=rollout.temperature,
+        advantage=float(advantage),
+        policy_version=rollout.policy_version,
+        metadata={
+            "env": rollout.env,
+            "group_id": rollout.group_id,
+            "task_idx": rollout.task.get("idx"),
+            "reward": rollout.reward,
+            "branch": branch.index,
+            **(metadata or {}),
+        },
+    )

@@ -1,0 +1,127 @@
+"""Built-in tasksets: deterministic generation, disjoint splits, rewards through verifiers' scoring."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import verifiers.v1 as vf
+from verifiers.v1.trace import AgentInfo, TraceTask
+
+from jaxrl.envs.alphabet_sort import AlphabetSortConfig, AlphabetSortTaskset, parse_names
+from jaxrl.envs.common import draw_split, similarity, split_of
+from jaxrl.envs.lookup import LookupConfig, LookupTaskset, lookup
+from jaxrl.envs.reverse_text import ReverseTextConfig, ReverseTextTaskset
+
+TASKSETS = {
+    "reverse_text": (ReverseTextTaskset, ReverseTextConfig),
+    "alphabet_sort": (AlphabetSortTaskset, AlphabetSortConfig),
+    "lookup": (LookupTaskset, LookupConfig),
+}
+
+
+def load(name: str, **kw) -> list:
+    taskset_cls, config_cls = TASKSETS[name]
+    return list(taskset_cls(config_cls(**kw)))
+
+
+def wire(tasks) -> list[dict]:
+    return [t.data.model_dump(mode="json") for t in tasks]
+
+
+def score(task, *turns: tuple[str, str], tool_outputs: tuple[str, ...] = ()) -> vf.Trace:
+    """A trace of alternating (user, assistant) turns (plus lookup tool outputs), scored."""
+    nodes = []
+    for user, reply in turns:
+        nodes.append(
+            vf.MessageNode(parent=len(nodes) - 1 if nodes else None, message=vf.UserMessage(content=user))
+        )
+        nodes.append(
+            vf.MessageNode(parent=len(nodes) - 1, message=vf.AssistantMessage(content=reply), sampled=True)
+        )
+    for i, out in enumerate(tool_outputs):
+        message = vf.ToolMessage(tool_call_id=f"c{i}", name="lookup", content=out)
+        nodes.insert(1, vf.MessageNode(parent=0, message=message))
+    trace = vf.Trace(
+        task=TraceTask(type="t", data=task.data), agent=AgentInfo(config=vf.AgentConfig()), nodes=nodes
+    )
+    asyncio.run(task.score(trace))
+    return trace
+
+
+@pytest.mark.parametrize("name", sorted(TASKSETS))
+def test_generation_is_deterministic_and_seeded(name):
+    first = wire(load(name, num_tasks=20, seed=3))
+    assert first == wire(load(name, num_tasks=20, seed=3))
+    assert first != wire(load(name, num_tasks=20, seed=4))
+    assert [t["idx"] for t in first] == list(range(20))
+    assert len({t["prompt"] for t in first}) == 20
+
+
+@pytest.mark.parametrize("name", sorted(TASKSETS))
+def test_eval_split_is_held_out(name):
+    train = {t["prompt"] for t in wire(load(name, num_tasks=300, seed=0))}
+    evals = {t["prompt"] for t in wire(load(name, split="eval", num_tasks=30, seed=5))}
+    assert len(evals) == 30 and not train & evals
+
+
+@pytest.mark.parametrize("name", sorted(TASKSETS))
+def test_default_sizes(name):
+    assert len(load(name)) == 1000
+    assert len(load(name, split="eval")) == 100
+
+
+def test_split_is_a_function_of_content():
+    keys = [f"k{i}" for i in range(2000)]
+    share = sum(split_of(k) == "eval" for k in keys) / len(keys)
+    assert 0.05 < share < 0.15
+    assert [split_of(k) for k in keys] == [split_of(k) for k in keys]
+
+
+def test_too_small_item_space_is_a_clear_error():
+    with pytest.raises(ValueError, match="could only draw 1 distinct train tasks"):
+        draw_split(
+            lambda rng: "same",
+            lambda t: t,
+            split=split_of("same"),
+            num=2,
+            seed=0,
+            name="x",
+            max_draws_per_item=5,
+        )
+
+
+def test_reverse_text_reward():
+    task = load("reverse_text", num_tasks=1)[0]
+    assert task.data.answer == task.data.prompt[::-1]
+    assert score(task, ("q", task.data.answer)).reward == 1.0
+    assert score(task, ("q", "")).reward == 0.0
+    partial = score(task, ("q", task.data.answer[:-1])).reward
+    assert partial == pytest.approx(similarity(task.data.answer[:-1], task.data.answer)) and 0 < partial < 1
+
+
+def test_alphabet_sort_rewards_every_turn():
+    tasks = load("alphabet_sort", num_tasks=50, min_turns=3, max_turns=3, first_names=2, names_per_turn=1)
+    task = tasks[0]
+    assert [len(t) for t in task.data.turns] == [2, 1, 1]
+    expected = task.data.expected()
+    assert expected[-1] == sorted(name for turn in task.data.turns for name in turn)
+    perfect = [(f"u{i}", "\n".join(e)) for i, e in enumerate(expected)]
+    trace = score(task, *perfect)
+    assert trace.reward == 1.0 and trace.metrics["turns_correct"] == 1.0
+    trace = score(task, *perfect[:2])  # the last turn never answered
+    assert trace.reward == pytest.approx(2 / 3) and trace.metrics["turns_correct"] == pytest.approx(2 / 3)
+    wrong_order = [(u, "\n".join(reversed(r.splitlines()))) for u, r in perfect]
+    assert score(task, *wrong_order).metrics["turns_correct"] == 0.0
+    assert parse_names(" Bob \n\nAlice\n") == ["Bob", "Alice"]
+
+
+def test_lookup_tool_and_rewards():
+    assert lookup("apple") == "bqqmf" and lookup("Zoo") == "app"
+    task = next(t for t in load("lookup", num_tasks=50, max_keys=2) if len(t.data.keys) == 2)
+    codes = [lookup(k) for k in task.data.keys]
+    assert task.data.answer == " ".join(codes) and task.data.tools == ["jaxrl.envs.lookup:lookup"]
+    assert score(task, ("q", task.data.answer), tool_outputs=tuple(codes)).reward == pytest.approx(1.0)
+    assert score(task, ("q", task.data.answer)).reward == pytest.approx(0.75)  # answered without looking up
+    half = score(task, ("q", "nope"), tool_outputs=(codes[0],))
+    assert half.rewards["looked_up"].score == 0.5

@@ -1,0 +1,161 @@
+"""Algorithms on hand-built groups, with exact numbers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pydantic
+import pytest
+from trace_builders import rollout, single_turn_trace, tool_trace
+
+from jaxrl.orchestrator.algo import EchoConfig, GRPOConfig, SFTConfig, make_algorithm
+from jaxrl.orchestrator.env_server import EnvConfig
+
+TOOL_CE = {14: 0.1, 15: 0.1}  # tool node 3 spans 13..17; content at 14, 15
+USER_CE = {17: 0.2, 18: 0.2, 19: 0.2}  # user node 4 spans 17..20, no attribution: whole span
+
+
+def ce_of(sample) -> dict[int, float]:
+    return {int(i): pytest.approx(float(sample.ce_w[i])) for i in np.flatnonzero(sample.ce_w)}
+
+
+def tool_group(rewards=(1.0, 0.0)):
+    return [rollout(tool_trace(), reward=r) for r in rewards]
+
+
+def test_grpo_advantage_is_reward_minus_group_mean():
+    group = [rollout(single_turn_trace(2, reward=r)) for r in (1.0, 0.5, 0.0)]
+    algo = make_algorithm(GRPOConfig())
+    assert algo.advantages(group) == pytest.approx([0.5, 0.0, -0.5])
+    samples = algo.samples(group)
+    assert [s.advantage for s in samples] == pytest.approx([0.5, 0.0, -0.5])
+    for s in samples:
+        assert s.rl_w.tolist() == [0, 0, 0, 0, 0, 1, 1] and not s.ce_w.any()
+        assert s.temperature == pytest.approx(0.7) and s.policy_version == 3
+
+
+def test_grpo_linear_length_penalty():
+    group = [rollout(single_turn_trace(n, reward=r)) for n, r in ((2, 1.0), (4, 1.0), (3, 0.0))]
+    advantages = make_algorithm(GRPOConfig(length_penalty=0.1)).advantages(group)
+    shaped = np.array([1.0 - 0.2, 1.0 - 0.4, 0.0 - 0.3])
+    assert advantages == pytest.approx((shaped - shaped.mean()).tolist())
+
+
+def test_grpo_group_with_equal_rewards_trains_no_rl_tokens():
+    group = [rollout(single_turn_trace(2, reward=0.3)) for _ in range(3)]
+    algo = make_algorithm(GRPOConfig())
+    assert algo.advantages(group) == pytest.approx([0, 0, 0])
+    assert algo.samples(group) == []
+
+
+def test_failed_rollouts_leave_the_baseline_and_give_no_samples():
+    group = [
+        rollout(single_turn_trace(2, reward=1.0)),
+        rollout(single_turn_trace(2, reward=0.0)),
+        rollout(None, error="ProviderError: engine 500"),
+    ]
+    algo = make_algorithm(GRPOConfig())
+    assert algo.advantages(group) == pytest.approx([0.5, -0.5, 0.0])
+    assert len(algo.samples(group)) == 2
+    assert algo.samples([group[2]]) == []
+
+
+def test_grpo_makes_one_sample_per_trainable_branch():
+    samples = make_algorithm(GRPOConfig()).samples(tool_group())
+    assert [len(s) for s in samples] == [23, 10, 23, 10]
+    assert [s.metadata["branch"] for s in samples] == [0, 1, 0, 1]
+
+
+def test_echo_selects_content_of_enabled_roles_after_the_first_response():
+    config = EchoConfig(roles={"tool": {"alpha": 0.1}, "user": {"alpha": 0.2}})
+    b0, b1, *_ = make_algorithm(config).samples(tool_group())
+    # the first user turn (before any response) and all scaffold stay out; unattributed user: whole span
+    assert ce_of(b0) == {**TOOL_CE, **USER_CE}
+    assert not b0.rl_w[list(TOOL_CE) + list(USER_CE)].any()
+    assert np.flatnonzero(b0.rl_w).tolist() == [10, 11, 12, 21, 22]
+    assert not b1.ce_w.any()  # nothing follows the fork's response
+
+
+def test_echo_unset_roles_are_off():
+    b0, *_ = make_algorithm(EchoConfig(roles={"tool": {"alpha": 0.1}})).samples(tool_group())
+    assert ce_of(b0) == TOOL_CE
+
+
+def test_echo_tool_names_allow_list():
+    allowed = EchoConfig(roles={"tool": {"alpha": 0.1, "tool_names": ["lookup"]}})
+    other = EchoConfig(roles={"tool": {"alpha": 0.1, "tool_names": ["search"]}})
+    assert ce_of(make_algorithm(allowed).samples(tool_group())[0]) == TOOL_CE
+    assert not make_algorithm(other).samples(tool_group())[0].ce_w.any()
+
+
+def test_echo_keeps_ce_when_the_group_has_no_rl_signal():
+    samples = make_algorithm(EchoConfig(roles={"tool": {"alpha": 0.1}})).samples(tool_group((0.5, 0.5)))
+    assert len(samples) == 2  # the forks carry neither RL nor CE tokens
+    for s in samples:
+        assert not s.rl_w.any() and ce_of(s) == TOOL_CE
+
+
+def keep_first_content_token(trace, branches, skip=0):
+    return [[i != 14 + skip for i in range(len(b))] for b in branches]
+
+
+def wrong_count(trace, branches):
+    return [[True] * len(branches[0])]
+
+
+def wrong_length(trace, branches):
+    return [[True] * (len(b) - 1) for b in branches]
+
+
+def test_echo_filter_narrows_the_selection():
+    config = EchoConfig(
+        roles={"tool": {"alpha": 0.1}}, filter={"import_path": f"{__name__}:keep_first_content_token"}
+    )
+    assert ce_of(make_algorithm(config).samples(tool_group())[0]) == {15: 0.1}
+    widen = EchoConfig(
+        roles={"tool": {"alpha": 0.1}},
+        filter={"import_path": f"{__name__}:keep_first_content_token", "kwargs": {"skip": 2}},
+    )
+    assert ce_of(make_algorithm(widen).samples(tool_group())[0]) == TOOL_CE  # token 16 was never selected
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        ("wrong_count", "must return one mask per trainable branch: got 1, expected 2"),
+        ("wrong_length", "mask 0 must be 23 bools"),
+    ],
+)
+def test_echo_filter_shape_is_validated(fn, message):
+    config = EchoConfig(roles={"tool": {"alpha": 0.1}}, filter={"import_path": f"{__name__}:{fn}"})
+    with pytest.raises(ValueError, match=message):
+        make_algorithm(config).samples(tool_group())
+
+
+def test_echo_config_needs_a_role():
+    with pytest.raises(pydantic.ValidationError, match="no role is enabled"):
+        EchoConfig()
+    with pytest.raises(pydantic.ValidationError):
+        EchoConfig(roles={"tool": {"alpha": 0.0}})
+
+
+def test_sft_trains_ce_on_sampled_tokens():
+    group = [rollout(single_turn_trace(2, reward=r)) for r in (1.0, 0.2)]
+    samples = make_algorithm(SFTConfig()).samples(group)
+    assert len(samples) == 2
+    for s in samples:
+        assert s.ce_w.tolist() == [0, 0, 0, 0, 0, 1, 1] and not s.rl_w.any() and s.advantage == 0
+    kept = make_algorithm(SFTConfig(min_reward=0.5)).samples(group)
+    assert [s.metadata["reward"] for s in kept] == [1.0]
+
+
+def test_algo_is_chosen_by_type_per_env():
+    env = EnvConfig(
+        id="lookup", algo={"type": "echo", "roles": {"tool": {"alpha": 0.1, "tool_names": ["lookup"]}}}
+    )
+    assert isinstance(env.algo, EchoConfig) and env.algo.roles.tool.tool_names == ["lookup"]
+    assert isinstance(EnvConfig(id="lookup").algo, GRPOConfig)
+    assert isinstance(EnvConfig(id="lookup", algo={"type": "sft"}).algo, SFTConfig)
+    with pytest.raises(pydantic.ValidationError):
+        EnvConfig(id="lookup", algo={"type": "ppo"})
+    with pytest.raises(pydantic.ValidationError):
+        EnvConfig(id="lookup", algo={"type": "grpo", "alpha": 1.0})

@@ -1,0 +1,58 @@
+"""A multi-turn env with a scripted user, served by a real verifiers `EnvServerPool` (two
+worker processes) against the scripted model endpoint (fake_engine.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scripted import SAMPLING, gather
+
+from jaxrl.envs import alphabet_sort
+from jaxrl.orchestrator.algo import EchoConfig, make_algorithm
+from jaxrl.orchestrator.env_server import EnvConfig, EnvServer, task_data
+from jaxrl.orchestrator.traces import trace_branches
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(loop, output_dir):
+    config = EnvConfig(
+        id="alphabet_sort",
+        name="sort",
+        pool_size=2,
+        args={"split": "eval", "num_tasks": 10, "min_turns": 3, "max_turns": 3},
+    )
+    server = EnvServer(config, output_dir=output_dir, kind="eval")
+    loop.run_until_complete(server.start())
+    yield server
+    loop.run_until_complete(server.aclose())
+
+
+def test_scripted_user_turns_extend_one_branch(loop, server, endpoint, tokenizer):
+    tasks = [task_data(t) for t in server.taskset().take(2)]
+    groups = loop.run_until_complete(gather(*(server.run_group(t, endpoint, SAMPLING, 2) for t in tasks)))
+    for task, group in zip(tasks, groups):
+        assert [r.error for r in group] == [None, None] and [r.reward for r in group] == [1.0, 1.0]
+        trace = group[0].traces[0]
+        assert trace["metrics"]["turns_correct"] == 1.0
+        roles = [n["message"]["role"] for n in trace["nodes"]]
+        assert roles == ["system", "user", "assistant", "user", "assistant", "user", "assistant"]
+        (branch,) = trace_branches(trace)  # bridged turns extend one token sequence
+        # echo on user turns: the follow-ups' bodies, not the opening prompt, not the scaffold
+        (sample, _) = make_algorithm(EchoConfig(roles={"user": {"alpha": 0.5}})).samples(group)
+        follow_ups = [alphabet_sort.follow_up_message(names) for names in task["turns"][1:]]
+        assert tokenizer.decode(sample.token_ids[sample.ce_w > 0]) == "".join(follow_ups)
+        np.testing.assert_array_equal(sample.token_ids, branch.token_ids)
+        replies = alphabet_sort.AlphabetSortData(turns=task["turns"]).expected()
+        # one byte token per character of each reply, plus its <|im_end|>
+        assert sample.sampled_mask.sum() == sum(len("\n".join(r)) + 1 for r in replies)
+
+
+def test_pool_shuts_down_with_its_workers(loop, server, output_dir):
+    proc = server._proc
+    loop.run_until_complete(server.aclose())
+    assert proc.poll() == 0
+    log = (output_dir / "logs" / "envs" / "eval" / "sort.log").read_text()
+    assert "workers=2/2" in log and "EnvServerPool down" in log
+    assert log.count("EnvServer down") == 2 and "Fatal Python error" not in log

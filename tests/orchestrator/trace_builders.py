@@ -1,0 +1,105 @@
+"""Hand-built verifiers traces in wire form (plain dicts), for tests that need no server."""
+
+from __future__ import annotations
+
+from jaxrl.orchestrator.traces import Rollout
+
+
+def node(role, tokens, *, parent, sampled=False, mask=None, logprobs=(), is_content=(), **message) -> dict:
+    return {
+        "parent": parent,
+        "message": {"role": role, **message},
+        "sampled": sampled,
+        "token_ids": list(tokens),
+        "mask": list(mask) if mask is not None else [False] * len(tokens),
+        "logprobs": list(logprobs),
+        "is_content": list(is_content),
+    }
+
+
+def tool_trace() -> dict:
+    """system, user, assistant(tool call), tool, user (unattributed), assistant; plus a fork.
+
+    Branch 0 = nodes 0-5 (23 tokens), branch 1 = nodes 0, 1, 6 (10 tokens).
+    """
+    F, T = False, True
+    nodes = [
+        node("system", [1, 2, 3, 4], parent=None, is_content=[F, T, T, F], content="sys"),
+        node("user", [5, 6, 7, 8], parent=0, is_content=[F, T, T, F], content="ask"),
+        node(
+            "assistant",
+            [9, 10, 11, 12, 13],
+            parent=1,
+            sampled=True,
+            mask=[F, F, T, T, T],
+            logprobs=[-0.1, -0.2, -0.3],
+            is_content=[F, F, T, T, T],
+            content=None,
+            tool_calls=[{"id": "c1", "name": "lookup", "arguments": "{}"}],
+        ),
+        node("tool", [14, 15, 16, 17], parent=2, is_content=[F, T, T, F], content="out", tool_call_id="c1"),
+        node("user", [18, 19, 20], parent=3, content="more"),
+        node(
+            "assistant",
+            [21, 22, 23],
+            parent=4,
+            sampled=True,
+            mask=[F, T, T],
+            logprobs=[-0.4, -0.5],
+            is_content=[F, T, T],
+            content="done",
+        ),
+        node(
+            "assistant",
+            [30, 31],
+            parent=1,
+            sampled=True,
+            mask=[F, T],
+            logprobs=[-0.9],
+            is_content=[F, T],
+            content="fork",
+        ),
+    ]
+    return {"id": "t-tool", "ok": True, "errors": [], "agent": {"trainable": True}, "nodes": nodes}
+
+
+def single_turn_trace(n_sampled: int, *, reward: float, trace_id: str = "t") -> dict:
+    """system [1,2], user [3,4], assistant: 1 scaffold token + `n_sampled` sampled tokens."""
+    nodes = [
+        node("system", [1, 2], parent=None, content="s"),
+        node("user", [3, 4], parent=0, content="u"),
+        node(
+            "assistant",
+            [5] + [100 + i for i in range(n_sampled)],
+            parent=1,
+            sampled=True,
+            mask=[False] + [True] * n_sampled,
+            logprobs=[-0.5] * n_sampled,
+            content="a",
+        ),
+    ]
+    return {
+        "id": trace_id,
+        "ok": True,
+        "errors": [],
+        "agent": {"trainable": True},
+        "nodes": nodes,
+        "rewards": {"r": {"score": reward, "weight": 1.0}},
+    }
+
+
+def rollout(
+    trace: dict | None, *, reward: float | None = None, error: str | None = None, group: str = "g"
+) -> Rollout:
+    if trace is not None and reward is not None:
+        trace = {**trace, "rewards": {"r": {"score": reward, "weight": 1.0}}}
+    episode = None if trace is None else {"errors": [], "traces": [trace]}
+    return Rollout(
+        env="e",
+        group_id=group,
+        task={"idx": 0},
+        episode=episode,
+        error=error,
+        temperature=0.7,
+        policy_version=3,
+    )
