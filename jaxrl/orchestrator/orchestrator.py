@@ -1,0 +1,238 @@
+"""The orchestrator: env servers + rollout dispatch in a background asyncio thread, handing the
+training loop finished groups with bounded off-policy lag.
+
+Groups are produced *for a step*. Groups for step ``s`` are dispatched only once the engine
+serves policy version >= ``s - 1 - max_async_level`` (the trainer's version before step s is
+s - 1), so every rollout trained at step s was sampled by a policy no older than
+``s - 1 - max_async_level``: with the default ``max_async_level = 1`` the next step's rollouts
+are generated while the trainer works on this one. Each rollout carries the version it was
+dispatched under (the oldest policy that can have produced it).
+
+The orchestrator reaches the engine only over HTTP (through the env servers) and hands the
+trainer samples, never traces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jaxrl.orchestrator.algo import Algorithm, make_algorithm
+from jaxrl.orchestrator.config import EvalConfig, OrchestratorConfig, SamplingConfig
+from jaxrl.orchestrator.env_server import EnvConfig, EnvServer, ModelEndpoint, start_env_servers, task_data
+from jaxrl.orchestrator.tasks import TaskSampler
+from jaxrl.orchestrator.traces import Rollout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Group:
+    env: str
+    step: int
+    rollouts: list[Rollout]
+    dispatch_version: int
+    seconds: float
+
+
+@dataclass
+class _StepQueue:
+    groups: list[Group] = field(default_factory=list)
+    dispatched: int = 0
+
+
+def sampling_params(s: SamplingConfig) -> dict[str, Any]:
+    """The verifiers SamplingConfig fields (extra keys like top_k pass through to the engine)."""
+    out: dict[str, Any] = {"max_completion_tokens": s.max_completion_tokens, "temperature": s.temperature, "top_p": s.top_p}
+    if s.top_k > 0:
+        out["top_k"] = s.top_k
+    return out
+
+
+def eval_env_configs(cfg: OrchestratorConfig) -> tuple[list[EnvConfig], bool]:
+    """Eval entries (explicit, or each train env on its eval split) and whether they are new servers."""
+    assert cfg.eval is not None
+    if cfg.eval.env:
+        return list(cfg.eval.env), True
+    out = []
+    for env in cfg.train.env:
+        args = {**env.args, "split": "eval", "num_tasks": cfg.eval.num_tasks}
+        out.append(env.model_copy(update={"args": args}))
+    return out, False
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        cfg: OrchestratorConfig,
+        endpoint: ModelEndpoint,
+        *,
+        output_dir: str | Path,
+        seed: int,
+        policy_version: Callable[[], int],
+    ):
+        self.cfg = cfg
+        self.endpoint = endpoint
+        self.output_dir = Path(output_dir)
+        self.seed = seed
+        self.policy_version = policy_version
+        self.groups_per_step = cfg.batch_size // cfg.group_size
+        self.algorithms: dict[str, Algorithm] = {e.name: make_algorithm(e.algo) for e in cfg.train.env}
+        self.group_sizes = {e.name: e.group_size or cfg.group_size for e in cfg.train.env}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="jaxrl-orchestrator", daemon=True)
+        self._cond = threading.Condition()
+        self._queues: dict[int, _StepQueue] = defaultdict(_StepQueue)
+        self._next_step = 1
+        self._sampler_at_step: dict[int, dict[str, Any]] = {}
+        self._stopping = False
+        self._producer: asyncio.Future | None = None
+        self.train_servers: list[EnvServer] = []
+        self.eval_servers: list[EnvServer] = []
+        self.eval_tasks: dict[str, list[dict[str, Any]]] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def _run(self, coro: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def start(self, *, first_step: int = 1, sampler_state: dict[str, Any] | None = None) -> None:
+        """Start env servers, load tasks, and begin producing groups for ``first_step`` on."""
+        self._thread.start()
+        self.train_servers = self._run(start_env_servers(self.cfg.train.env, output_dir=self.output_dir, kind="train"))
+        tasks = {s.name: [task_data(t) for t in s.taskset()] for s in self.train_servers}
+        self.sampler = TaskSampler(tasks, self.seed)
+        if sampler_state:
+            self.sampler.load_state_dict(sampler_state)
+        if self.cfg.eval is not None:
+            self._start_eval(self.cfg.eval)
+        self._next_step = first_step
+        self._producer = asyncio.run_coroutine_threadsafe(self._produce(), self._loop)
+
+    def _start_eval(self, cfg: EvalConfig) -> None:
+        configs, separate = eval_env_configs(self.cfg)
+        if separate:
+            self.eval_servers = self._run(start_env_servers(configs, output_dir=self.output_dir, kind="eval"))
+        else:  # same env, eval split: the train servers run any task of their taskset
+            by_name = {s.name: s for s in self.train_servers}
+            self.eval_servers = [by_name[c.name] for c in configs]
+        for server, config in zip(self.eval_servers, configs):
+            loader = EnvServer(config, output_dir=self.output_dir, kind="eval")  # loads tasks; spawns nothing
+            self.eval_tasks[server.name] = [task_data(t) for t in loader.taskset()][: cfg.num_tasks]
+
+    def close(self) -> None:
+        """Cancel in-flight work and stop every env server."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._producer is not None:
+            self._producer.cancel()
+        if self._thread.is_alive():
+            servers = {id(s): s for s in [*self.train_servers, *self.eval_servers]}.values()
+
+            async def shutdown() -> None:
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                await asyncio.gather(*(s.aclose() for s in servers), return_exceptions=True)
+
+            try:
+                self._run(shutdown(), timeout=120)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=10)
+
+    # -- production ------------------------------------------------------------------------
+    async def _produce(self) -> None:
+        sem = asyncio.Semaphore(max(1, self.cfg.max_concurrent_rollouts // self.cfg.group_size))
+        while not self._stopping:
+            step = self._next_step
+            oldest_allowed = step - 1 - self.cfg.max_async_level
+            while self.policy_version() < oldest_allowed and not self._stopping:
+                await asyncio.sleep(0.02)
+            with self._cond:
+                queue = self._queues[step]
+                if queue.dispatched >= self.groups_per_step:
+                    self._next_step += 1
+                    continue
+                self._sampler_at_step.setdefault(step, self.sampler.state_dict())
+                queue.dispatched += 1
+            await sem.acquire()
+            env, data = self.sampler.next()
+            task = asyncio.ensure_future(self._group(step, env, data))
+            task.add_done_callback(lambda _: sem.release())
+
+    async def _group(self, step: int, env: str, data: dict[str, Any]) -> None:
+        server = next(s for s in self.train_servers if s.name == env)
+        version = self.policy_version()
+        t0 = time.perf_counter()
+        rollouts = await server.run_group(
+            data, self.endpoint, sampling_params(self.cfg.train.sampling), self.group_sizes[env], policy_version=version
+        )
+        group = Group(env, step, rollouts, version, time.perf_counter() - t0)
+        with self._cond:
+            self._queues[step].groups.append(group)
+            self._cond.notify_all()
+
+    def request_more(self, step: int) -> None:
+        """Dispatch another full batch of groups for ``step`` (a resample)."""
+        with self._cond:
+            self._queues[step].dispatched -= self.groups_per_step
+            self._next_step = min(self._next_step, step)
+
+    def next_batch(self, step: int, timeout: float | None = None) -> list[Group]:
+        """Block until ``groups_per_step`` groups for ``step`` are done; returns and removes them."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while len(self._queues[step].groups) < self.groups_per_step:
+                if self._producer is not None and self._producer.done() and not self._producer.cancelled():
+                    self._producer.result()  # re-raise a producer crash here
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"no batch for step {step} after {timeout}s")
+                self._cond.wait(timeout=1.0 if left is None else min(left, 1.0))
+            queue = self._queues[step]
+            groups, queue.groups = queue.groups[: self.groups_per_step], queue.groups[self.groups_per_step :]
+            return groups
+
+    def sampler_state_for(self, step: int) -> dict[str, Any]:
+        """Task-sampler state from which step ``step``'s groups were (or will be) drawn."""
+        with self._cond:
+            return self._sampler_at_step.get(step) or self.sampler.state_dict()
+
+    # -- evaluation ------------------------------------------------------------------------
+    def evaluate(self) -> tuple[dict[str, float], list[Rollout]]:
+        """avg@k and pass@k per eval env on its held-out tasks, with the current weights."""
+        assert self.cfg.eval is not None
+        return self._run(self._evaluate(self.cfg.eval))
+
+    async def _evaluate(self, cfg: EvalConfig) -> tuple[dict[str, float], list[Rollout]]:
+        params = sampling_params(cfg.sampling)
+        version = self.policy_version()
+        metrics: dict[str, float] = {}
+        everything: list[Rollout] = []
+        for server in self.eval_servers:
+            tasks = self.eval_tasks[server.name]
+            groups = await asyncio.gather(
+                *(server.run_group(t, self.endpoint, params, cfg.k, policy_version=version) for t in tasks)
+            )
+            ok = [[r for r in g if r.ok] for g in groups]
+            rewards = [r.reward for g in ok for r in g]
+            name = server.name
+            metrics[f"eval/{name}/avg@{cfg.k}"] = sum(rewards) / len(rewards) if rewards else math.nan
+            metrics[f"eval/{name}/pass@{cfg.k}"] = sum(
+                any(r.reward >= cfg.pass_threshold for r in g) for g in ok
+            ) / max(len(ok), 1)
+            metrics[f"eval/{name}/failed"] = sum(not r.ok for g in groups for r in g)
+            everything += [r for g in groups for r in g]
+        means = [v for k, v in metrics.items() if "/avg@" in k and not math.isnan(v)]
+        metrics["eval_reward_mean"] = sum(means) / len(means) if means else math.nan
+        return metrics, everything

@@ -1,0 +1,150 @@
+"""The RL loop on one machine: trainer + embedded engine (HTTP on loopback) + env servers.
+
+    orchestrator thread: env servers run rollouts against the engine's HTTP API
+    main thread:         batch for step n -> samples -> train step -> weights -> engine
+
+After every optimizer step the new parameters go to the engine in-process (one batched
+reshard, no files) as policy version n. Timings per step are split into rollout wait,
+scoring, train and weight sync (``bench/rl_step.py`` reads them).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from jaxrl.config import RunConfig
+from jaxrl.orchestrator.batch import build_batch
+from jaxrl.orchestrator.env_server import ModelEndpoint
+from jaxrl.orchestrator.orchestrator import Orchestrator
+from jaxrl.parallel.distributed import is_main_process
+from jaxrl.run_common import TrainingRun
+
+PLOT_KEYS = ("reward_mean", "eval_reward_mean", "rl_loss", "mismatch_kl", "entropy", "time/step_s")
+
+
+class RolloutLog:
+    """``<output_dir>/rollouts.jsonl``: every rollout, train and eval, with its fate."""
+
+    def __init__(self, path: Path, *, append: bool):
+        self.path = path
+        self.enabled = is_main_process()
+        if self.enabled and not append:
+            path.write_text("")
+
+    def write(self, records: list[dict]) -> None:
+        if not self.enabled or not records:
+            return
+        with self.path.open("a") as f:
+            for r in records:
+                f.write(json.dumps(r, default=str) + "\n")
+
+
+def start_engine(run: TrainingRun) -> tuple[Any, Any, ModelEndpoint]:
+    """The embedded engine + its HTTP server on loopback, serving the trainer's current weights."""
+    from transformers import AutoTokenizer
+
+    from jaxrl.inference.engine import Engine
+    from jaxrl.inference.server import EngineServer
+
+    cfg = run.cfg
+    if cfg.inference.backend != "embedded":
+        raise NotImplementedError(
+            f"inference.backend = {cfg.inference.backend!r}: the RL loop drives the embedded engine only so far; "
+            'use backend = "embedded"'
+        )
+    engine = Engine(run.trainer.model(), cfg.inference)
+    tokenizer = AutoTokenizer.from_pretrained(run.tokenizer_dir)
+    name = cfg.inference.server.served_model_name or cfg.model.name or "jaxrl"
+    server = EngineServer(
+        engine, tokenizer, cfg.inference.server.host, cfg.inference.server.port, model_name=name,
+        graceful_shutdown_s=cfg.inference.server.graceful_shutdown_s,
+    )
+    server.start()
+    endpoint = ModelEndpoint(base_url=f"{server.url}/v1", model=name, tokenizer_dir=run.tokenizer_dir)
+    return engine, server, endpoint
+
+
+def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
+    assert cfg.orchestrator is not None
+    ocfg = cfg.orchestrator
+    run = TrainingRun(cfg, plot_keys=PLOT_KEYS)
+    meta = run.maybe_resume(resume)
+    engine, server, endpoint = start_engine(run)
+    if run.trainer.step:
+        engine.update_weights_from_state(run.trainer.params, version=run.trainer.step)
+    orch = Orchestrator(ocfg, endpoint, output_dir=run.out, seed=cfg.seed, policy_version=lambda: engine.policy_version)
+    rollouts = RolloutLog(run.out / "rollouts.jsonl", append=bool(meta))
+    assert run.logger is not None
+    last: dict[str, Any] = {}
+    try:
+        orch.start(first_step=run.trainer.step + 1, sampler_state=meta.get("orchestrator", {}).get("sampler"))
+        eval_every = ocfg.eval.interval if ocfg.eval else 0
+        if eval_every and not meta:
+            run.logger.log(run.trainer.step, _evaluate(orch, rollouts, run.trainer.step))
+        with run.stop_request() as stop:
+            while run.trainer.step < cfg.trainer.steps and not stop.requested:
+                step = run.trainer.step + 1
+                last = _rl_step(run, orch, engine, rollouts, step, ocfg.max_resample)
+                if eval_every and (step % eval_every == 0 or step == cfg.trainer.steps):
+                    last |= _evaluate(orch, rollouts, step)
+                run.logger.log(step, last)
+                if run.should_checkpoint(step) or stop.requested:
+                    run.save(_orch_meta(orch, step))
+        run.save(_orch_meta(orch, run.trainer.step))
+    finally:
+        orch.close()
+        server.stop()
+        engine.stop()
+    result = run.finish(title=f"RL {Path(cfg.output_dir).name}", export=not run.stop_request().requested)
+    return result | {"last": last}
+
+
+def _orch_meta(orch: Orchestrator, step: int) -> dict[str, Any]:
+    return {"orchestrator": {"sampler": orch.sampler_state_for(step + 1)}}
+
+
+def _rl_step(run: TrainingRun, orch: Orchestrator, engine: Any, rollouts: RolloutLog, step: int, max_resample: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    groups = orch.next_batch(step)
+    t_rollout = time.perf_counter() - t0
+    batch = build_batch(groups, orch.algorithms, step)
+    for attempt in range(max_resample):
+        if batch.has_signal:
+            break
+        batch.mark("resampled")
+        rollouts.write(batch.records)
+        orch.request_more(step)
+        batch = build_batch(orch.next_batch(step), orch.algorithms, step)
+    if not batch.has_signal:
+        rollouts.write(batch.records)
+        raise RuntimeError(
+            f"step {step}: {max_resample + 1} batches in a row had no learning signal (every group's rewards "
+            "were identical and no CE tokens were selected); check the env's reward, raise the temperature, "
+            "or raise orchestrator.max_resample. Rollouts are in rollouts.jsonl"
+        )
+    t_score = time.perf_counter() - t0 - t_rollout
+    train = run.trainer.train_step(batch.samples)
+    t_train = time.perf_counter() - t0 - t_rollout - t_score
+    engine.update_weights_from_state(run.trainer.params, version=run.trainer.step)
+    t_sync = time.perf_counter() - t0 - t_rollout - t_score - t_train
+    rollouts.write(batch.records)
+    metrics = batch.metrics | train | {
+        "policy_version": float(engine.policy_version),
+        "time/rollout_wait_s": t_rollout,
+        "time/scoring_s": t_score,
+        "time/train_s": t_train,
+        "time/weight_sync_s": t_sync,
+        "time/step_s": time.perf_counter() - t0,
+    }
+    return metrics
+
+
+def _evaluate(orch: Orchestrator, rollouts: RolloutLog, step: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    metrics, evals = orch.evaluate()
+    rollouts.write([{"step": step, "split": "eval", "fate": "eval", **r.to_record()} for r in evals])
+    metrics["time/eval_s"] = time.perf_counter() - t0
+    return metrics
