@@ -21,33 +21,30 @@ from transformers import AutoTokenizer
 from jaxrl.samples import TrainingSample
 
 Message = dict[str, Any]
+Example = tuple[list[Message], list[dict[str, Any]]]  # (messages, tool specs)
 
 
-def reference_conversations(taskset: str, args: dict[str, Any], num: int, seed: int) -> list[list[Message]]:
-    """``num`` train-split conversations (system, user, reference answer) of a built-in taskset.
+def reference_conversations(taskset: str, args: dict[str, Any], num: int, seed: int) -> list[Example]:
+    """``num`` train-split reference episodes (messages, tool specs) of a built-in taskset.
 
-    Single-turn tasksets only: their task data carries ``prompt``, ``system_prompt`` and
-    ``answer`` (the reference reply). A multi-turn taskset has no single reference reply.
+    Each built-in env module that supports SFT defines ``reference_conversation(task_data)``:
+    the ideal episode for a task (for tool envs: the tool calls, their outputs and the answer).
     """
     from jaxrl.envs import BUILTIN_ENVS
 
     if taskset not in BUILTIN_ENVS:
         raise ValueError(f"data.taskset = {taskset!r}: expected one of {sorted(BUILTIN_ENVS)}")
     module = importlib.import_module(BUILTIN_ENVS[taskset])
+    make = getattr(module, "reference_conversation", None)
+    if make is None:
+        raise ValueError(f"data.taskset = {taskset!r} has no reference conversations for SFT")
     taskset_cls = next(getattr(module, n) for n in module.__all__ if n.endswith("Taskset"))
     _, config_cls = typing.get_args(taskset_cls.__orig_bases__[0])  # vf.Taskset[Task, Config]
-    tasks = list(taskset_cls(config_cls(split="train", num_tasks=num, seed=seed, **args)))
-    out = []
-    for task in tasks:
-        data = task.data
-        if not isinstance(getattr(data, "prompt", None), str) or not hasattr(data, "answer"):
-            raise ValueError(f"data.taskset = {taskset!r} has no single-turn reference answers for SFT")
-        conv: list[Message] = []
-        if data.system_prompt:
-            conv.append({"role": "system", "content": data.system_prompt})
-        conv += [{"role": "user", "content": data.prompt}, {"role": "assistant", "content": data.answer}]
-        out.append(conv)
-    return out
+    try:
+        config = config_cls(split="train", num_tasks=num, seed=seed, **args)
+    except Exception as e:  # pydantic names the bad field
+        raise ValueError(f"data.taskset_args for {taskset!r}: {e}") from e
+    return [make(task.data) for task in taskset_cls(config)]
 
 
 class RenderConversation(grain.transforms.Map):
@@ -57,18 +54,19 @@ class RenderConversation(grain.transforms.Map):
         self.tokenizer_dir = tokenizer_dir
         self._renderer = None
 
-    def map(self, conversation: list[Message]) -> TrainingSample:
+    def map(self, example: Example) -> TrainingSample:
         from renderers import Qwen3RendererConfig, build_training_sample, create_renderer
 
         if self._renderer is None:  # built lazily: grain may pickle transforms into workers
             tok = AutoTokenizer.from_pretrained(self.tokenizer_dir)
             self._renderer = create_renderer(tok, Qwen3RendererConfig(enable_thinking=False))
-        rendered = build_training_sample(self._renderer, conversation)
+        messages, tools = example
+        rendered = build_training_sample(self._renderer, messages, tools=tools or None)
         return TrainingSample.sft(rendered.token_ids, rendered.loss_mask)
 
 
 def sft_dataset(
-    conversations: list[list[Message]], tokenizer_dir: str, batch_size: int, seed: int
+    conversations: list[Example], tokenizer_dir: str, batch_size: int, seed: int
 ) -> grain.MapDataset:
     """Infinite, shuffled (re-shuffled each epoch), batched ``list[TrainingSample]`` dataset."""
     return (

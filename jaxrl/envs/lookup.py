@@ -8,6 +8,7 @@ codes (weight 0.75) and whether every key was looked up (weight 0.25).
 
 from __future__ import annotations
 
+import json
 import random
 import string
 
@@ -15,7 +16,7 @@ import verifiers.v1 as vf
 from pydantic import Field
 
 from jaxrl.envs.common import SplitTasksetConfig, draw_split, similarity
-from jaxrl.envs.harness import LocalChatHarness, ToolTaskData
+from jaxrl.envs.harness import LocalChatHarness, ToolTaskData, tool_spec
 
 SYSTEM_PROMPT = (
     "You answer questions about secret codes. Call the lookup tool once for each word, "
@@ -33,6 +34,22 @@ def lookup(key: str) -> str:
 def question(keys: list[str]) -> str:
     quoted = ", ".join(f"'{k}'" for k in keys)
     return f"What are the codes of {quoted}?" if len(keys) > 1 else f"What is the code of {quoted}?"
+
+
+def reference_conversation(data: "LookupData") -> tuple[list[dict], list[dict]]:
+    """The ideal episode (look every key up, then answer) and its tool specs: SFT warm-start data."""
+    calls = [
+        {"id": f"call_{i}", "type": "function", "function": {"name": "lookup", "arguments": json.dumps({"key": k})}}
+        for i, k in enumerate(data.keys)
+    ]
+    messages: list[dict] = [
+        {"role": "system", "content": data.system_prompt},
+        {"role": "user", "content": data.prompt},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        *({"role": "tool", "tool_call_id": c["id"], "name": "lookup", "content": lookup(k)} for c, k in zip(calls, data.keys)),
+        {"role": "assistant", "content": data.answer},
+    ]
+    return messages, [tool_spec(lookup)]
 
 
 class LookupData(ToolTaskData):

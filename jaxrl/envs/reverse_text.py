@@ -15,12 +15,23 @@ from pydantic import Field
 from jaxrl.envs.common import WORDS, SplitTasksetConfig, draw_split, similarity
 from jaxrl.envs.harness import LocalChatHarness
 
-SYSTEM_PROMPT = "Reverse the given text character by character. Reply with the reversed text only."
+SYSTEM_PROMPT = "Reverse the text character by character."
+"""Short on purpose: every token of it is prefilled for every rollout and SFT example."""
 
 
 class ReverseTextData(vf.TaskData):
     answer: str
     """The reversed text."""
+
+
+def reference_conversation(data: ReverseTextData) -> tuple[list[dict], list[dict]]:
+    """The ideal episode (the exact reversal) and its tool specs (none): SFT warm-start data."""
+    messages = [
+        {"role": "system", "content": data.system_prompt},
+        {"role": "user", "content": data.prompt},
+        {"role": "assistant", "content": data.answer},
+    ]
+    return messages, []
 
 
 class ReverseTextTask(vf.Task[ReverseTextData]):
