@@ -13,7 +13,7 @@ from jaxrl.config import RunConfig
 from jaxrl.metrics import MetricsLogger
 from jaxrl.models.hf_io import export_hf
 from jaxrl.models.setup import prepare_model
-from jaxrl.parallel.distributed import initialize, is_main_process
+from jaxrl.parallel.distributed import barrier, initialize, is_main_process
 from jaxrl.parallel.mesh import make_mesh
 from jaxrl.preemption import StopRequest
 from jaxrl.trainer.checkpoint import Checkpointer
@@ -89,4 +89,5 @@ class TrainingRun:
             result["plot"] = str(plot) if plot else None
         if is_main_process():
             (self.out / "result.json").write_text(json.dumps(result, indent=2))
+        barrier("jaxrl-run-finished")  # process 0's files (e.g. a warm start's export) exist for all
         return result

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from jaxrl.config import RunConfig, load_config
+from jaxrl.parallel.distributed import initialize
 
 
 def has_weights(model_dir: str | None) -> bool:
@@ -19,6 +20,7 @@ def has_weights(model_dir: str | None) -> bool:
 
 
 def run(cfg: RunConfig, *, resume: bool = False) -> dict:
+    initialize(cfg.distributed)  # before any JAX work: the warm start runs in these same processes
     if cfg.warmstart is not None and not has_weights(cfg.model.name):
         print(f"[jaxrl] {cfg.model.name} has no weights yet: running warm start {cfg.warmstart.config}")
         warm, _ = load_config(["--config", cfg.warmstart.config])

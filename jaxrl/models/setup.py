@@ -8,6 +8,7 @@ export) treats it exactly like a downloaded checkpoint.
 from __future__ import annotations
 
 import json
+import tempfile
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,10 @@ def prepare_model(model_cfg: Any, mesh: Mesh, output_dir: str | Path) -> tuple[D
     """(model on ``mesh``, tokenizer directory, HF config dict) for the run."""
     param_dtype, dtype = DTYPES[model_cfg.param_dtype], DTYPES[model_cfg.dtype]
     if model_cfg.scratch is not None:
-        base = Path(output_dir) / "base"
+        # Every process needs the tokenizer, but only process 0 writes the run's copy: processes
+        # sharing output_dir (multi-host on shared storage) must never write the same files.
+        main = jax.process_index() == 0
+        base = Path(output_dir) / "base" if main else Path(tempfile.mkdtemp(prefix="jaxrl-tokenizer-"))
         tok_dir = model_cfg.tokenizer or str(build_tokenizer(base))
         from transformers import AutoTokenizer
 

@@ -33,3 +33,11 @@ def initialize(cfg: DistributedConfig) -> None:
 def is_main_process() -> bool:
     """Only process 0 writes logs, plots and exports."""
     return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Block until every process reaches ``barrier(name)`` (a no-op with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)

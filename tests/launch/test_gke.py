@@ -1,0 +1,262 @@
+"""GKE launch files: the JobSet renderer (parsed back with PyYAML and checked field by field),
+the trainer command it writes (validated by jaxrl's own config loader), the committed example
+manifests (equal to a fresh render), and the restartable container entry point."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jaxrl.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load(name: str):
+    """A launch/gke script as a module (launch/ is not a package: the scripts run standalone)."""
+    spec = importlib.util.spec_from_file_location(
+        f"launch_gke_{name}", ROOT / "launch" / "gke" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+render = load("render")
+entrypoint = load("entrypoint")
+
+IMAGE = "REGION-docker.pkg.dev/PROJECT/REPO/jaxrl:TAG"
+BASE = ["--image", IMAGE, "--bucket", "BUCKET", "--config", "configs/reverse_text/rl.toml"]
+# (file name, renderer arguments) of the committed examples in launch/gke/examples/.
+EXAMPLES = {
+    "v5e-16-sft.yaml": [
+        "--slice",
+        "v5e-16",
+        *BASE[:4],
+        "--config",
+        "configs/reverse_text/sft.toml",
+        "--name",
+        "rt-sft",
+    ],
+    "v6e-8-rl.yaml": ["--slice", "v6e-8", *BASE, "--name", "rt-rl"],
+    "v6e-16-rl-vllm.yaml": [
+        "--slice",
+        "v6e-16",
+        *BASE,
+        "--name",
+        "rt-rl-vllm",
+        "--rollout-slice",
+        "v6e-8",
+        "--rollout-replicas",
+        "2",
+    ],
+}
+
+
+def rendered(tmp_path: Path, args: list[str]) -> dict:
+    out = tmp_path / "jobset.yaml"
+    assert render.main(["-o", str(out), *args]) == 0
+    return yaml.safe_load(out.read_text())
+
+
+def jobs(manifest: dict) -> dict[str, dict]:
+    return {j["name"]: j for j in manifest["spec"]["replicatedJobs"]}
+
+
+def pod(job: dict) -> dict:
+    return job["template"]["spec"]["template"]["spec"]
+
+
+def train_args(job: dict) -> list[str]:
+    """The ``jaxrl.train`` arguments of the trainer container (entry point flags removed)."""
+    cmd = pod(job)["containers"][0]["command"]
+    assert cmd[:2] == ["python", "/app/launch/gke/entrypoint.py"]
+    i = cmd.index("--output-root")
+    args = cmd[2:i] + cmd[i + 2 :]
+    j = args.index("--config") + 1
+    return [*args[:j], str(ROOT / args[j]), *args[j + 1 :]]  # recipe paths are relative to the repo
+
+
+@pytest.mark.parametrize(
+    ("name", "accelerator", "topology", "hosts", "per_host"),
+    [
+        ("v5e-16", "tpu-v5-lite-podslice", "4x4", 4, 4),
+        ("v5e-8", "tpu-v5-lite-podslice", "2x4", 1, 8),
+        ("v6e-4", "tpu-v6e-slice", "2x2", 1, 4),
+        ("v6e-256", "tpu-v6e-slice", "16x16", 64, 4),
+    ],
+)
+def test_slice_shapes(name, accelerator, topology, hosts, per_host) -> None:
+    s = render.Slice.parse(name)
+    assert (s.accelerator, s.topology, s.hosts, s.chips_per_host) == (accelerator, topology, hosts, per_host)
+    assert s.hosts * s.chips_per_host == s.chips
+
+
+@pytest.mark.parametrize("bad", ["v5e-12", "v4-8", "v6e", "v5p-8"])
+def test_unknown_slice_is_a_clear_error(bad, capsys) -> None:
+    assert render.main(["--slice", bad, *BASE]) == 2
+    err = capsys.readouterr().err
+    assert bad in err and "v5e-16" in err and "v6e-8" in err
+
+
+@pytest.mark.parametrize(
+    ("slice_name", "hosts", "chips"), [("v5e-16", 4, 4), ("v6e-32", 8, 4), ("v5e-8", 1, 8)]
+)
+def test_trainer_jobset(tmp_path, slice_name, hosts, chips) -> None:
+    m = rendered(tmp_path, ["--slice", slice_name, *BASE, "--name", "rt", "--", "--trainer.steps", "100"])
+    assert (m["apiVersion"], m["kind"], m["metadata"]["name"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet", "rt")
+    assert (
+        m["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"]
+        == "cloud.google.com/gke-nodepool"
+    )
+    assert m["spec"]["failurePolicy"]["maxRestarts"] == 3
+    assert list(jobs(m)) == ["trainer"]
+    job = jobs(m)["trainer"]
+    assert job["replicas"] == 1
+    spec = job["template"]["spec"]
+    assert spec["parallelism"] == spec["completions"] == hosts  # one pod per host of the slice
+    p = pod(job)
+    gen = slice_name.split("-")[0]
+    assert p["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": render.ACCELERATORS[gen],
+        "cloud.google.com/gke-tpu-topology": render.Slice.parse(slice_name).topology,
+    }
+    (c,) = p["containers"]
+    assert c["resources"]["limits"]["google.com/tpu"] == c["resources"]["requests"]["google.com/tpu"] == chips
+    assert c["image"] == IMAGE
+    assert {"mountPath": "/data", "name": "data"} in c["volumeMounts"]
+    assert p["volumes"][0]["csi"]["volumeAttributes"]["bucketName"] == "BUCKET"
+    assert c["command"][c["command"].index("--output-root") + 1] == "/data/rt"
+    cfg, _ = load_config(train_args(job))  # the command is a valid jaxrl run
+    assert cfg.mode == "rl" and cfg.trainer.steps == 100
+    assert cfg.distributed.enabled == (hosts > 1)
+
+
+def test_disaggregated_jobset(tmp_path) -> None:
+    args = ["--slice", "v6e-16", *BASE, "--name", "rt", "--rollout-slice", "v5e-8", "--rollout-replicas", "3"]
+    m = rendered(tmp_path, args)
+    assert list(jobs(m)) == ["trainer", "rollout"]
+    assert m["spec"]["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["trainer"]}
+    roll = jobs(m)["rollout"]
+    assert roll["replicas"] == 3
+    assert roll["template"]["spec"]["parallelism"] == roll["template"]["spec"]["completions"] == 1
+    p = pod(roll)
+    assert p["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"] == "tpu-v5-lite-podslice"
+    assert p["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "2x4"
+    (c,) = p["containers"]
+    assert c["resources"]["limits"]["google.com/tpu"] == 8
+    serve = c["command"][-1]
+    # The servers wait for the warm start's export on the bucket, then serve it over all 8 chips.
+    assert "vllm serve /data/rt/reverse_text/sft/hf " in serve
+    assert "--tensor-parallel-size 8" in serve and "--max-model-len 256" in serve
+    assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in c["env"]
+    cfg, _ = load_config(train_args(jobs(m)["trainer"]))
+    assert cfg.inference.backend == "external"
+    assert cfg.inference.base_url == "http://rt-rollout-0-0.rt:8000/v1"  # JobSet's DNS name of server 0
+    assert cfg.distributed.enabled
+
+
+def test_rollout_slice_must_be_single_host(capsys) -> None:
+    assert render.main(["--slice", "v6e-8", *BASE, "--rollout-slice", "v6e-16"]) == 2
+    assert "single-host" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_committed_examples_are_current(tmp_path, name) -> None:
+    committed = ROOT / "launch" / "gke" / "examples" / name
+    out = tmp_path / name
+    assert render.main([*EXAMPLES[name], "-o", str(out)]) == 0
+    assert committed.read_text() == out.read_text(), f"re-render {committed} (see launch/gke/README.md)"
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_kubectl_reads_the_examples(name) -> None:
+    """kubectl decodes every example as a Kubernetes object. (`apply --dry-run=client` needs an
+    API server for discovery, even with --validate=false; `label --local` does not.)"""
+    path = ROOT / "launch" / "gke" / "examples" / name
+    out = subprocess.run(
+        ["kubectl", "label", "--local", "-f", str(path), "checked=yes", "-o", "json"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(out.stdout)
+    assert obj["kind"] == "JobSet" and obj["metadata"]["labels"] == {"checked": "yes"}
+
+
+# -- entry point ---------------------------------------------------------------------------
+
+
+def test_outputs_link_and_resume_detection(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    entrypoint.link_outputs(tmp_path / "bucket" / "run")
+    assert Path("outputs").resolve() == (tmp_path / "bucket" / "run").resolve()
+    entrypoint.link_outputs(tmp_path / "bucket" / "other")  # a restart re-points the link
+    assert Path("outputs").resolve() == (tmp_path / "bucket" / "other").resolve()
+    ckpt = tmp_path / "ckpt"
+    assert not entrypoint.has_checkpoint(ckpt)
+    (ckpt / "3.orbax-checkpoint-tmp-17").mkdir(parents=True)  # an uncommitted save
+    assert not entrypoint.has_checkpoint(ckpt)
+    (ckpt / "3").mkdir()
+    assert entrypoint.has_checkpoint(ckpt)
+    out, ck = entrypoint.run_paths(
+        ["--config", str(ROOT / "configs/reverse_text/sft.toml"), "--ckpt.dir", str(ckpt)]
+    )
+    assert (out, ck) == (Path("outputs/reverse_text/sft"), ckpt)
+
+
+def test_real_outputs_directory_is_refused(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("outputs").mkdir()
+    with pytest.raises(FileExistsError, match="outputs"):
+        entrypoint.link_outputs(tmp_path / "bucket")
+
+
+def test_exit_code_marks_interrupted_runs(tmp_path) -> None:
+    assert entrypoint.exit_code(0, tmp_path) == 0  # no result.json
+    (tmp_path / "result.json").write_text(json.dumps({"steps": 7, "stopped_by": "SIGTERM"}))
+    assert entrypoint.exit_code(0, tmp_path) == entrypoint.EXIT_INTERRUPTED
+    assert entrypoint.exit_code(1, tmp_path) == 1
+    (tmp_path / "result.json").write_text(json.dumps({"steps": 10, "stopped_by": None}))
+    assert entrypoint.exit_code(0, tmp_path) == 0
+
+
+def test_sigterm_reaches_the_trainer_process(tmp_path) -> None:
+    """The pod's SIGTERM goes to PID 1 (the entry point) only; the trainer must get it too."""
+    child = (
+        "import signal, sys, time, pathlib\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (pathlib.Path({str(tmp_path / 'got')!r}).write_text('TERM'), sys.exit(0)))\n"
+        f"pathlib.Path({str(tmp_path / 'ready')!r}).write_text('')\n"
+        "time.sleep(60)\n"
+    )
+    parent = (
+        f"import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('ep', {str(ROOT / 'launch/gke/entrypoint.py')!r})\n"
+        "ep = importlib.util.module_from_spec(spec); spec.loader.exec_module(ep)\n"
+        f"sys.exit(ep.run_forwarding_signals([sys.executable, '-c', {child!r}]))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "ready").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "child never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert (tmp_path / "got").read_text() == "TERM"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
