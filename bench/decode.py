@@ -1,0 +1,163 @@
+"""Decode throughput of the embedded engine vs transformers ``generate`` (same weights, same run).
+
+    python bench/decode.py [--batches 1 8 32] [--prompt-len 32] [--new-tokens 128]
+
+A random Qwen3-shaped model (~5M parameters) is written to a temporary HF directory; the engine
+loads it (float32) and transformers loads the same files (torch, CPU). Both generate greedily,
+``new_tokens`` tokens per sequence with no stop token, from the same prompts; the time includes
+prefill. Prints one JSON line per batch size: output tokens/s of both, their ratio, and the
+fraction of the memory-bandwidth bound the engine reaches (every decode step must read all
+weights and the KV cache; the host's bandwidth is measured in the same run with a large copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def host_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s of a large numpy copy (read + write counted)."""
+    src = np.ones(nbytes // 8, np.float64)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def make_model(out: Path, args: argparse.Namespace) -> int:
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen3Config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=args.hidden // 4,
+        max_position_embeddings=args.prompt_len + args.new_tokens + 64,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    model.save_pretrained(out)
+    return sum(p.numel() for p in model.parameters())
+
+
+def bench_engine(model_dir: Path, prompts: np.ndarray, args: argparse.Namespace) -> tuple[float, float]:
+    from jaxrl.inference.config import InferenceConfig
+    from jaxrl.inference.engine import Engine
+    from jaxrl.inference.sampling import SamplingParams
+    from jaxrl.inference.scheduler import Request
+
+    batch = len(prompts)
+    cfg = InferenceConfig(
+        max_model_len=args.prompt_len + args.new_tokens + 8,
+        max_seqs=batch,
+        max_batched_tokens=batch * args.prompt_len,
+        decode_steps=args.decode_steps,
+        decode_batch_buckets=[batch],
+        prefill_len_buckets=[args.prompt_len],
+        prefill_batch_buckets=[batch],
+    )
+    engine = Engine.from_pretrained(model_dir, cfg)
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0)
+
+    def run() -> float:
+        reqs = [Request(p.tolist(), params) for p in prompts]
+        t0 = time.perf_counter()
+        outs = engine.generate(reqs)
+        dt = time.perf_counter() - t0
+        assert all(len(o.token_ids) == args.new_tokens for o in outs)
+        return dt
+
+    run()  # compile
+    engine.generate([Request([1, 2], SamplingParams(max_tokens=1))])  # empty the prefix cache's usefulness
+    dt = min(run() for _ in range(args.repeats))
+    return batch * args.new_tokens / dt, dt
+
+
+def bench_hf(model_dir: Path, prompts: np.ndarray, args: argparse.Namespace) -> float:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).float().eval()
+    ids = torch.as_tensor(prompts)
+    kw = {
+        "max_new_tokens": args.new_tokens,
+        "min_new_tokens": args.new_tokens,
+        "do_sample": False,
+        "pad_token_id": 0,
+    }
+    with torch.no_grad():
+        model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        best = float("inf")
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            out = model.generate(ids, **kw)
+            best = min(best, time.perf_counter() - t0)
+    assert out.shape[1] == prompts.shape[1] + args.new_tokens
+    return len(prompts) * args.new_tokens / best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--decode-steps", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    bandwidth = host_bandwidth()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp)
+        n_params = make_model(model_dir, args)
+        print(json.dumps({"host_bandwidth_gb_s": round(bandwidth / 1e9, 2), "params": n_params}), flush=True)
+        rng = np.random.default_rng(0)
+        for batch in args.batches:
+            prompts = rng.integers(0, args.vocab, (batch, args.prompt_len))
+            engine_tok_s, engine_s = bench_engine(model_dir, prompts, args)
+            hf_tok_s = bench_hf(model_dir, prompts, args)
+            # Bandwidth bound of decode: each step reads all weights (fp32) and the KV cache.
+            kv_per_token = (
+                args.layers * 2 * 2 * (args.hidden // 4) * 4
+            )  # layers x (k, v) x kv_heads x head_dim x 4 B
+            mean_len = args.prompt_len + args.new_tokens / 2
+            step_bytes = n_params * 4 + batch * mean_len * kv_per_token
+            bound_tok_s = batch * bandwidth / step_bytes
+            print(
+                json.dumps(
+                    {
+                        "batch": batch,
+                        "engine_tok_s": round(engine_tok_s, 1),
+                        "hf_generate_tok_s": round(hf_tok_s, 1),
+                        "ratio": round(engine_tok_s / hf_tok_s, 2),
+                        "bandwidth_bound_tok_s": round(bound_tok_s, 1),
+                        "fraction_of_bound": round(engine_tok_s / bound_tok_s, 3),
+                        "engine_s": round(engine_s, 3),
+                        "decode_steps": args.decode_steps,
+                    }
+                ),
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""``[inference]`` configuration: which engine serves rollouts, its sizes, and its HTTP server.
+
+Every shape the embedded engine compiles is decided here: the KV cache is ``max_seqs`` rows of
+``max_model_len`` positions, and each device program is compiled for one bucket of batch size
+and length, so a run compiles a bounded, predictable number of programs (see
+``InferenceConfig.program_bound``). Lists left unset are derived from the sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ServerConfig(BaseModel):
+    """``[inference.server]``: where the HTTP API (DESIGN contract 6) listens."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    host: str = "127.0.0.1"
+    """Address to bind. Loopback by default; set "0.0.0.0" only on a trusted network."""
+
+    port: int = Field(8000, ge=0, le=65535)
+    """TCP port; 0 picks a free port (read it back from ``EngineServer.url``)."""
+
+    served_model_name: str | None = None
+    """Model id reported by ``GET /v1/models``; default: the ``[model] name`` it was loaded from."""
+
+    graceful_shutdown_s: float = Field(30.0, ge=0)
+    """On shutdown, how long in-flight requests may take to finish before they are cut off."""
+
+
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    """Powers of two from ``lo`` up to ``hi``, with ``hi`` itself always last."""
+    out, b = [], 1
+    while b < hi:
+        if b >= lo:
+            out.append(b)
+        b *= 2
+    return [*out, hi]
+
+
+class InferenceConfig(BaseModel):
+    """``[inference]``: the rollout engine (embedded JAX, a vLLM server, or any external URL)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    backend: Literal["embedded", "vllm", "external"] = "embedded"
+    """"embedded": jaxrl's own JAX engine in the training process (weights handed over in
+    memory). "vllm": a vLLM server started beside the run. "external": an already running
+    OpenAI/vLLM-compatible server at ``base_url``."""
+
+    base_url: str | None = None
+    """Root URL of the server (e.g. "http://10.0.0.2:8000/v1") when ``backend = "external"``."""
+
+    max_model_len: int = Field(2048, ge=2)
+    """Longest prompt + completion, in tokens. Also the KV cache row length."""
+
+    max_seqs: int = Field(32, ge=1)
+    """Sequences decoded concurrently (KV cache rows). Finished rows stay cached for prefix reuse
+    until a new sequence needs the row."""
+
+    max_batched_tokens: int = Field(2048, ge=1)
+    """Tokens processed per engine step (prefill tokens, padding included, plus one per decoding
+    sequence); long prompts are prefilled in chunks across steps."""
+
+    decode_steps: int = Field(4, ge=1)
+    """Decode steps run on device per engine step. Requests join and leave between engine steps;
+    more steps amortise per-call overhead but a finished sequence may compute up to
+    ``decode_steps - 1`` discarded tokens."""
+
+    decode_batch_buckets: list[int] | None = None
+    """Batch sizes decode is compiled for; default: powers of two up to ``max_seqs``."""
+
+    decode_len_buckets: list[int] | None = None
+    """KV lengths decode attention is compiled for (attention reads only the bucket that covers
+    the longest running sequence); default: powers of two from 128 up to ``max_model_len``."""
+
+    prefill_len_buckets: list[int] | None = None
+    """Prompt-chunk lengths prefill is compiled for; the largest is the prefill chunk size.
+    Default: powers of two from 16 up to min(512, ``max_model_len``)."""
+
+    prefill_batch_buckets: list[int] | None = None
+    """Numbers of prompts prefilled together; default: powers of two up to min(8, ``max_seqs``)."""
+
+    tensor_parallel: int = Field(1, ge=1)
+    """Devices the embedded engine shards weights and KV cache over (heads, MLP and vocabulary
+    split along a "tensor" mesh axis made of the first N devices)."""
+
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """KV cache dtype; "auto" uses the model's compute dtype (``[model] dtype``)."""
+
+    weight_update: Literal["drain", "immediate"] = "drain"
+    """When new weights take effect. "drain": admission pauses, requests in flight finish on the
+    old weights, then the swap happens (no request ever mixes two policies). "immediate": the swap
+    happens between two engine steps and requests in flight continue on the new weights (their
+    responses report both versions)."""
+
+    min_prefix_reuse: int = Field(16, ge=1)
+    """Shortest shared prefix worth copying from another sequence's cache row (a row left by the
+    same conversation, or with the same ``X-Session-ID``, is reused at any length)."""
+
+    seed: int = 0
+    """Seeds the sampling of requests that carry no seed of their own."""
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    """HTTP server of the embedded engine."""
+
+    @model_validator(mode="after")
+    def _check(self) -> InferenceConfig:
+        if self.backend == "external" and not self.base_url:
+            raise ValueError('inference.base_url is required when inference.backend = "external"')
+        for name in (
+            "decode_batch_buckets",
+            "decode_len_buckets",
+            "prefill_len_buckets",
+            "prefill_batch_buckets",
+        ):
+            buckets = getattr(self, name)
+            if buckets is not None and (not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1):
+                raise ValueError(
+                    f"inference.{name} must be a strictly increasing list of positive ints, got {buckets}"
+                )
+        if self.decode_buckets()[-1] < self.max_seqs:
+            raise ValueError(
+                f"inference.decode_batch_buckets: largest bucket {self.decode_buckets()[-1]} < max_seqs "
+                f"{self.max_seqs}; add a bucket >= max_seqs"
+            )
+        if self.prefill_lengths()[-1] > self.max_batched_tokens:
+            raise ValueError(
+                f"inference.max_batched_tokens ({self.max_batched_tokens}) must be >= the largest prefill "
+                f"chunk ({self.prefill_lengths()[-1]}); raise it or lower prefill_len_buckets"
+            )
+        return self
+
+    def decode_buckets(self) -> list[int]:
+        return self.decode_batch_buckets or _powers_of_two(1, self.max_seqs)
+
+    def decode_lengths(self) -> list[int]:
+        if self.decode_len_buckets:
+            return [b for b in self.decode_len_buckets if b < self.max_model_len] + [self.max_model_len]
+        return _powers_of_two(128, self.max_model_len)
+
+    def prefill_lengths(self) -> list[int]:
+        return self.prefill_len_buckets or _powers_of_two(16, min(512, self.max_model_len))
+
+    def prefill_batches(self) -> list[int]:
+        return self.prefill_batch_buckets or _powers_of_two(1, min(8, self.max_seqs))
+
+    def program_bound(self) -> int:
+        """Upper bound on device programs compiled (x2 for the top-k/top-p sampling variant)."""
+        decode = len(self.decode_buckets()) * len(self.decode_lengths())
+        prefill = len(self.prefill_lengths()) * len(self.prefill_batches())
+        return 2 * (decode + prefill) + 1  # + the row copy used by prefix reuse

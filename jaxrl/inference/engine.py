@@ -1,0 +1,467 @@
+"""The embedded rollout engine: continuous batching over a KV cache with the trainer's decoder.
+
+One background thread runs engine steps; callers (HTTP handlers, the trainer, tests) submit
+requests from any thread and get ``concurrent.futures.Future``s. Each step:
+
+1. takes new requests and aborts, and applies a pending weight update when allowed;
+2. admits waiting requests into free KV cache rows, reusing cached prefixes (``scheduler``);
+3. runs one prefill batch (prompt chunks; a prompt that completes samples its first token);
+4. runs ``decode_steps`` decode steps for every sequence past prefill, in one device call.
+
+Device programs are compiled per shape bucket (``InferenceConfig.program_bound``). Decode
+attention reads a window of the cache: the running rows, up to the length bucket covering the
+longest of them, gathered once per call and written back once per call.
+
+Weight updates take effect between steps only (``weight_update`` = "drain": requests in flight
+finish on the old weights first; "immediate": at the next step). The policy version counter
+starts at 0 and every completion records the version(s) that sampled it. Cached prefixes are
+dropped on every update: their keys/values came from the old weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxrl.inference import weights as W
+from jaxrl.inference.config import InferenceConfig
+from jaxrl.inference.sampling import logits_f32, sample
+from jaxrl.inference.scheduler import (
+    Completion,
+    DecodePlan,
+    PrefillPlan,
+    Request,
+    Scheduler,
+    SchedulerStats,
+    Sequence,
+)
+from jaxrl.models.decoder import Decoder, KVCache
+from jaxrl.models.hf_io import load_decoder
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _prefill(graphdef, state, cache, tokens, positions, rows, last, sampling, *, filtered):  # type: ignore[no-untyped-def]
+    model = nnx.merge(graphdef, state)
+    hidden, cache = model(tokens, positions, cache=cache, cache_rows=rows)
+    h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+    next_tokens, logprobs = sample(logits_f32(h_last, model.lm_head_weight()), sampling, filtered=filtered)
+    return cache, next_tokens, logprobs
+
+
+def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *, filtered, length):  # type: ignore[no-untyped-def]
+    """``steps`` decode steps over a window of the cache: rows ``rows``, positions < ``length``.
+
+    Padding entries have a row index out of range (the window reads zeros there and writes
+    nothing back) and a position >= ``length`` (their keys/values are never written).
+    """
+    model = nnx.merge(graphdef, state)
+    lm_head = model.lm_head_weight()
+    window = KVCache(
+        cache.k.at[:, rows, :length].get(mode="fill", fill_value=0),
+        cache.v.at[:, rows, :length].get(mode="fill", fill_value=0),
+    )
+
+    def body(carry, _):  # type: ignore[no-untyped-def]
+        window, tok, pos, index = carry
+        hidden, window = model(tok[:, None], pos[:, None], cache=window)
+        new, logp = sample(
+            logits_f32(hidden[:, 0], lm_head), replace(sampling, gen_index=index), filtered=filtered
+        )
+        return (window, new, pos + 1, index + 1), (new, logp)
+
+    carry = (window, tokens, positions, sampling.gen_index)
+    (window, *_), (new_tokens, logprobs) = jax.lax.scan(body, carry, None, length=steps)
+    cache = KVCache(
+        cache.k.at[:, rows, :length].set(window.k, mode="drop"),
+        cache.v.at[:, rows, :length].set(window.v, mode="drop"),
+    )
+    return cache, new_tokens, logprobs
+
+
+def _copy_row(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    return KVCache(cache.k.at[:, dst].set(cache.k[:, src]), cache.v.at[:, dst].set(cache.v[:, src]))
+
+
+@functools.cache
+def _programs(
+    graphdef: nnx.GraphDef, steps: int, cache_sh: Any, inputs_sh: Any, layout: tuple
+) -> tuple[Any, Any, Any]:
+    """The engine's jitted programs, shared by engines of the same model, shardings and shape
+    layout (tests and benchmarks build several engines; each jit object has its own cache)."""
+    del layout  # part of the cache key only: engines with other buckets get their own programs
+    cache_out = KVCache(cache_sh, cache_sh)
+    outs = (cache_out, inputs_sh, inputs_sh)
+    prefill = jax.jit(
+        partial(_prefill, graphdef), static_argnames=("filtered",), donate_argnums=(1,), out_shardings=outs
+    )
+    decode = jax.jit(
+        partial(_decode, graphdef, steps),
+        static_argnames=("filtered", "length"),
+        donate_argnums=(1,),
+        out_shardings=outs,
+    )
+    copy = jax.jit(_copy_row, donate_argnums=(0,), out_shardings=cache_out)
+    return prefill, decode, copy
+
+
+@dataclass
+class _Update:
+    state: nnx.State
+    version: int
+    waiters: list[threading.Event] = field(default_factory=list)
+
+
+class Engine:
+    """Continuous-batching generation with the trainer's ``Decoder``; see the module docstring.
+
+    The engine serves a copy of ``model``'s weights on its own shardings (``mesh``: tensor
+    parallel over its "tensor" axis; default: ``config.tensor_parallel`` devices), so the trainer
+    may keep training (and donating) its own arrays; later hand-offs go through
+    ``update_weights_from_state``.
+    """
+
+    def __init__(self, model: Decoder, config: InferenceConfig, *, mesh: Mesh | None = None):
+        arch = model.arch
+        if config.max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"inference.max_model_len ({config.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({arch.max_position_embeddings}); lower it"
+            )
+        self.config = config
+        self.arch = arch
+        self.mesh = mesh if mesh is not None else W.serving_mesh(config.tensor_parallel)
+        mesh = self.mesh
+        self._sharding_fn = W.param_sharding_fn(mesh)
+        graphdef, state = nnx.split(model)
+        self._param_shardings = W.state_shardings(state, self._sharding_fn)
+        # Always a copy: the caller (the trainer) may donate or overwrite its arrays later.
+        self._state: nnx.State = W.place_state(state, state, self._param_shardings)
+        self._param_dtype = jax.tree.leaves(state)[0].dtype
+        self._compute_dtype = model.dtype
+        cache_dtype = model.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
+        shape = (arch.num_layers, config.max_seqs, config.max_model_len, arch.num_kv_heads, arch.head_dim)
+        cache_sh = W.cache_sharding(mesh, shape)
+        self._cache = KVCache(*(W.zeros_like_sharded(shape, cache_dtype, cache_sh) for _ in range(2)))
+        self._inputs = W.replicated(mesh)
+        layout = (shape, str(cache_dtype), *map(tuple, (config.decode_buckets(), config.decode_lengths())))
+        layout += tuple(map(tuple, (config.prefill_lengths(), config.prefill_batches())))
+        programs = _programs(graphdef, config.decode_steps, cache_sh, self._inputs, layout)
+        self._prefill_fn, self._decode_fn, self._copy_fn = programs
+
+        self._sched = Scheduler(config)
+        self._rng = np.random.default_rng(config.seed)
+        self._version = 0
+        self._lock = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._aborts: list[str] = []
+        self._futures: dict[str, Future[Completion]] = {}
+        self._pending: _Update | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._exit_now = False
+        self._error: BaseException | None = None
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        config: InferenceConfig,
+        *,
+        dtype: str = "float32",
+        mesh: Mesh | None = None,
+    ) -> Engine:
+        """Load a Hugging Face model directory straight into the engine's shardings."""
+        if dtype not in _DTYPES:
+            raise ValueError(f"model dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+        dt = _DTYPES[dtype]
+        mesh = mesh if mesh is not None else W.serving_mesh(config.tensor_parallel)
+        model = load_decoder(model_dir, param_dtype=dt, dtype=dt, sharding_fn=W.param_sharding_fn(mesh))
+        return cls(model, config, mesh=mesh)
+
+    # -- public state ----------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def params(self) -> nnx.State:
+        """The weights being served (read-only: the engine may swap them at any step)."""
+        return self._state
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """Scheduler counters: prompt / cached / computed / generated tokens, calls, row copies."""
+        return self._sched.stats
+
+    @property
+    def healthy(self) -> bool:
+        return self._error is None
+
+    def compiled_programs(self) -> int:
+        """Device programs compiled so far for this engine's layout (<= ``config.program_bound()``)."""
+        return sum(f._cache_size() for f in (self._prefill_fn, self._decode_fn, self._copy_fn))
+
+    # -- requests --------------------------------------------------------------------------
+
+    def validate(self, request: Request) -> None:
+        """Raise ValueError naming the problem when the engine cannot serve ``request``."""
+        n = len(request.prompt)
+        if n == 0:
+            raise ValueError("prompt is empty: token_ids must hold at least one token")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens, max_model_len is {self.max_model_len}: the prompt must be "
+                f"shorter than max_model_len to leave room for at least one generated token"
+            )
+        ids = np.asarray(request.prompt)
+        if ids.dtype.kind not in "iu":
+            raise ValueError("token_ids must be integers")
+        bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
+        if len(bad):
+            raise ValueError(
+                f"token_ids[{bad[0]}] = {ids[bad[0]]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        for t in request.params.stop_token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {self.vocab_size})")
+
+    def submit(self, request: Request) -> Future[Completion]:
+        """Queue a request (thread-safe); raises ValueError on a request the engine cannot serve."""
+        self.validate(request)
+        future: Future[Completion] = Future()
+        with self._lock:
+            if self._error is not None:
+                raise RuntimeError(f"engine failed: {self._error!r}")
+            if self._stopping:
+                raise RuntimeError("engine is shutting down")
+            if request.request_id in self._futures:
+                raise ValueError(f"request_id {request.request_id!r} is already in flight")
+            seed = request.params.seed if request.params.seed is not None else int(self._rng.integers(2**63))
+            self._inbox.append(Sequence(request, seed, self.max_model_len))
+            self._futures[request.request_id] = future
+            self._lock.notify_all()
+        return future
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its future completes with finish_reason "abort" (no-op when unknown)."""
+        with self._lock:
+            self._aborts.append(request_id)
+            self._lock.notify_all()
+
+    def generate(self, requests: list[Request], timeout: float | None = None) -> list[Completion]:
+        """Run ``requests`` to completion (in this thread when the engine thread is not running)."""
+        futures = [self.submit(r) for r in requests]
+        if self._thread is None:
+            while not all(f.done() for f in futures):
+                self.step()
+        return [f.result(timeout) for f in futures]
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def update_weights_from_state(
+        self, state: nnx.State | Decoder, *, version: int | None = None, wait: bool = True
+    ) -> int:
+        """Hand new weights (the trainer's params pytree, any sharding) to the engine.
+
+        The copy to the engine's shardings happens in the calling thread; the swap happens
+        between engine steps (see ``InferenceConfig.weight_update``). Returns the policy version
+        served after the swap when ``wait``, else the version the update will have.
+        """
+        placed = W.place_state(state, self._state, self._param_shardings)
+        return self._enqueue_update(placed, version, wait)
+
+    def update_weights_from_path(
+        self, path: str | Path, *, version: int | None = None, wait: bool = True
+    ) -> int:
+        """Load a Hugging Face model directory (same architecture) as the new weights."""
+        model = load_decoder(
+            path, param_dtype=self._param_dtype, dtype=self._compute_dtype, sharding_fn=self._sharding_fn
+        )
+        if model.arch != self.arch:
+            raise ValueError(f"update_weights: {path} holds a different architecture than the served model")
+        return self._enqueue_update(nnx.state(model), version, wait)
+
+    def _enqueue_update(self, state: nnx.State, version: int | None, wait: bool) -> int:
+        done = threading.Event()
+        with self._lock:
+            latest = self._pending.version if self._pending else self._version
+            if version is None:
+                version = latest + 1
+            if version <= latest:
+                raise ValueError(f"weight update version {version} must be greater than {latest}")
+            if self._pending is None:
+                self._pending = _Update(state, version, [done])
+            else:
+                self._pending.state, self._pending.version = state, version
+                self._pending.waiters.append(done)
+            self._lock.notify_all()
+        if not wait:
+            return version
+        if self._thread is None:
+            while not done.is_set():
+                self.step()
+        done.wait()
+        if self._error is not None:
+            raise RuntimeError(f"engine failed: {self._error!r}")
+        return self._version
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run engine steps in a background thread until ``stop``."""
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="jaxrl-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Refuse new requests, let those in flight finish (up to ``timeout`` s), abort the rest."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            with self._lock:
+                self._exit_now = True
+                self._lock.notify_all()
+            thread.join()
+            self._thread = None
+        self._abort_all()
+        self._maybe_swap_weights()  # nothing runs any more: a pending update applies now
+        self._stopping = self._exit_now = False
+
+    def _has_work(self) -> bool:
+        return bool(self._inbox or self._aborts or self._pending or not self._sched.idle)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._has_work() and not self._stopping:
+                    self._lock.wait()
+                if self._exit_now or (self._stopping and not self._has_work()):
+                    return
+            try:
+                self.step()
+            except Exception as exc:  # a bug, not bad input: fail everything in flight, stop
+                log.exception("engine step failed")
+                self._fail(exc)
+                return
+
+    def _abort_all(self) -> None:
+        """Finish every request still queued or running with finish_reason "abort"."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for seq in inbox:
+            self._sched.add(seq)
+        for seq in [*self._sched.waiting, *self._sched.running]:
+            self._sched.abort(seq.request.request_id)
+            self._deliver([seq])
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            self._error = exc
+            futures, self._futures = self._futures, {}
+            pending, self._pending = self._pending, None
+        for f in futures.values():
+            if not f.done():
+                f.set_exception(exc)
+        for w in pending.waiters if pending else []:
+            w.set()
+
+    def step(self) -> None:
+        """One engine step (called by the engine thread, or directly when it is not running)."""
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            raise RuntimeError("Engine.step: the engine thread is running; submit requests instead")
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for seq in inbox:
+            self._sched.add(seq)
+        for rid in aborts:
+            seq = self._sched.abort(rid)
+            if seq is not None:
+                self._deliver([seq])
+        paused = self._maybe_swap_weights()
+        if not paused:
+            for src, dst in self._sched.admit():
+                self._cache = self._copy_fn(self._cache, *self._put((np.int32(src), np.int32(dst))))
+        prefill = self._sched.plan_prefill()
+        if prefill is not None:
+            self._run_prefill(prefill)
+        decode = self._sched.plan_decode(self.config.decode_steps)
+        if decode is not None:
+            self._run_decode(decode)
+
+    def _maybe_swap_weights(self) -> bool:
+        """Apply a pending update when the policy allows; True while admission must pause."""
+        with self._lock:
+            update = self._pending
+            if update is None:
+                return False
+            if self.config.weight_update == "drain" and self._sched.running:
+                return True
+            self._pending = None
+            self._state, self._version = update.state, update.version
+        self._sched.rows.invalidate_warm()
+        for w in update.waiters:
+            w.set()
+        return False
+
+    def _put(self, arrays: Any) -> Any:
+        return jax.device_put(arrays, self._inputs)
+
+    def _run_prefill(self, plan: PrefillPlan) -> None:
+        args = self._put((plan.tokens, plan.positions, plan.rows, plan.last, plan.sampling))
+        self._cache, tokens, logprobs = self._prefill_fn(
+            self._state, self._cache, *args, filtered=plan.filtered
+        )
+        tokens, logprobs = jax.device_get((tokens, logprobs))
+        self._deliver(self._sched.finish_prefill(plan, tokens, logprobs, self._version))
+
+    def _run_decode(self, plan: DecodePlan) -> None:
+        args = self._put((plan.tokens, plan.positions, plan.rows, plan.sampling))
+        self._cache, tokens, logprobs = self._decode_fn(
+            self._state, self._cache, *args, filtered=plan.filtered, length=plan.length
+        )
+        tokens, logprobs = jax.device_get((tokens, logprobs))
+        self._deliver(self._sched.finish_decode(plan, tokens, logprobs, self._version))
+
+    def _deliver(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            with self._lock:
+                future = self._futures.pop(seq.request.request_id, None)
+            if future is not None:
+                try:
+                    future.set_result(seq.completion(self._version))
+                except InvalidStateError:  # cancelled by the caller meanwhile
+                    pass

@@ -1,0 +1,171 @@
+"""Token sampling on device, and the log-prob reported with every sampled token.
+
+What the engine reports must be what the trainer recomputes (DESIGN contract 3), so one rule
+holds for every token:
+
+- logits are ``hidden @ lm_head`` in float32 (``logits_f32``: the same math as
+  ``jaxrl.trainer.logprobs.token_logprobs``, which this package may not import);
+- the reported log-prob is ``log_softmax(logits / temperature)[token]`` in float32, the
+  temperature-scaled distribution *before* top-k / top-p filtering. The trainer scores tokens
+  with exactly that formula, so on the engine's own samples the trainer/sampler mismatch is
+  only the (fp32 rounding-level) difference between a cached and a full forward. Filtering is a
+  property of the sampler, not of the policy the trainer optimises; reporting the filtered
+  (renormalised) distribution instead would make every filtered token look off-policy. vLLM's
+  ``processed_logprobs`` mode reports the filtered distribution; use top_k / top_p = off for RL;
+- temperature 0 means greedy (argmax of the logits); its log-prob is reported at temperature
+  1.0, i.e. ``log_softmax(logits)[argmax]``, so train such samples with temperature 1.
+
+Random draws invert the cumulative distribution of the temperature-scaled (and, if asked,
+filtered) probabilities at one uniform number drawn with a key derived from (request seed,
+index of the token in the completion): a seeded request gives the same tokens whatever else
+shares its batch and however decode steps are grouped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as in vLLM)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (host side)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or a positive int, got {self.top_k}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def filtered(self) -> bool:
+        """True when top-k or top-p actually restrict a random draw."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplingBatch:
+    """Device arrays of one batch's sampling settings, one entry per batch row."""
+
+    temperature: jax.Array  # f32[B]; 0 = greedy
+    top_p: jax.Array  # f32[B]
+    top_k: jax.Array  # i32[B]; 0 = off
+    seed: jax.Array  # u32[B, 2]: low and high 32 bits of the request seed
+    gen_index: jax.Array  # i32[B]: index in the completion of the token drawn next
+
+    @classmethod
+    def host(
+        cls, params: list[SamplingParams], seeds: list[int], gen_index: list[int], size: int
+    ) -> SamplingBatch:
+        """Numpy arrays padded to ``size`` rows (padding rows are greedy and discarded)."""
+        temp = np.zeros(size, np.float32)
+        top_p = np.ones(size, np.float32)
+        top_k = np.zeros(size, np.int32)
+        seed = np.zeros((size, 2), np.uint32)
+        index = np.zeros(size, np.int32)
+        for i, (p, s, g) in enumerate(zip(params, seeds, gen_index)):
+            temp[i] = 0.0 if p.greedy else p.temperature
+            top_p[i] = p.top_p
+            top_k[i] = max(p.top_k, 0)
+            seed[i] = (s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF)
+            index[i] = g
+        return cls(temp, top_p, top_k, seed, index)
+
+
+def logits_f32(hidden: jax.Array, lm_head: jax.Array) -> jax.Array:
+    """``[B, D] @ [D, V]`` in float32, as the trainer's log-prob function computes them."""
+    return jnp.dot(hidden.astype(jnp.float32), lm_head.astype(jnp.float32))
+
+
+def _keys(seed: jax.Array, gen_index: jax.Array) -> jax.Array:
+    def one(s: jax.Array, g: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.key(s[0]), s[1])
+        return jax.random.fold_in(key, g)
+
+    return jax.vmap(one)(seed, gen_index)
+
+
+def _keep_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Tokens kept by top-k then top-p (vLLM's order), per row. Ties at the cut are kept."""
+    vocab = scaled.shape[-1]
+    desc = -jnp.sort(-scaled, axis=-1)
+    ranks = jnp.arange(vocab)[None, :]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]
+    in_k = ranks < k
+    probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    n_keep = jnp.sum(in_k & (mass_before < top_p[:, None]), axis=-1)  # >= 1: rank 0 always kept
+    threshold = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)
+    return scaled >= threshold
+
+
+CDF_BLOCK = 256
+
+
+def _inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
+    """Per row, the first index where ``cumsum(probs) >= u * sum(probs)``; never a zero-prob entry.
+
+    Two levels (block sums, then one block) because a full-length cumsum is slow on CPU.
+    """
+    b, v = probs.shape
+    nb = -(-v // CDF_BLOCK)
+    blocks = jnp.pad(probs, ((0, 0), (0, nb * CDF_BLOCK - v))).reshape(b, nb, CDF_BLOCK)
+    block_sums = jnp.sum(blocks, axis=-1)
+    block_cdf = jnp.cumsum(block_sums, axis=-1)
+    target = u * block_cdf[:, -1]
+    last_block = nb - 1 - jnp.argmax((block_sums > 0)[:, ::-1], axis=-1)
+    blk = jnp.minimum(jnp.sum(block_cdf < target[:, None], axis=-1), last_block)
+    inner = jnp.take_along_axis(blocks, blk[:, None, None], axis=1)[:, 0]
+    rest = target - (
+        jnp.take_along_axis(block_cdf, blk[:, None], axis=-1)[:, 0]
+        - jnp.take_along_axis(block_sums, blk[:, None], axis=-1)[:, 0]
+    )
+    last_in = CDF_BLOCK - 1 - jnp.argmax((inner > 0)[:, ::-1], axis=-1)
+    idx = jnp.minimum(jnp.sum(jnp.cumsum(inner, axis=-1) < rest[:, None], axis=-1), last_in)
+    return (blk * CDF_BLOCK + idx).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, batch: SamplingBatch, *, filtered: bool) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row of ``logits`` (f32 [B, V]); returns (tokens i32[B], logprobs f32[B]).
+
+    A draw is one uniform number per row mapped through the cumulative distribution (inverse
+    CDF): exact sampling from ``softmax(logits / T)`` (restricted to the kept tokens when
+    filtering), with one random number per token instead of one per vocabulary entry.
+    ``filtered`` (static) compiles the top-k / top-p path; other batches skip the sort.
+    """
+    greedy = batch.temperature <= 0
+    temperature = jnp.where(greedy, 1.0, batch.temperature)
+    scaled = logits / temperature[:, None]
+    logp_all = jax.nn.log_softmax(scaled, axis=-1)
+    probs = jnp.exp(logp_all)
+    if filtered:
+        probs = jnp.where(_keep_mask(scaled, batch.top_k, batch.top_p), probs, 0.0)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32, minval=jnp.finfo(jnp.float32).tiny))(
+        _keys(batch.seed, batch.gen_index)
+    )
+    drawn = _inverse_cdf(probs, u)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    logprobs = jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
+    return tokens, logprobs

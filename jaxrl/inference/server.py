@@ -1,0 +1,463 @@
+"""HTTP API over an ``Engine`` (DESIGN contract 6), with FastAPI + uvicorn.
+
+Handlers submit requests to the engine (its own thread runs the steps) and await their
+futures; a handler cancelled mid-flight (client gone, shutdown) aborts its requests. Bad input
+gets a 400 whose message names the field; an unexpected error gets a 500 and the server keeps
+serving. ``EngineServer`` runs uvicorn in a background thread (``start``/``stop``: the training entry
+point, tests; ``serve_forever``: ``python -m jaxrl.serve``, which waits for SIGINT/SIGTERM).
+Shutdown is graceful: the socket closes, in-flight requests finish (up to
+``graceful_shutdown_s``), then the engine stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from jinja2 import TemplateError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxrl.inference import api
+from jaxrl.inference.engine import Engine
+from jaxrl.inference.sampling import SamplingParams
+from jaxrl.inference.scheduler import Completion
+from jaxrl.inference.scheduler import Request as EngineRequest
+
+SESSION_HEADER = "x-session-id"
+
+
+class BadRequest(Exception):
+    """Client error: answered with a 400 carrying this message."""
+
+
+class Unavailable(Exception):
+    """The engine is stopping or failed: answered with a 503."""
+
+
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    kind = _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status)
+
+
+def _describe(errors: Sequence[Any]) -> str:
+    parts = []
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            parts.append(f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}")
+            continue
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "request body"
+        parts.append(f"{loc}: {e.get('msg')}")
+    return "; ".join(parts)
+
+
+def make_stop_fn(tokenizer: Any, stops: list[str]) -> Callable[[list[int]], bool]:
+    """True once the decoded completion tail contains a stop string."""
+    width = 4 * max(len(s) for s in stops) + 8  # tokens enough to hold any stop string
+
+    def stop(tokens: list[int]) -> bool:
+        tail = tokenizer.decode(tokens[-width:], skip_special_tokens=False)
+        return any(s in tail for s in stops)
+
+    return stop
+
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_CONTROL = re.compile(r"<\|[^|>]*\|>")
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """Split Qwen/Hermes ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks out of
+    ``text``; returns (content before the first call, OpenAI tool_calls). Malformed blocks stay
+    in the content."""
+    calls = []
+    for match in _TOOL_CALL.finditer(text):
+        try:
+            obj = json.loads(match.group(1))
+            name, args = obj["name"], obj.get("arguments", {})
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+        arguments = args if isinstance(args, str) else json.dumps(args)
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
+        )
+    if not calls:
+        return text, []
+    return text[: text.index("<tool_call>")].strip(), calls
+
+
+class EngineServer:
+    """The HTTP API of ``engine``: ``start()`` / ``stop()`` in a background thread, ``url``."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        model_name: str = "jaxrl",
+        stop_token_ids: Sequence[int] | None = None,
+        graceful_shutdown_s: float = 30.0,
+    ):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.host = host
+        self.port = port
+        self.model_name = model_name
+        eos = tokenizer.eos_token_id
+        self.default_stop_ids = (
+            list(stop_token_ids) if stop_token_ids is not None else ([eos] if eos is not None else [])
+        )
+        self.graceful_shutdown_s = graceful_shutdown_s
+        self.created = int(time.time())
+        self.app = self._build_app()
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._owns_engine = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def _prepare(self) -> tuple[uvicorn.Server, socket.socket]:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app, log_level="warning", timeout_graceful_shutdown=self.graceful_shutdown_s, lifespan="off"
+        )
+        if not self.engine.running:
+            self.engine.start()
+            self._owns_engine = True
+        self._server = uvicorn.Server(config)
+        return self._server, sock
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Serve in a background thread; returns once the socket accepts connections."""
+        if self._thread is not None:
+            return
+        server, sock = self._prepare()
+        self._thread = threading.Thread(
+            target=server.run, kwargs={"sockets": [sock]}, name="jaxrl-http", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"inference server failed to start on {self.url}")
+            time.sleep(0.01)
+
+    def serve_forever(self, on_ready: Callable[[str], None] | None = None) -> None:
+        """Serve until SIGINT/SIGTERM (call from the main thread), then shut down gracefully and
+        return. ``on_ready`` gets the URL once the server accepts connections."""
+        stop = threading.Event()
+        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.start()
+            if on_ready is not None:
+                on_ready(self.url)
+            while not stop.wait(0.5):
+                if self._thread is not None and not self._thread.is_alive():
+                    raise RuntimeError("inference server stopped unexpectedly")
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.stop()
+
+    def stop(self) -> None:
+        """Close the socket, let in-flight requests finish, then stop the engine if we started it."""
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._stop_engine()
+
+    def _stop_engine(self) -> None:
+        if self._owns_engine:
+            self.engine.stop(timeout=self.graceful_shutdown_s)
+            self._owns_engine = False
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _params(self, body: api.SamplingFields, max_tokens: int | None) -> list[SamplingParams]:
+        stop_ids = list(body.stop_token_ids or []) + ([] if body.ignore_eos else self.default_stop_ids)
+        seeds = [None] * body.n if body.seed is None else [body.seed + i for i in range(body.n)]
+        try:
+            return [
+                SamplingParams(
+                    max_tokens=max_tokens or self.engine.max_model_len,
+                    temperature=1.0 if body.temperature is None else body.temperature,
+                    top_p=1.0 if body.top_p is None else body.top_p,
+                    top_k=body.top_k or 0,
+                    seed=seed,
+                    stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+                )
+                for seed in seeds
+            ]
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+
+    @staticmethod
+    def _stops(body: api.SamplingFields) -> list[str]:
+        return [body.stop] if isinstance(body.stop, str) else [s for s in body.stop or [] if s]
+
+    async def _complete(
+        self, prompt: list[int], params: list[SamplingParams], session: str | None, stops: list[str]
+    ) -> list[Completion]:
+        stop_fn = make_stop_fn(self.tokenizer, stops) if stops else None
+        reqs = [EngineRequest(prompt, p, session_id=session, stop_fn=stop_fn) for p in params]
+        futures = []
+        try:
+            for r in reqs:
+                futures.append(self.engine.submit(r))
+        except (ValueError, RuntimeError) as e:
+            for r in reqs[: len(futures)]:
+                self.engine.abort(r.request_id)
+            raise (BadRequest if isinstance(e, ValueError) else Unavailable)(str(e)) from None
+        try:
+            return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        except asyncio.CancelledError:
+            for r in reqs:
+                self.engine.abort(r.request_id)
+            raise
+
+    def _visible(self, c: Completion, stops: list[str]) -> tuple[list[int], str]:
+        """Completion tokens and text as a client sees them: without the matched stop token,
+        the text cut before a matched stop string."""
+        ids = c.token_ids
+        if c.stop_token is not None:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        return ids, text if cut < 0 else text[:cut]
+
+    @staticmethod
+    def _usage(prompt_len: int, completions: list[Completion]) -> dict[str, Any]:
+        out = sum(len(c.token_ids) for c in completions)
+        cached = min(c.cached_prompt_tokens for c in completions)
+        return {
+            "prompt_tokens": prompt_len,
+            "completion_tokens": out,
+            "total_tokens": prompt_len + out,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def _piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # -- app -------------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="jaxrl inference", docs_url=None, redoc_url=None)
+
+        @app.exception_handler(RequestValidationError)
+        async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+            return _error(400, _describe(exc.errors()))
+
+        @app.exception_handler(BadRequest)
+        async def _bad(request: Request, exc: BadRequest) -> JSONResponse:
+            return _error(400, str(exc))
+
+        @app.exception_handler(Unavailable)
+        async def _unavailable(request: Request, exc: Unavailable) -> JSONResponse:
+            return _error(503, str(exc))
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+            return _error(exc.status_code, str(exc.detail))
+
+        @app.exception_handler(Exception)
+        async def _crash(request: Request, exc: Exception) -> JSONResponse:
+            return _error(500, f"internal error: {exc!r}")
+
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            if not (self.engine.healthy and self.engine.running):
+                return _error(503, "engine is not running")
+            return JSONResponse({"status": "ok", "policy_version": self.engine.policy_version})
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            card = api.ModelCard(
+                id=self.model_name,
+                created=self.created,
+                root=self.model_name,
+                max_model_len=self.engine.max_model_len,
+            )
+            return api.ModelList(data=[card]).model_dump()
+
+        @app.post("/inference/v1/generate")
+        async def generate(body: api.GenerateRequest, request: Request) -> JSONResponse:
+            sp = body.sampling_params
+            params = self._params(sp, sp.max_tokens)
+            completions = await self._complete(
+                body.token_ids, params, request.headers.get(SESSION_HEADER), self._stops(sp)
+            )
+            choices = []
+            for i, c in enumerate(completions):
+                logprobs = None
+                if sp.logprobs is not None:
+                    content = [
+                        {"token": f"token_id:{t}", "token_id": t, "logprob": lp}
+                        for t, lp in zip(c.token_ids, c.logprobs)
+                    ]
+                    logprobs = {"content": content}
+                choices.append(
+                    {
+                        "index": i,
+                        "token_ids": c.token_ids,
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                        "policy_version": c.policy_version,
+                        "policy_version_final": c.policy_version_final,
+                    }
+                )
+            return JSONResponse(
+                {
+                    "request_id": body.request_id or f"gen-{uuid.uuid4().hex}",
+                    "prompt_token_ids": body.token_ids,
+                    "choices": choices,
+                    "usage": self._usage(len(body.token_ids), completions),
+                }
+            )
+
+        @app.post("/v1/chat/completions")
+        async def chat(body: api.ChatCompletionRequest, request: Request) -> JSONResponse:
+            if body.stream:
+                raise BadRequest("stream: streaming is not supported; send stream=false")
+            messages = [self._message(m) for m in body.messages]
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages,
+                    tools=body.tools,
+                    add_generation_prompt=True,
+                    tokenize=False,
+                    **(body.chat_template_kwargs or {}),
+                )
+            except (TemplateError, TypeError, KeyError, ValueError) as e:  # the template rejects it
+                raise BadRequest(f"messages: the chat template failed: {e}") from None
+            prompt = self.tokenizer.encode(text, add_special_tokens=False)
+            params = self._params(body, body.max_completion_tokens or body.max_tokens)
+            stops = self._stops(body)
+            completions = await self._complete(prompt, params, request.headers.get(SESSION_HEADER), stops)
+            choices = [self._chat_choice(i, c, stops, body) for i, c in enumerate(completions)]
+            out = {
+                "id": f"chatcmpl-{uuid.uuid4().hex}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.model_name,
+                "choices": choices,
+                "usage": self._usage(len(prompt), completions),
+            }
+            if body.return_token_ids:
+                out["prompt_token_ids"] = prompt
+            return JSONResponse(out)
+
+        @app.post("/v1/completions")
+        async def completions(body: api.CompletionRequest, request: Request) -> JSONResponse:
+            if body.stream:
+                raise BadRequest("stream: streaming is not supported; send stream=false")
+            prompt = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
+            params = self._params(body, body.max_tokens)
+            stops = self._stops(body)
+            done = await self._complete(prompt, params, request.headers.get(SESSION_HEADER), stops)
+            choices = []
+            for i, c in enumerate(done):
+                ids, text = self._visible(c, stops)
+                logprobs = None
+                if body.logprobs is not None:
+                    pieces = [self._piece(t) for t in ids]
+                    offsets = [sum(len(p) for p in pieces[:k]) for k in range(len(pieces))]
+                    logprobs = {
+                        "tokens": pieces,
+                        "token_logprobs": c.logprobs[: len(ids)],
+                        "top_logprobs": None,
+                        "text_offset": offsets,
+                    }
+                choices.append(
+                    {
+                        "index": i,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                        "token_ids": c.token_ids,
+                    }
+                )
+            return JSONResponse(
+                {
+                    "id": f"cmpl-{uuid.uuid4().hex}",
+                    "object": "text_completion",
+                    "created": int(time.time()),
+                    "model": self.model_name,
+                    "choices": choices,
+                    "usage": self._usage(len(prompt), done),
+                }
+            )
+
+        @app.post("/update_weights")
+        async def update_weights(body: api.UpdateWeightsRequest) -> dict[str, int]:
+            try:
+                version = await asyncio.to_thread(
+                    self.engine.update_weights_from_path, body.path, version=body.version
+                )
+            except (FileNotFoundError, KeyError, ValueError) as e:
+                raise BadRequest(f"update_weights: {e}") from None
+            return api.UpdateWeightsResponse(policy_version=version).model_dump()
+
+        return app
+
+    @staticmethod
+    def _message(m: api.ChatMessage) -> dict[str, Any]:
+        msg = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):  # OpenAI content parts: the text parts, concatenated
+            msg["content"] = "".join(p.get("text", "") for p in m.content if p.get("type", "text") == "text")
+        msg.setdefault("content", "")
+        return msg
+
+    def _chat_choice(
+        self, index: int, c: Completion, stops: list[str], body: api.ChatCompletionRequest
+    ) -> dict[str, Any]:
+        ids, text = self._visible(c, stops)
+        content, tool_calls = parse_tool_calls(text) if body.tools else (text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": _CONTROL.sub("", content) or None}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        finish = "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason
+        logprobs = None
+        if body.logprobs:
+            entries = []
+            for t, lp in zip(ids, c.logprobs):
+                piece = self._piece(t)
+                entries.append(
+                    {"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []}
+                )
+            logprobs = {"content": entries}
+        choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        if body.return_token_ids:
+            choice["token_ids"] = c.token_ids
+        return choice

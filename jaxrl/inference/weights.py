@@ -1,0 +1,148 @@
+"""Where the engine's weights and KV cache live, and how new weights are handed over.
+
+The engine shards by the decoder's logical axis names (``PARAM_LOGICAL_AXES``,
+``CACHE_LOGICAL_AXES``) with one rules table: tensor parallelism over heads, MLP and
+vocabulary on a mesh axis named "tensor" (a dimension not divisible by the axis size stays
+replicated). Without a mesh everything sits on one device.
+
+A weight update from the trainer is one batched ``jax.device_put`` of the whole parameter
+pytree to the engine's shardings (whatever the trainer's sharding or mesh), always into fresh
+buffers, so the trainer may donate or overwrite its own arrays afterwards; then a cast to the
+engine's dtypes when they differ. No files are written.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from jaxrl.models.decoder import CACHE_LOGICAL_AXES, PARAM_LOGICAL_AXES, Decoder
+from jaxrl.models.hf_io import param_name
+
+ShardingFn = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]
+
+# Logical axis -> mesh axis for serving (tensor parallel).
+SERVING_RULES: dict[str, str] = {
+    "vocab": "tensor",
+    "q_heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+}
+
+
+def serving_mesh(tensor_parallel: int) -> Mesh | None:
+    """A 1-D "tensor" mesh over the first ``tensor_parallel`` devices (None for one device)."""
+    if tensor_parallel == 1:
+        return None
+    devices = jax.devices()
+    if tensor_parallel > len(devices):
+        raise ValueError(
+            f"inference.tensor_parallel = {tensor_parallel} but only {len(devices)} devices are visible"
+        )
+    return Mesh(np.array(devices[:tensor_parallel]), ("tensor",))
+
+
+def partition_spec(
+    axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, rules: dict[str, str]
+) -> PartitionSpec:
+    """Map logical axes to mesh axes; dimensions that do not divide evenly stay replicated."""
+    used: set[str] = set()
+    spec: list[str | None] = []
+    for name, dim in zip(axes, shape):
+        axis = rules.get(name)
+        if axis in mesh.shape and axis not in used and dim % mesh.shape[axis] == 0:
+            spec.append(axis)
+            used.add(axis)
+        else:
+            spec.append(None)
+    return PartitionSpec(*spec)
+
+
+def param_sharding_fn(mesh: Mesh | None, rules: dict[str, str] = SERVING_RULES) -> ShardingFn:
+    """``(weight name, shape) -> sharding`` for ``load_decoder(sharding_fn=...)``."""
+    if mesh is None:
+        single = SingleDeviceSharding(jax.devices()[0])
+        return lambda name, shape: single
+    return lambda name, shape: NamedSharding(
+        mesh, partition_spec(PARAM_LOGICAL_AXES[name], shape, mesh, rules)
+    )
+
+
+def cache_sharding(
+    mesh: Mesh | None, shape: tuple[int, ...], rules: dict[str, str] = SERVING_RULES
+) -> jax.sharding.Sharding:
+    if mesh is None:
+        return SingleDeviceSharding(jax.devices()[0])
+    return NamedSharding(mesh, partition_spec(CACHE_LOGICAL_AXES, shape, mesh, rules))
+
+
+def replicated(mesh: Mesh | None) -> jax.sharding.Sharding:
+    """Sharding of small host-fed inputs (token ids, positions, sampling settings)."""
+    if mesh is None:
+        return SingleDeviceSharding(jax.devices()[0])
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def state_shardings(state: nnx.State, sharding_fn: ShardingFn) -> Any:
+    """A pytree of shardings shaped like ``state``."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: sharding_fn(param_name(p), tuple(x.shape)), state)
+
+
+def as_state(weights: nnx.State | Decoder) -> nnx.State:
+    return nnx.state(weights) if isinstance(weights, Decoder) else weights
+
+
+def place_state(new: nnx.State | Decoder, like: nnx.State, shardings: Any) -> nnx.State:
+    """``new`` moved to ``shardings`` (fresh buffers) and cast to the dtypes of ``like``.
+
+    ``new`` must have the same weights as ``like`` (matched by path: metadata such as the
+    trainer's sharding annotations does not matter) with the same shapes.
+    """
+    new_leaves = {
+        jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(as_state(new))[0]
+    }
+    like_flat, treedef = jax.tree_util.tree_flatten_with_path(like)
+    names = [jax.tree_util.keystr(p) for p, _ in like_flat]
+    missing, extra = sorted(set(names) - set(new_leaves)), sorted(set(new_leaves) - set(names))
+    if missing or extra:
+        raise ValueError(
+            f"weight update: state does not match the engine's model (missing {missing}, unexpected {extra})"
+        )
+    for name, (_, ref) in zip(names, like_flat):
+        if tuple(new_leaves[name].shape) != tuple(ref.shape):
+            raise ValueError(
+                f"weight update: {name} has shape {tuple(new_leaves[name].shape)}, engine expects {tuple(ref.shape)}"
+            )
+    leaves = [new_leaves[n] for n in names]
+    flat_shardings = treedef.flatten_up_to(shardings)
+    placed = jax.device_put(leaves, flat_shardings, may_alias=False)
+    dtypes = [ref.dtype for _, ref in like_flat]
+    if any(x.dtype != d for x, d in zip(placed, dtypes)):
+        placed = _cast(placed, dtypes, flat_shardings)
+    return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+def _cast(leaves: list[jax.Array], dtypes: list[Any], shardings: list[Any]) -> list[jax.Array]:
+    return _cast_fn(tuple(dtypes), tuple(shardings))(leaves)
+
+
+@functools.cache
+def _cast_fn(
+    dtypes: tuple[Any, ...], shardings: tuple[Any, ...]
+) -> Callable[[list[jax.Array]], list[jax.Array]]:
+    """One jitted cast per layout (compiled once, not at every update)."""
+    return jax.jit(
+        lambda xs: [x.astype(d) for x, d in zip(xs, dtypes)], out_shardings=list(shardings), donate_argnums=0
+    )
+
+
+def zeros_like_sharded(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A zero array created directly in its sharding (no host copy)."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()

@@ -1,0 +1,160 @@
+"""The engine on a tiny random Qwen3: trainer/sampler agreement, batching, stops, prefix reuse."""
+
+from __future__ import annotations
+
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.inference.engine import Engine
+from jaxrl.inference.sampling import SamplingParams
+from jaxrl.inference.scheduler import Request
+from jaxrl.models.hf_io import load_decoder
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, make_config) -> Engine:
+    return Engine.from_pretrained(model_dir, make_config())
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return load_decoder(model_dir)
+
+
+def _prompt(rng: np.random.Generator, n: int) -> list[int]:
+    return rng.integers(0, 265, n).tolist()
+
+
+def _req(prompt: list[int], **kw) -> Request:
+    session = kw.pop("session", None)
+    return Request(prompt, SamplingParams(**kw), session_id=session)
+
+
+def test_logprobs_match_trainer_forward(engine, model, score, kl) -> None:
+    """Sampled log-probs equal the trainer's on the same tokens: mismatch KL <= 1e-6 (fp32).
+
+    Eight requests on four rows: sequences join and leave between steps, prompts longer than a
+    prefill chunk are prefilled in pieces, and temperatures / top-k / top-p / greedy are mixed.
+    """
+    rng = np.random.default_rng(0)
+    settings = [
+        {"temperature": 1.0},
+        {"temperature": 0.7},
+        {"temperature": 0.0},
+        {"temperature": 1.3},
+        {"temperature": 1.0, "top_k": 5},
+        {"temperature": 0.5, "top_p": 0.9},
+        {"temperature": 1.0},
+        {"temperature": 0.0},
+    ]
+    reqs = [
+        _req(_prompt(rng, int(rng.integers(3, 70))), max_tokens=24, seed=i, **s)
+        for i, s in enumerate(settings)
+    ]
+    outs = engine.generate(reqs)
+    for r, o in zip(reqs, outs):
+        assert len(o.token_ids) == len(o.logprobs) == 24 and o.finish_reason == "length"
+        logp = score(model, r.prompt, o.token_ids, r.params.temperature)
+        assert np.abs(logp - np.asarray(o.logprobs)).max() < 1e-5
+        assert kl(logp, o.logprobs) <= 1e-6
+        if r.params.greedy:  # each token is the argmax of the full forward's logits
+            seq = np.asarray(r.prompt + o.token_ids)
+            hidden, _ = model(jnp.asarray(seq[None]), jnp.arange(len(seq))[None])
+            logits = np.asarray(model.logits(hidden))[0, len(r.prompt) - 1 : -1]
+            np.testing.assert_array_equal(logits.argmax(-1), o.token_ids)
+
+
+def test_seeded_request_is_independent_of_batching_and_arrival(engine) -> None:
+    rng = np.random.default_rng(1)
+    prompt = _prompt(rng, 20)
+    alone = engine.generate([_req(prompt, max_tokens=16, seed=5)])[0]
+    others = [engine.submit(_req(_prompt(rng, 45), max_tokens=20)) for _ in range(3)]
+    engine.step()
+    engine.step()  # the others are mid-flight when the request arrives
+    late = engine.submit(_req(prompt, max_tokens=16, seed=5))
+    while not (late.done() and all(f.done() for f in others)):
+        engine.step()
+    got = late.result()
+    assert got.token_ids == alone.token_ids
+    np.testing.assert_allclose(got.logprobs, alone.logprobs, atol=1e-5)
+
+
+def test_stop_tokens_max_tokens_and_context_limit(engine) -> None:
+    prompt = _prompt(np.random.default_rng(2), 12)
+    full = engine.generate([_req(prompt, max_tokens=12, seed=3)])[0].token_ids
+    k = next(i for i in range(1, 12) if full[i] not in full[:i])
+    out = engine.generate([_req(prompt, max_tokens=12, seed=3, stop_token_ids=(full[k],))])[0]
+    assert out.token_ids == full[: k + 1] and out.finish_reason == "stop" and out.stop_token == full[k]
+    out = engine.generate([_req(prompt, max_tokens=5, seed=3)])[0]
+    assert out.token_ids == full[:5] and out.finish_reason == "length" and out.stop_token is None
+    long_prompt = _prompt(np.random.default_rng(3), engine.max_model_len - 6)
+    out = engine.generate([_req(long_prompt, max_tokens=50)])[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+
+
+def test_next_turn_and_group_reuse_cached_prefixes(engine, model, score, kl) -> None:
+    rng = np.random.default_rng(4)
+    stats = engine.stats
+    turn1 = _prompt(rng, 30)
+    first = engine.generate([_req(turn1, max_tokens=10, seed=0, session="conv")])[0]
+    turn2 = turn1 + first.token_ids + [5, 6, 7]
+    computed = stats.prefill_tokens
+    second = engine.generate([_req(turn2, max_tokens=10, seed=1, session="conv")])[0]
+    assert (
+        second.cached_prompt_tokens == len(turn1) + len(first.token_ids) - 1
+    )  # the last token was never fed
+    assert stats.prefill_tokens - computed == len(turn2) - second.cached_prompt_tokens
+    assert kl(score(model, turn2, second.token_ids, 1.0), second.logprobs) <= 1e-6
+
+    group_prompt = _prompt(rng, 40)
+    computed, copies = stats.prefill_tokens, stats.row_copies
+    group = engine.generate([_req(group_prompt, max_tokens=8, seed=10 + i) for i in range(4)])
+    assert stats.prefill_tokens - computed == 40 + 3  # one prefill; each copy recomputes its last token
+    assert stats.row_copies - copies == 3
+    assert len({tuple(g.token_ids) for g in group}) > 1
+    for g in group:
+        assert g.cached_prompt_tokens in (0, 39)
+        assert kl(score(model, group_prompt, g.token_ids, 1.0), g.logprobs) <= 1e-6
+
+
+def test_compiled_programs_are_bounded(engine) -> None:
+    before = engine.compiled_programs()
+    assert 0 < before <= engine.config.program_bound()
+    rng = np.random.default_rng(5)
+    engine.generate([_req(_prompt(rng, int(n)), max_tokens=int(m)) for n, m in rng.integers(2, 60, (6, 2))])
+    assert engine.compiled_programs() <= engine.config.program_bound()
+
+
+def test_bad_requests_are_refused_with_the_reason(engine) -> None:
+    cases = [
+        ([], "empty"),
+        (list(range(engine.max_model_len)), "max_model_len"),
+        ([1, engine.vocab_size], "vocabulary"),
+        ([-1, 2], "vocabulary"),
+    ]
+    for prompt, message in cases:
+        with pytest.raises(ValueError, match=message):
+            engine.submit(_req(prompt))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        engine.submit(_req([1, 2], stop_token_ids=(engine.vocab_size + 5,)))
+
+
+def test_background_thread_abort_and_stop(engine) -> None:
+    engine.start()
+    try:
+        before = engine.stats.generated_tokens
+        long = _req([1, 2, 3], max_tokens=100, temperature=0.0)
+        future = engine.submit(long)
+        deadline = time.monotonic() + 60
+        while engine.stats.generated_tokens == before and time.monotonic() < deadline:
+            time.sleep(0.005)
+        engine.abort(long.request_id)
+        assert engine.submit(_req([4, 5, 6], max_tokens=3)).result(60).finish_reason == "length"
+        out = future.result(60)
+        assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 100
+    finally:
+        engine.stop()
+    assert not engine.running

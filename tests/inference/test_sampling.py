@@ -1,0 +1,100 @@
+"""Sampling: greedy, temperature, top-k/top-p, seeds, and which log-prob is reported."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.inference.sampling import SamplingBatch, SamplingParams, sample
+
+LOGITS = np.array([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]], np.float32)
+
+
+N = 4096  # draws per call: one compiled shape for every test
+
+
+def _draw(
+    logits: np.ndarray, params: SamplingParams, n: int = N, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """n draws for one row of logits (gen_index 0..n-1 of one seeded request)."""
+    batch = SamplingBatch.host([params] * n, [seed] * n, list(range(n)), n)
+    tokens, logprobs = jax.jit(sample, static_argnames="filtered")(
+        jnp.asarray(np.repeat(logits, n, axis=0)), batch, filtered=params.filtered
+    )
+    return np.asarray(tokens), np.asarray(logprobs)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x - np.log(np.sum(np.exp(x - x.max()))) - x.max()
+
+
+def test_greedy_is_argmax_and_reports_temperature_one_logprob() -> None:
+    tokens, logprobs = _draw(LOGITS, SamplingParams(temperature=0.0))
+    assert (tokens == 0).all()
+    np.testing.assert_allclose(logprobs, _log_softmax(LOGITS[0])[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_draws_follow_the_temperature_scaled_distribution(temperature: float) -> None:
+    n = N
+    tokens, logprobs = _draw(LOGITS, SamplingParams(temperature=temperature))
+    want = np.exp(_log_softmax(LOGITS[0] / temperature))
+    freq = np.bincount(tokens, minlength=6) / n
+    assert np.abs(freq - want).max() < 4 * np.sqrt(want.max() / n)  # ~4 sigma
+    np.testing.assert_allclose(logprobs, np.log(want)[tokens], rtol=1e-5)
+
+
+def test_top_k_and_top_p_restrict_draws_but_report_unfiltered_logprob() -> None:
+    tokens, logprobs = _draw(LOGITS, SamplingParams(top_k=2))
+    assert set(tokens) == {0, 1}
+    np.testing.assert_allclose(logprobs, _log_softmax(LOGITS[0])[tokens], rtol=1e-5)
+    # top_p: tokens 0 and 1 hold ~0.80 of the mass; with top_p = 0.75 token 1 is still needed.
+    p = np.exp(_log_softmax(LOGITS[0]))
+    assert p[0] < 0.75 < p[0] + p[1] < 0.9
+    tokens, _ = _draw(LOGITS, SamplingParams(top_p=0.75))
+    assert set(tokens) == {0, 1}
+    tokens, _ = _draw(LOGITS, SamplingParams(top_p=0.85))  # 0, 1, 2 hold 0.89
+    assert set(tokens) == {0, 1, 2}
+    tokens, _ = _draw(LOGITS, SamplingParams(top_k=1, temperature=3.0))
+    assert (tokens == 0).all()
+
+
+def test_seed_and_token_index_determine_the_draw() -> None:
+    params = SamplingParams(temperature=1.0)
+    a, _ = _draw(LOGITS, params, seed=7)
+    b, _ = _draw(LOGITS, params, seed=7)
+    c, _ = _draw(LOGITS, params, seed=8)
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any()
+    big = (1 << 40) + 7  # 64-bit seeds use both halves
+    d, _ = _draw(LOGITS, params, seed=big)
+    assert (a != d).any()
+
+
+def test_sampling_params_validation() -> None:
+    for bad in ({"max_tokens": 0}, {"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -2}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    assert SamplingParams(temperature=1e-7).greedy
+    assert not SamplingParams(temperature=0.0, top_k=5).filtered
+    assert SamplingParams(top_k=5).filtered and SamplingParams(top_p=0.9).filtered
+
+
+def test_inverse_cdf_over_many_blocks_matches_numpy_and_skips_zero_mass() -> None:
+    from jaxrl.inference.sampling import _inverse_cdf
+
+    rng = np.random.default_rng(0)
+    probs = rng.random((3, 1000)).astype(np.float32) * (rng.random((3, 1000)) < 0.05)
+    probs[2] = 0.0
+    probs[2, [3, 700, 999]] = [0.2, 0.5, 0.3]  # mass in three blocks, the last one partial
+    u = np.linspace(1e-6, 1.0, 257, dtype=np.float32)
+    got = np.asarray(jax.vmap(lambda x: _inverse_cdf(jnp.asarray(probs), jnp.full(3, x)))(jnp.asarray(u)))
+    for row in range(3):
+        cdf = np.cumsum(probs[row].astype(np.float64))
+        want = np.minimum(np.searchsorted(cdf, u * cdf[-1], side="left"), 999)
+        assert (probs[row, got[:, row]] > 0).all()
+        assert (got[:, row] == want).mean() > 0.98  # float32 vs float64 cumsum may differ at edges
+    assert set(got[:, 2]) == {3, 700, 999}

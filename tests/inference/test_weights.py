@@ -1,0 +1,170 @@
+"""Weight updates: in-process from a differently sharded trainer state, from a HF directory,
+the policy version counter, and which version requests in flight finish on."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrl.inference.engine import Engine
+from jaxrl.inference.sampling import SamplingParams
+from jaxrl.inference.scheduler import Request
+from jaxrl.models.hf_io import load_decoder
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+def _req(max_tokens: int = 12, seed: int = 0, prompt: list[int] = PROMPT) -> Request:
+    return Request(prompt, SamplingParams(max_tokens=max_tokens, seed=seed))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, make_config) -> Engine:
+    return Engine.from_pretrained(model_dir, make_config())
+
+
+def _wait_for_tokens(engine: Engine, before: int) -> None:
+    deadline = time.monotonic() + 60
+    while engine.stats.generated_tokens == before and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
+def test_update_from_trainer_state_on_another_mesh(
+    model_dir, other_model_dir, make_config, score, kl
+) -> None:
+    """Trainer params sharded over 8 devices ("fsdp") -> engine tensor-parallel on 2 devices."""
+    devices = jax.devices()
+    assert len(devices) >= 8, "tests/conftest.py provides 8 CPU devices"
+    trainer_mesh = Mesh(np.array(devices[:8]), ("fsdp",))
+
+    def trainer_sharding(name: str, shape: tuple[int, ...]) -> NamedSharding:
+        spec = [None] * len(shape)
+        if shape[-1] % 8 == 0:
+            spec[-1] = "fsdp"
+        return NamedSharding(trainer_mesh, PartitionSpec(*spec))
+
+    trainer = load_decoder(other_model_dir, sharding_fn=trainer_sharding)
+    engine_mesh = Mesh(np.array(devices[:2]), ("tensor",))
+    engine = Engine.from_pretrained(model_dir, make_config(), mesh=engine_mesh)
+
+    before = engine.generate([_req()])[0]
+    assert before.policy_version == 0
+    assert kl(score(load_decoder(model_dir), PROMPT, before.token_ids, 1.0), before.logprobs) <= 1e-6
+
+    expected = {
+        jax.tree_util.keystr(p): x.sharding for p, x in jax.tree_util.tree_flatten_with_path(engine.params)[0]
+    }
+    assert engine.update_weights_from_state(nnx.state(trainer)) == 1 == engine.policy_version
+    for x in jax.tree.leaves(nnx.state(trainer)):  # the trainer may donate its buffers next step
+        x.delete()
+    for p, x in jax.tree_util.tree_flatten_with_path(engine.params)[0]:
+        assert x.sharding == expected[jax.tree_util.keystr(p)]
+    assert any(
+        len(x.sharding.device_set) == 2 and not x.sharding.is_fully_replicated
+        for x in jax.tree.leaves(engine.params)
+    )
+
+    after = engine.generate([_req()])[0]
+    assert after.policy_version == after.policy_version_final == 1
+    assert kl(score(load_decoder(other_model_dir), PROMPT, after.token_ids, 1.0), after.logprobs) <= 1e-6
+    assert after.token_ids != before.token_ids
+
+
+def test_engine_serves_a_copy_of_the_model_it_is_given(model_dir, make_config, score, kl) -> None:
+    trainer_model = load_decoder(model_dir)
+    engine = Engine(trainer_model, make_config())
+    for x in jax.tree.leaves(nnx.state(trainer_model)):  # e.g. donated by the trainer's next step
+        x.delete()
+    out = engine.generate([_req()])[0]
+    assert kl(score(load_decoder(model_dir), PROMPT, out.token_ids, 1.0), out.logprobs) <= 1e-6
+
+
+def test_place_state_reshards_casts_and_checks_names_and_shapes(model_dir) -> None:
+    from jaxrl.inference.weights import param_sharding_fn, place_state, state_shardings
+
+    engine_like = nnx.state(load_decoder(model_dir, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16))
+    shardings = state_shardings(engine_like, param_sharding_fn(None))
+    trainer_state = nnx.state(load_decoder(model_dir))  # float32
+    placed = place_state(trainer_state, engine_like, shardings)
+    for got, want in zip(jax.tree.leaves(placed), jax.tree.leaves(trainer_state)):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.bfloat16)))
+    bad = jax.tree.map(lambda x: x[..., :1], trainer_state)
+    with pytest.raises(ValueError, match="has shape"):
+        place_state(bad, engine_like, shardings)
+    with pytest.raises(ValueError, match="missing"):
+        place_state({"embed": trainer_state["embed"]}, engine_like, shardings)
+
+
+def test_update_from_hf_directory_and_version_rules(engine, other_model_dir, tmp_path, score, kl) -> None:
+    before = engine.generate([_req()])[0]
+    assert engine.update_weights_from_path(other_model_dir) == 1
+    # The cached prefix of the same prompt came from the old weights and must not be reused.
+    after = engine.generate([_req()])[0]
+    assert after.cached_prompt_tokens == 0 and after.policy_version == 1
+    assert kl(score(load_decoder(other_model_dir), PROMPT, after.token_ids, 1.0), after.logprobs) <= 1e-6
+    assert after.token_ids != before.token_ids
+
+    with pytest.raises(ValueError, match="greater than 1"):
+        engine.update_weights_from_path(other_model_dir, version=1)
+    with pytest.raises(FileNotFoundError):
+        engine.update_weights_from_path(tmp_path / "missing")
+    changed = tmp_path / "changed"
+    shutil.copytree(other_model_dir, changed)
+    cfg = json.loads((changed / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-3
+    (changed / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="different architecture"):
+        engine.update_weights_from_path(changed)
+    assert engine.policy_version == 1
+
+
+def test_drain_finishes_requests_in_flight_on_the_old_weights(
+    engine, model_dir, other_model_dir, score, kl
+) -> None:
+    """weight_update = "drain": requests in flight never see the new weights; later ones only do."""
+    old = load_decoder(other_model_dir)  # version 1, from the previous test
+    new = load_decoder(model_dir)
+    engine.start()
+    try:
+        before = engine.stats.generated_tokens
+        inflight_reqs = [_req(max_tokens=100, seed=s, prompt=[7, 7, s]) for s in range(3)]
+        inflight = [engine.submit(r) for r in inflight_reqs]
+        _wait_for_tokens(engine, before)
+        assert engine.update_weights_from_state(nnx.state(new), version=5, wait=False) == 5
+        assert not all(f.done() for f in inflight), "test needs requests in flight at the update"
+        later_reqs = [_req(max_tokens=10, seed=s, prompt=[8, 8, s]) for s in range(2)]
+        later = [engine.submit(r) for r in later_reqs]
+        for r, f in zip(inflight_reqs, inflight):
+            out = f.result(120)
+            assert (out.policy_version, out.policy_version_final) == (1, 1)
+            assert kl(score(old, r.prompt, out.token_ids, 1.0), out.logprobs) <= 1e-6
+        for r, f in zip(later_reqs, later):
+            out = f.result(120)
+            assert (out.policy_version, out.policy_version_final) == (5, 5)
+            assert kl(score(new, r.prompt, out.token_ids, 1.0), out.logprobs) <= 1e-6
+    finally:
+        engine.stop()
+    assert engine.policy_version == 5
+
+
+def test_immediate_update_switches_requests_in_flight(model_dir, other_model_dir, make_config) -> None:
+    engine = Engine.from_pretrained(model_dir, make_config(weight_update="immediate", decode_steps=1))
+    engine.start()
+    try:
+        before = engine.stats.generated_tokens
+        future = engine.submit(_req(max_tokens=120))
+        _wait_for_tokens(engine, before)
+        assert engine.update_weights_from_path(other_model_dir) == 1
+        out = future.result(120)
+        assert (out.policy_version, out.policy_version_final) == (0, 1)
+    finally:
+        engine.stop()
