@@ -150,6 +150,10 @@ def _bwd(block, res, cotangents):
     h32 = hidden.astype(jnp.float32)
     inv_t = 1.0 / temperature.astype(jnp.float32)
     mean_logit = lse - entropy
+    # [D, N], materialised once: ``h_t @ d_z`` is then the canonical [M, K] @ [K, N] matmul that
+    # XLA:CPU hands to its fast kernels (``h32.T @ d_z`` folded into the dot is not; see
+    # ``jaxrl.models.decoder.dense``).
+    h_t = lax.optimization_barrier(h32.T)
 
     def body(carry, i):
         d_h, d_w, d_t = carry
@@ -163,7 +167,7 @@ def _bwd(block, res, cotangents):
         w = lax.dynamic_slice_in_dim(lm_head, start, block, axis=1).astype(jnp.float32)
         d_h = d_h + jnp.dot(d_z, w.T)
         # Invalid (overlapping) columns have d_z == 0, so adding the whole block is exact.
-        d_w_block = lax.dynamic_slice_in_dim(d_w, start, block, axis=1) + jnp.dot(h32.T, d_z)
+        d_w_block = lax.dynamic_slice_in_dim(d_w, start, block, axis=1) + jnp.dot(h_t, d_z)
         d_w = lax.dynamic_update_slice_in_dim(d_w, d_w_block, start, axis=1)
         return (d_h, d_w, d_t), None
 

@@ -90,10 +90,19 @@ class Trainer:
                 f"trainer.micro_batch_rows = {cfg.micro_batch_rows} must be a multiple of "
                 f"data*fsdp = {dp} (each data-parallel shard gets whole rows)"
             )
+        # Outputs are pinned to the inputs' shardings: left to the compiler, parameters and
+        # optimizer state drift to other layouts after an update (recompiling the next step).
         self._micro_step = jax.jit(
-            partial(self._micro_step_impl, graphdef=self.graphdef, cfg=cfg), donate_argnums=(1,)
+            partial(self._micro_step_impl, graphdef=self.graphdef, cfg=cfg),
+            donate_argnums=(1,),
+            out_shardings=(self.param_shardings, replicated(mesh)),
         )
-        self._apply = jax.jit(self._apply_impl, donate_argnums=(0, 1, 2))
+        opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
+        self._apply = jax.jit(
+            self._apply_impl,
+            donate_argnums=(0, 1, 2),
+            out_shardings=(self.param_shardings, opt_shardings, replicated(mesh)),
+        )
 
     # -- jitted bodies ---------------------------------------------------------------------
     @staticmethod
