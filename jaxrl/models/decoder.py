@@ -12,13 +12,16 @@ sampler log-probs come from one implementation of the math.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.arch import ModelArch
+
+if TYPE_CHECKING:
+    from jaxrl.kernel_dispatch import Kernels
 
 # Logical axes of every weight, keyed by the weight's attribute name.
 PARAM_LOGICAL_AXES: dict[str, tuple[str, ...]] = {
@@ -249,12 +252,14 @@ class Decoder(nnx.Module):
         segment_ids: jax.Array | None = None,
         cache: KVCache | None = None,
         cache_rows: jax.Array | None = None,
+        kernels: Kernels | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """tokens, positions, segment_ids: int [B, T].
 
         Without a cache, attention is causal within each segment. With a cache, row b writes
         its keys/values into cache row ``cache_rows[b]`` at ``positions[b, t]`` and attends to
         every cached position <= its own (the engine guarantees those are this sequence's).
+        ``kernels`` may swap in a Pallas attention with the same semantics (default: ours).
         """
         arch = self.arch
         x = self.embed[...].astype(self.dtype)[tokens]
@@ -263,10 +268,11 @@ class Decoder(nnx.Module):
         if cache is None:
             seg = jnp.ones_like(tokens) if segment_ids is None else segment_ids
             mask = packed_causal_mask(seg)
+            attend = kernels.training_attention(seg) if kernels is not None else None
 
             def body(h: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, None]:
                 kv_fn = lambda k, v: (k, v, mask)  # noqa: E731
-                return self._block(h, w, cos, sin, kv_fn, CAUSAL_BLOCK), None
+                return self._block(h, w, cos, sin, kv_fn, CAUSAL_BLOCK, attend), None
 
             if self.remat:
                 body = jax.checkpoint(body, prevent_cse=False)
@@ -275,6 +281,7 @@ class Decoder(nnx.Module):
             rows = jnp.arange(tokens.shape[0]) if cache_rows is None else cache_rows
             key_pos = jnp.arange(cache.max_len)
             mask = key_pos[None, None, :] <= positions[:, :, None]
+            attend = kernels.cached_attention(positions) if kernels is not None else None
 
             def body(carry, w):  # type: ignore[no-untyped-def]
                 h, kc, vc, layer = carry
@@ -286,14 +293,14 @@ class Decoder(nnx.Module):
                     vc = vc.at[idx].set(v.astype(vc.dtype), mode="drop")
                     return kc[layer][rows].astype(k.dtype), vc[layer][rows].astype(v.dtype), mask
 
-                h = self._block(h, w, cos, sin, kv_fn)
+                h = self._block(h, w, cos, sin, kv_fn, attend=attend)
                 return (h, kc, vc, layer + 1), None
 
             (h, kc, vc, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), weights)
             cache = KVCache(kc, vc)
         return rms_norm(h, self.final_norm[...], arch.rms_norm_eps), cache
 
-    def _block(self, x, w, cos, sin, kv_fn, causal_block=None):  # type: ignore[no-untyped-def]
+    def _block(self, x, w, cos, sin, kv_fn, causal_block=None, attend=None):  # type: ignore[no-untyped-def]
         arch, dt = self.arch, self.dtype
         eps = arch.rms_norm_eps
         b, t, d = x.shape
@@ -309,7 +316,10 @@ class Decoder(nnx.Module):
             q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_all, v_all, mask = kv_fn(k, v)
-        attn = attention(q, k_all, v_all, mask, causal_block=causal_block)
+        if attend is None:
+            attn = attention(q, k_all, v_all, mask, causal_block=causal_block)
+        else:  # a kernel with the same semantics (jaxrl.kernel_dispatch)
+            attn = attend(q, k_all, v_all)
         x = x + dense(attn.reshape(b, t, H * Dh), w["wo"].astype(dt).reshape(H * Dh, d))
         h = rms_norm(x, w["mlp_norm"], eps)
         gate = dense(h, w["w_gate"].astype(dt))

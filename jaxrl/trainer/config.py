@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jaxrl.parallel.mesh import MeshConfig
@@ -25,6 +27,11 @@ class TrainerConfig(BaseModel):
     """Vocabulary block of the fused log-prob (peak memory ~ tokens x vocab_block floats)."""
     remat: bool = False
     """Recompute each layer's activations in the backward pass (less memory, ~1/3 more FLOPs)."""
+    kernels: Literal["auto", "reference", "pallas", "pallas_interpret"] = "auto"
+    """Log-prob and attention implementations (``jaxrl.kernel_dispatch``). "auto": the Pallas
+    kernels on TPU, the pure-JAX references elsewhere. "reference" / "pallas": always that one
+    ("pallas" on a backend without the kernels fails at start-up). "pallas_interpret": the kernels
+    in Pallas interpret mode on any backend (slow; for tests)."""
     optim: OptimConfig = OptimConfig()
     loss: LossConfig = LossConfig()
     mesh: MeshConfig = MeshConfig()

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.decoder import Decoder
 from jaxrl.parallel.mesh import batch_sharding, replicated
 from jaxrl.samples import TrainingSample
@@ -39,13 +40,20 @@ def micro_batch_loss(
     mb: dict[str, jax.Array],
     counts: dict[str, jax.Array],
     cfg: TrainerConfig,
+    kernels: Kernels | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Loss of one micro-batch, normalised by the step's global counts, and its sums."""
+    """Loss of one micro-batch, normalised by the step's global counts, and its sums.
+
+    ``kernels``: log-prob and attention implementations (default: ``cfg.kernels`` resolved for
+    JAX's default backend, with Pallas calls unsharded; the ``Trainer`` passes its mesh).
+    """
+    if kernels is None:
+        kernels = Kernels.create(cfg.kernels, field="trainer.kernels")
     model: Decoder = nnx.merge(graphdef, params)
-    hidden, _ = model(mb["tokens"], mb["positions"], mb["segment_ids"])
+    hidden, _ = model(mb["tokens"], mb["positions"], mb["segment_ids"], kernels=kernels)
     b, t, d = hidden.shape
     # Token t is predicted from position t - 1: drop the last hidden state and column 0.
-    logp, entropy = token_logprobs(
+    logp, entropy = (kernels.token_logprobs() or token_logprobs)(
         hidden[:, :-1].reshape(-1, d),
         model.lm_head_weight(),
         mb["tokens"][:, 1:].reshape(-1),
@@ -72,6 +80,7 @@ class Trainer:
     def __init__(self, model: Decoder, cfg: TrainerConfig, mesh: Mesh, *, peak_flops: float | None = None):
         self.cfg = cfg
         self.mesh = mesh
+        self.kernels = Kernels.create(cfg.kernels, field="trainer.kernels", mesh=mesh)
         self.arch = model.arch
         self.graphdef, self.params = nnx.split(model)
         self.param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
@@ -93,7 +102,7 @@ class Trainer:
         # Outputs are pinned to the inputs' shardings: left to the compiler, parameters and
         # optimizer state drift to other layouts after an update (recompiling the next step).
         self._micro_step = jax.jit(
-            partial(self._micro_step_impl, graphdef=self.graphdef, cfg=cfg),
+            partial(self._micro_step_impl, graphdef=self.graphdef, cfg=cfg, kernels=self.kernels),
             donate_argnums=(1,),
             out_shardings=(self.param_shardings, replicated(mesh)),
         )
@@ -106,9 +115,9 @@ class Trainer:
 
     # -- jitted bodies ---------------------------------------------------------------------
     @staticmethod
-    def _micro_step_impl(params, grad_acc, mb, counts, *, graphdef, cfg):  # type: ignore[no-untyped-def]
+    def _micro_step_impl(params, grad_acc, mb, counts, *, graphdef, cfg, kernels):  # type: ignore[no-untyped-def]
         grad_fn = jax.grad(micro_batch_loss, has_aux=True)
-        grads, sums = grad_fn(params, graphdef, mb, counts, cfg)
+        grads, sums = grad_fn(params, graphdef, mb, counts, cfg, kernels)
         return jax.tree.map(jnp.add, grad_acc, grads), sums
 
     def _apply_impl(self, params, opt_state, grads):  # type: ignore[no-untyped-def]
