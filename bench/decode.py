@@ -1,6 +1,7 @@
-"""Decode throughput of the embedded engine vs transformers ``generate`` (same weights, same run).
+"""Decode throughput of the embedded engine vs transformers ``generate`` (same weights, same run),
+and vs a vLLM server when ``JAXRL_VLLM`` names a vLLM venv's python (scripts/install_vllm_cpu.sh).
 
-    python bench/decode.py [--batches 1 8 32] [--prompt-len 32] [--new-tokens 128]
+    python bench/decode.py [--batches 1 8 32] [--prompt-len 32] [--new-tokens 128] [--no-vllm]
 
 A random Qwen3-shaped model (~5M parameters) is written to a temporary HF directory; the engine
 loads it (float32) and transformers loads the same files (torch, CPU). Both generate greedily,
@@ -8,6 +9,9 @@ loads it (float32) and transformers loads the same files (torch, CPU). Both gene
 prefill. Prints one JSON line per batch size: output tokens/s of both, their ratio, and the
 fraction of the memory-bandwidth bound the engine reaches (every decode step must read all
 weights and the KV cache; the host's bandwidth is measured in the same run with a large copy).
+The vLLM column (``vllm_tok_s``) sends the batch as concurrent token-in/token-out requests to
+``/inference/v1/generate`` of one server started for the whole run (float32, greedy,
+``ignore_eos``), timed from first request to last response, as the engine is timed.
 """
 
 from __future__ import annotations
@@ -112,6 +116,72 @@ def bench_hf(model_dir: Path, prompts: np.ndarray, args: argparse.Namespace) -> 
     return len(prompts) * args.new_tokens / best
 
 
+class VLLMPeer:
+    """A vLLM server on the benchmark's model (jaxrl's vLLM backend launches it)."""
+
+    def __init__(self, model_dir: Path, tmp: Path, args: argparse.Namespace):
+        from jaxrl.inference.config import InferenceConfig
+        from jaxrl.inference.vllm_backend import VLLMBackend
+        from jaxrl.models.hf_io import load_decoder
+        from jaxrl.models.tokenizer import build_tokenizer
+
+        max_len = args.prompt_len + args.new_tokens + 8
+        cfg = InferenceConfig(
+            backend="vllm",
+            max_model_len=max_len,
+            max_seqs=max(args.batches),
+            max_batched_tokens=max(max_len, max(args.batches) * args.prompt_len),
+            # Random prompts use the whole model vocabulary; the stand-in tokenizer knows fewer ids.
+            vllm={"extra_args": ["--skip-tokenizer-init"]},
+            server={"port": 0},
+        )
+        hf_config = json.loads((model_dir / "config.json").read_text())
+        self.backend = VLLMBackend(
+            load_decoder(model_dir),
+            hf_config,
+            cfg,
+            output_dir=tmp / "vllm",
+            tokenizer_dir=build_tokenizer(tmp / "tokenizer"),
+            model_name="bench",
+        )
+        self.args = args
+
+    def tok_s(self, prompts: np.ndarray) -> float:
+        import asyncio
+
+        import httpx
+
+        params = {
+            "max_tokens": self.args.new_tokens,
+            "min_tokens": self.args.new_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+
+        async def batch(client: httpx.AsyncClient) -> float:
+            async def one(p: np.ndarray) -> int:
+                body = {"model": "bench", "token_ids": p.tolist(), "sampling_params": params}
+                resp = await client.post(f"{self.backend.upstream}/inference/v1/generate", json=body)
+                resp.raise_for_status()
+                return len(resp.json()["choices"][0]["token_ids"])
+
+            t0 = time.perf_counter()
+            counts = await asyncio.gather(*(one(p) for p in prompts))
+            dt = time.perf_counter() - t0
+            assert all(c == self.args.new_tokens for c in counts), counts
+            return dt
+
+        async def run() -> float:
+            async with httpx.AsyncClient(timeout=600) as client:
+                await batch(client)  # warm-up
+                return min([await batch(client) for _ in range(self.args.repeats)])
+
+        return len(prompts) * self.args.new_tokens / asyncio.run(run())
+
+    def stop(self) -> None:
+        self.backend.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -122,6 +192,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM column even when JAXRL_VLLM is set")
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -129,34 +200,55 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
         n_params = make_model(model_dir, args)
-        print(json.dumps({"host_bandwidth_gb_s": round(bandwidth / 1e9, 2), "params": n_params}), flush=True)
+        vllm = (
+            VLLMPeer(model_dir, Path(tmp), args)
+            if os.environ.get("JAXRL_VLLM") and not args.no_vllm
+            else None
+        )
+        header = {"host_bandwidth_gb_s": round(bandwidth / 1e9, 2), "params": n_params}
+        if vllm is not None:
+            header["vllm_startup_s"] = round(vllm.backend.startup_s, 1)
+        print(json.dumps(header), flush=True)
         rng = np.random.default_rng(0)
-        for batch in args.batches:
-            prompts = rng.integers(0, args.vocab, (batch, args.prompt_len))
-            engine_tok_s, engine_s = bench_engine(model_dir, prompts, args)
-            hf_tok_s = bench_hf(model_dir, prompts, args)
-            # Bandwidth bound of decode: each step reads all weights (fp32) and the KV cache.
-            kv_per_token = (
-                args.layers * 2 * 2 * (args.hidden // 4) * 4
-            )  # layers x (k, v) x kv_heads x head_dim x 4 B
-            mean_len = args.prompt_len + args.new_tokens / 2
-            step_bytes = n_params * 4 + batch * mean_len * kv_per_token
-            bound_tok_s = batch * bandwidth / step_bytes
-            print(
-                json.dumps(
-                    {
-                        "batch": batch,
-                        "engine_tok_s": round(engine_tok_s, 1),
-                        "hf_generate_tok_s": round(hf_tok_s, 1),
-                        "ratio": round(engine_tok_s / hf_tok_s, 2),
-                        "bandwidth_bound_tok_s": round(bound_tok_s, 1),
-                        "fraction_of_bound": round(engine_tok_s / bound_tok_s, 3),
-                        "engine_s": round(engine_s, 3),
-                        "decode_steps": args.decode_steps,
-                    }
-                ),
-                flush=True,
-            )
+        try:
+            for batch in args.batches:
+                prompts = rng.integers(0, args.vocab, (batch, args.prompt_len))
+                bench_batch(model_dir, prompts, args, n_params, bandwidth, vllm)
+        finally:
+            if vllm is not None:
+                vllm.stop()
+
+
+def bench_batch(
+    model_dir: Path,
+    prompts: np.ndarray,
+    args: argparse.Namespace,
+    n_params: int,
+    bandwidth: float,
+    vllm: VLLMPeer | None,
+) -> None:
+    batch = len(prompts)
+    engine_tok_s, engine_s = bench_engine(model_dir, prompts, args)
+    hf_tok_s = bench_hf(model_dir, prompts, args)
+    # Bandwidth bound of decode: each step reads all weights (fp32) and the KV cache.
+    kv_per_token = args.layers * 2 * 2 * (args.hidden // 4) * 4  # layers x (k, v) x kv_heads x head_dim x 4 B
+    mean_len = args.prompt_len + args.new_tokens / 2
+    step_bytes = n_params * 4 + batch * mean_len * kv_per_token
+    bound_tok_s = batch * bandwidth / step_bytes
+    row = {
+        "batch": batch,
+        "engine_tok_s": round(engine_tok_s, 1),
+        "hf_generate_tok_s": round(hf_tok_s, 1),
+        "ratio": round(engine_tok_s / hf_tok_s, 2),
+        "bandwidth_bound_tok_s": round(bound_tok_s, 1),
+        "fraction_of_bound": round(engine_tok_s / bound_tok_s, 3),
+        "engine_s": round(engine_s, 3),
+        "decode_steps": args.decode_steps,
+    }
+    if vllm is not None:
+        vllm_tok_s = vllm.tok_s(prompts)
+        row |= {"vllm_tok_s": round(vllm_tok_s, 1), "engine_vs_vllm": round(engine_tok_s / vllm_tok_s, 2)}
+    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

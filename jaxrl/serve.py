@@ -52,6 +52,7 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
         model_name=srv.served_model_name or cfg.model.name,
         stop_token_ids=eos_token_ids(cfg.model.name, tokenizer),
         graceful_shutdown_s=srv.graceful_shutdown_s,
+        keep_alive_s=srv.keep_alive_s,
     )
 
 

@@ -117,6 +117,7 @@ class EngineServer:
         model_name: str = "jaxrl",
         stop_token_ids: Sequence[int] | None = None,
         graceful_shutdown_s: float = 30.0,
+        keep_alive_s: float = 600.0,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -128,6 +129,7 @@ class EngineServer:
             list(stop_token_ids) if stop_token_ids is not None else ([eos] if eos is not None else [])
         )
         self.graceful_shutdown_s = graceful_shutdown_s
+        self.keep_alive_s = keep_alive_s
         self.created = int(time.time())
         self.app = self._build_app()
         self._server: uvicorn.Server | None = None
@@ -148,7 +150,8 @@ class EngineServer:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.app, log_level="warning", timeout_graceful_shutdown=self.graceful_shutdown_s, lifespan="off"
+            self.app, log_level="warning", timeout_graceful_shutdown=self.graceful_shutdown_s, lifespan="off",
+            timeout_keep_alive=self.keep_alive_s,
         )
         if not self.engine.running:
             self.engine.start()

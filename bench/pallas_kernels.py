@@ -9,7 +9,7 @@ Timings run only where ``kernels.select.use_pallas()`` is true (TPU): reference 
 Elsewhere a line says why they were skipped (the kernels are Mosaic kernels; see
 ``kernels/select.py``).
 
-    python bench/kernels.py [--iters 10] [--skip-accuracy] [--skip-timing]
+    python bench/pallas_kernels.py [--iters 10] [--skip-accuracy] [--skip-timing]
 
 Prints one JSON line per measurement.
 """
@@ -18,16 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
-
-# Run as a script, this file's folder is sys.path[0], and this file (kernels.py) would shadow
-# the top-level ``kernels`` package it benchmarks: drop that entry before importing it.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import jax
 import jax.numpy as jnp
