@@ -43,17 +43,22 @@ class RolloutLog:
 
 
 def start_engine(run: TrainingRun) -> tuple[Any, Any, ModelEndpoint]:
-    """The embedded engine + its HTTP server on loopback, serving the trainer's current weights."""
+    """The rollout backend serving the trainer's current weights: the embedded engine + its HTTP
+    server on loopback, or (``inference.backend = "vllm"``) a vLLM server behind a loopback proxy."""
     from transformers import AutoTokenizer
 
     from jaxrl.inference.engine import Engine
     from jaxrl.inference.server import EngineServer
 
     cfg = run.cfg
+    if cfg.inference.backend == "vllm":
+        from jaxrl.inference.vllm_backend import start_vllm
+
+        return start_vllm(run)
     if cfg.inference.backend != "embedded":
         raise NotImplementedError(
-            f"inference.backend = {cfg.inference.backend!r}: the RL loop drives the embedded engine only so far; "
-            'use backend = "embedded"'
+            f"inference.backend = {cfg.inference.backend!r}: the RL loop drives the embedded engine or a vLLM "
+            'server it launches; use backend = "embedded" or "vllm"'
         )
     engine = Engine(run.trainer.model(), cfg.inference)
     tokenizer = AutoTokenizer.from_pretrained(run.tokenizer_dir)

@@ -43,6 +43,8 @@ def scratch_hf_config(scratch: Any, vocab_size: int) -> dict[str, Any]:
         tie_word_embeddings=scratch.tie_word_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": scratch.rope_theta},
         bos_token_id=None,
+        # Loaders that dispatch on it (vLLM) treat a config without architectures as an embedding model.
+        architectures=["Qwen3ForCausalLM"],
     )
     return cfg.to_dict()
 

@@ -156,9 +156,11 @@ class Orchestrator:
         while not self._stopping:
             step = self._next_step
             oldest_allowed = step - 1 - self.cfg.max_async_level
-            while self.policy_version() < oldest_allowed and not self._stopping:
+            while self.policy_version() < oldest_allowed and not self._stopping and self._next_step == step:
                 await asyncio.sleep(0.02)
             with self._cond:
+                if self._next_step != step:  # request_more rewound production to a resampled step
+                    continue
                 queue = self._queues[step]
                 if queue.dispatched >= self.groups_per_step:
                     self._next_step += 1

@@ -22,6 +22,12 @@ class OptimConfig(BaseModel):
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["cosine", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine floor as a fraction of lr.")
+    schedule_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Length of the warmup + cosine schedule; default trainer.steps. Longer than the run "
+        "stops part-way along a longer schedule (e.g. a warm start that leaves room for RL to improve).",
+    )
 
 
 def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -43,7 +49,7 @@ def decay_mask(params: Any) -> Any:
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    schedule = make_schedule(cfg, total_steps)
+    schedule = make_schedule(cfg, cfg.schedule_steps or total_steps)
     parts = []
     if cfg.max_grad_norm > 0:
         parts.append(optax.clip_by_global_norm(cfg.max_grad_norm))
