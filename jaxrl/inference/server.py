@@ -15,14 +15,12 @@ import asyncio
 import json
 import re
 import signal
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -31,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxrl.inference import api
 from jaxrl.inference.engine import Engine
+from jaxrl.inference.http_thread import BackgroundServer
 from jaxrl.inference.sampling import SamplingParams
 from jaxrl.inference.scheduler import Completion
 from jaxrl.inference.scheduler import Request as EngineRequest
@@ -122,57 +121,36 @@ class EngineServer:
         self.engine = engine
         self.tokenizer = tokenizer
         self.host = host
-        self.port = port
         self.model_name = model_name
         eos = tokenizer.eos_token_id
         self.default_stop_ids = (
             list(stop_token_ids) if stop_token_ids is not None else ([eos] if eos is not None else [])
         )
         self.graceful_shutdown_s = graceful_shutdown_s
-        self.keep_alive_s = keep_alive_s
         self.created = int(time.time())
         self.app = self._build_app()
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
+        self._http = BackgroundServer(
+            self.app, host, port, name="jaxrl-http", keep_alive_s=keep_alive_s, graceful_shutdown_s=graceful_shutdown_s
+        )
         self._owns_engine = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return self._http.url
 
-    def _prepare(self) -> tuple[uvicorn.Server, socket.socket]:
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            self.app, log_level="warning", timeout_graceful_shutdown=self.graceful_shutdown_s, lifespan="off",
-            timeout_keep_alive=self.keep_alive_s,
-        )
+    @property
+    def port(self) -> int:
+        return self._http.port
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Serve in a background thread (starting the engine if it is not running); returns once
+        the socket accepts connections."""
         if not self.engine.running:
             self.engine.start()
             self._owns_engine = True
-        self._server = uvicorn.Server(config)
-        return self._server, sock
-
-    def start(self, timeout: float = 30.0) -> None:
-        """Serve in a background thread; returns once the socket accepts connections."""
-        if self._thread is not None:
-            return
-        server, sock = self._prepare()
-        self._thread = threading.Thread(
-            target=server.run, kwargs={"sockets": [sock]}, name="jaxrl-http", daemon=True
-        )
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"inference server failed to start on {self.url}")
-            time.sleep(0.01)
+        self._http.start(timeout)
 
     def serve_forever(self, on_ready: Callable[[str], None] | None = None) -> None:
         """Serve until SIGINT/SIGTERM (call from the main thread), then shut down gracefully and
@@ -184,7 +162,7 @@ class EngineServer:
             if on_ready is not None:
                 on_ready(self.url)
             while not stop.wait(0.5):
-                if self._thread is not None and not self._thread.is_alive():
+                if not self._http.alive:
                     raise RuntimeError("inference server stopped unexpectedly")
         finally:
             for sig, handler in previous.items():
@@ -193,11 +171,7 @@ class EngineServer:
 
     def stop(self) -> None:
         """Close the socket, let in-flight requests finish, then stop the engine if we started it."""
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._http.stop()
         self._stop_engine()
 
     def _stop_engine(self) -> None:

@@ -16,16 +16,14 @@ through unchanged.
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import httpx
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jaxrl.inference.http_thread import BackgroundServer
 
 GENERATE_PATH = "inference/v1/generate"
 # Hop-by-hop headers and those httpx recomputes; never forwarded.
@@ -157,46 +155,22 @@ class ProxyServer:
         keep_alive_s: float = 600.0,
     ):
         self.upstream = upstream
-        self.keep_alive_s = keep_alive_s
-        self.host = host
-        self.port = port
         self.app = build_proxy_app(upstream, timeout_s=timeout_s)
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
+        # A long keep-alive towards the env servers: they pool connections and do not retry
+        # (see ``ServerConfig.keep_alive_s``).
+        self._http = BackgroundServer(self.app, host, port, name="jaxrl-vllm-proxy", keep_alive_s=keep_alive_s)
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return self._http.url
+
+    @property
+    def port(self) -> int:
+        return self._http.port
 
     def start(self, timeout: float = 30.0) -> None:
         """Serve in a background thread; returns once the socket accepts connections."""
-        if self._thread is not None:
-            return
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
-        self.port = sock.getsockname()[1]
-        # A long keep-alive towards the env servers: they pool connections and do not retry
-        # (see ``ServerConfig.keep_alive_s``).
-        config = uvicorn.Config(
-            self.app, log_level="warning", lifespan="off", timeout_keep_alive=int(self.keep_alive_s)
-        )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [sock]}, name="jaxrl-vllm-proxy", daemon=True
-        )
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM proxy failed to start on {self.url}")
-            time.sleep(0.01)
+        self._http.start(timeout)
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._http.stop()
