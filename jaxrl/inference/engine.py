@@ -82,11 +82,11 @@ def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *,
         window, tok, pos, index = carry
         hidden, window = model(tok[:, None], pos[:, None], cache=window, kernels=kernels)
         new, logp = sample(
-            logits_f32(hidden[:, 0], lm_head), replace(sampling, gen_index=index), filtered=filtered
+            logits_f32(hidden[:, 0], lm_head), replace(sampling, draw_position=index), filtered=filtered
         )
         return (window, new, pos + 1, index + 1), (new, logp)
 
-    carry = (window, tokens, positions, sampling.gen_index)
+    carry = (window, tokens, positions, sampling.draw_position)
     (window, *_), (new_tokens, logprobs) = jax.lax.scan(body, carry, None, length=steps)
     cache = KVCache(
         cache.k.at[:, rows, :length].set(window.k, mode="drop"),

@@ -17,8 +17,10 @@ holds for every token:
 
 Random draws invert the cumulative distribution of the temperature-scaled (and, if asked,
 filtered) probabilities at one uniform number drawn with a key derived from (request seed,
-index of the token in the completion): a seeded request gives the same tokens whatever else
-shares its batch and however decode steps are grouped.
+position of the drawn token in the whole sequence): a seeded request gives the same tokens
+whatever else shares its batch and however decode steps are grouped, and the turns of a
+multi-turn conversation that reuse one seed (as verifiers' clients do: one sampling config per
+rollout) still draw independently, because each turn's tokens sit at new positions.
 """
 
 from __future__ import annotations
@@ -73,11 +75,11 @@ class SamplingBatch:
     top_p: jax.Array  # f32[B]
     top_k: jax.Array  # i32[B]; 0 = off
     seed: jax.Array  # u32[B, 2]: low and high 32 bits of the request seed
-    gen_index: jax.Array  # i32[B]: index in the completion of the token drawn next
+    draw_position: jax.Array  # i32[B]: sequence position (prompt + completion) of the token drawn next
 
     @classmethod
     def host(
-        cls, params: list[SamplingParams], seeds: list[int], gen_index: list[int], size: int
+        cls, params: list[SamplingParams], seeds: list[int], draw_position: list[int], size: int
     ) -> SamplingBatch:
         """Numpy arrays padded to ``size`` rows (padding rows are greedy and discarded)."""
         temp = np.zeros(size, np.float32)
@@ -85,7 +87,7 @@ class SamplingBatch:
         top_k = np.zeros(size, np.int32)
         seed = np.zeros((size, 2), np.uint32)
         index = np.zeros(size, np.int32)
-        for i, (p, s, g) in enumerate(zip(params, seeds, gen_index)):
+        for i, (p, s, g) in enumerate(zip(params, seeds, draw_position)):
             temp[i] = 0.0 if p.greedy else p.temperature
             top_p[i] = p.top_p
             top_k[i] = max(p.top_k, 0)
@@ -99,12 +101,12 @@ def logits_f32(hidden: jax.Array, lm_head: jax.Array) -> jax.Array:
     return jnp.dot(hidden.astype(jnp.float32), lm_head.astype(jnp.float32))
 
 
-def _keys(seed: jax.Array, gen_index: jax.Array) -> jax.Array:
+def _keys(seed: jax.Array, draw_position: jax.Array) -> jax.Array:
     def one(s: jax.Array, g: jax.Array) -> jax.Array:
         key = jax.random.fold_in(jax.random.key(s[0]), s[1])
         return jax.random.fold_in(key, g)
 
-    return jax.vmap(one)(seed, gen_index)
+    return jax.vmap(one)(seed, draw_position)
 
 
 def _keep_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -163,7 +165,7 @@ def sample(logits: jax.Array, batch: SamplingBatch, *, filtered: bool) -> tuple[
     if filtered:
         probs = jnp.where(_keep_mask(scaled, batch.top_k, batch.top_p), probs, 0.0)
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32, minval=jnp.finfo(jnp.float32).tiny))(
-        _keys(batch.seed, batch.gen_index)
+        _keys(batch.seed, batch.draw_position)
     )
     drawn = _inverse_cdf(probs, u)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)

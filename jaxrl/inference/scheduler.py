@@ -324,7 +324,7 @@ class Scheduler:
             positions[i, :n] = np.arange(seq.prefilled, seq.prefilled + n)
             rows[i], last[i] = seq.row, n - 1
         params = [s.params for s in chosen]
-        sampling = SamplingBatch.host(params, [s.seed for s in chosen], [0] * len(chosen), size)
+        sampling = SamplingBatch.host(params, [s.seed for s in chosen], [len(s.prompt) for s in chosen], size)
         filtered = any(p.filtered for p in params)
         return PrefillPlan(chosen, chunk, tokens, positions, rows, last, sampling, filtered)
 
@@ -362,8 +362,8 @@ class Scheduler:
         length = bucket_at_least(self._decode_lens, longest)
         positions[len(seqs) :] = length  # padding: outside the attended KV window, never written
         params = [s.params for s in seqs]
-        gen_index = [len(s.tokens) for s in seqs]
-        sampling = SamplingBatch.host(params, [s.seed for s in seqs], gen_index, size)
+        draw_position = [len(s.prompt) + len(s.tokens) for s in seqs]
+        sampling = SamplingBatch.host(params, [s.seed for s in seqs], draw_position, size)
         filtered = any(p.filtered for p in params)
         return DecodePlan(seqs, tokens, positions, rows, sampling, filtered, length)
 

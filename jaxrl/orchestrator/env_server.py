@@ -387,6 +387,7 @@ class EnvServer:
             episode=None,
             policy_version=policy_version,
             temperature=1.0 if sampling.temperature is None else sampling.temperature,
+            seed=(sampling.model_extra or {}).get("seed"),
         )
         try:
             client = self._ensure_client()
@@ -406,18 +407,24 @@ class EnvServer:
         self,
         task_data: Mapping[str, Any],
         endpoint: ModelEndpoint,
-        sampling: Mapping[str, Any] | vf.SamplingConfig,
+        sampling: Mapping[str, Any],
         group_size: int,
         *,
         policy_version: int = 0,
+        seeds: Sequence[int] | None = None,
     ) -> list[Rollout]:
-        """`group_size` concurrent rollouts of one task, sharing a fresh group id."""
+        """`group_size` concurrent rollouts of one task, sharing a fresh group id. With `seeds`
+        (one per rollout), rollout i samples with `seed = seeds[i]`: the engine's draws then
+        depend on the seed and the token position only, not on which requests share a batch."""
+        if seeds is not None and len(seeds) != group_size:
+            raise ValueError(f"run_group: {len(seeds)} seeds for a group of {group_size}")
         group_id = uuid.uuid4().hex
+        per_rollout = [dict(sampling)] * group_size if seeds is None else [{**sampling, "seed": s} for s in seeds]
         return list(
             await asyncio.gather(
                 *(
-                    self.run(task_data, endpoint, sampling, group_id=group_id, policy_version=policy_version)
-                    for _ in range(group_size)
+                    self.run(task_data, endpoint, params, group_id=group_id, policy_version=policy_version)
+                    for params in per_rollout
                 )
             )
         )

@@ -8,6 +8,12 @@ s - 1), so every rollout trained at step s was sampled by a policy no older than
 are generated while the trainer works on this one. Each rollout carries the version it was
 dispatched under (the oldest policy that can have produced it).
 
+Every rollout samples with its own seed, a hash of (run seed, split, which draw, which sample):
+train groups by their task sampler draw (checkpointed, so a resumed run samples what the
+uninterrupted one would have), eval by (env, task, sample), the same at every eval. So a run
+does not depend on the order in which requests reach the engine, and successive evals compare
+policies on common random numbers: the change in eval reward is the policy's, not the dice's.
+
 The orchestrator reaches the engine only over HTTP (through the env servers) and hands the
 trainer samples, never traces.
 """
@@ -15,6 +21,7 @@ trainer samples, never traces.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import threading
@@ -55,6 +62,16 @@ def sampling_params(s: SamplingConfig) -> dict[str, Any]:
     if s.top_k > 0:
         out["top_k"] = s.top_k
     return out
+
+
+def rollout_seeds(run_seed: int, *key: object, n: int) -> list[int]:
+    """``n`` sampling seeds (one per rollout of a group) determined by ``(run_seed, *key)``."""
+
+    def one(i: int) -> int:
+        text = "/".join(map(str, (run_seed, *key, i)))
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest()) >> 1  # < 2**63
+
+    return [one(i) for i in range(n)]
 
 
 def eval_env_configs(cfg: OrchestratorConfig) -> tuple[list[EnvConfig], bool]:
@@ -168,16 +185,19 @@ class Orchestrator:
                 self._sampler_at_step.setdefault(step, self.sampler.state_dict())
                 queue.dispatched += 1
             await sem.acquire()
+            draw = self.sampler.turn
             env, data = self.sampler.next()
-            task = asyncio.ensure_future(self._group(step, env, data))
+            task = asyncio.ensure_future(self._group(step, env, data, draw))
             task.add_done_callback(lambda _: sem.release())
 
-    async def _group(self, step: int, env: str, data: dict[str, Any]) -> None:
+    async def _group(self, step: int, env: str, data: dict[str, Any], draw: int) -> None:
         server = next(s for s in self.train_servers if s.name == env)
         version = self.policy_version()
+        n = self.group_sizes[env]
         t0 = time.perf_counter()
         rollouts = await server.run_group(
-            data, self.endpoint, sampling_params(self.cfg.train.sampling), self.group_sizes[env], policy_version=version
+            data, self.endpoint, sampling_params(self.cfg.train.sampling), n, policy_version=version,
+            seeds=rollout_seeds(self.seed, "train", draw, n=n),
         )
         group = Group(env, step, rollouts, version, time.perf_counter() - t0)
         with self._cond:
@@ -224,7 +244,13 @@ class Orchestrator:
         for server in self.eval_servers:
             tasks = self.eval_tasks[server.name]
             groups = await asyncio.gather(
-                *(server.run_group(t, self.endpoint, params, cfg.k, policy_version=version) for t in tasks)
+                *(
+                    server.run_group(
+                        t, self.endpoint, params, cfg.k, policy_version=version,
+                        seeds=rollout_seeds(self.seed, "eval", server.name, i, n=cfg.k),
+                    )
+                    for i, t in enumerate(tasks)
+                )
             )
             ok = [[r for r in g if r.ok] for g in groups]
             rewards = [r.reward for g in ok for r in g]

@@ -208,6 +208,8 @@ class Rollout:
     """Policy version at dispatch: the oldest policy that can have sampled this rollout."""
     temperature: float = 1.0
     """Sampling temperature of the run (fans out to every sampled token)."""
+    seed: int | None = None
+    """Sampling seed sent with every model request of the run (None: the engine chose one)."""
     metadata: dict = field(default_factory=dict)
 
     @property
@@ -236,6 +238,7 @@ class Rollout:
             "group_id": self.group_id,
             "policy_version": self.policy_version,
             "temperature": self.temperature,
+            "seed": self.seed,
             "reward": self.reward,
             "error": self.error,
             "task": self.task,

@@ -18,7 +18,7 @@ N = 4096  # draws per call: one compiled shape for every test
 def _draw(
     logits: np.ndarray, params: SamplingParams, n: int = N, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
-    """n draws for one row of logits (gen_index 0..n-1 of one seeded request)."""
+    """n draws for one row of logits (draw positions 0..n-1 of one seeded request)."""
     batch = SamplingBatch.host([params] * n, [seed] * n, list(range(n)), n)
     tokens, logprobs = jax.jit(sample, static_argnames="filtered")(
         jnp.asarray(np.repeat(logits, n, axis=0)), batch, filtered=params.filtered

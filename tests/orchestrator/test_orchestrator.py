@@ -6,7 +6,7 @@ import time
 
 from jaxrl.orchestrator.batch import build_batch
 from jaxrl.orchestrator.config import OrchestratorConfig
-from jaxrl.orchestrator.orchestrator import Orchestrator
+from jaxrl.orchestrator.orchestrator import Orchestrator, rollout_seeds
 
 
 def test_resample_while_the_producer_waits_ahead_does_not_deadlock(endpoint, output_dir) -> None:
@@ -29,3 +29,27 @@ def test_resample_while_the_producer_waits_ahead_does_not_deadlock(endpoint, out
         assert len(again) == orch.groups_per_step and all(g.step == 1 for g in again)
     finally:
         orch.close()
+
+
+def test_rollouts_are_seeded_by_draw_and_evals_reuse_their_seeds(engine, endpoint, output_dir) -> None:
+    """Train rollouts sample with seeds fixed by (run seed, task draw, sample), so a run does not
+    depend on request arrival order; every eval reuses its seeds (common random numbers)."""
+    cfg = OrchestratorConfig(
+        batch_size=4, group_size=2, max_async_level=0, train={"env": [{"id": "reverse_text"}]},
+        eval={"num_tasks": 2, "k": 3},
+    )
+    orch = Orchestrator(cfg, endpoint, output_dir=output_dir, seed=3, policy_version=lambda: 0)
+    try:
+        orch.start()
+        train = [r for g in orch.next_batch(1, timeout=120) for r in g.rollouts]
+        _, first = orch.evaluate()
+        _, second = orch.evaluate()
+    finally:
+        orch.close()
+    expected_train = {s for draw in (0, 1) for s in rollout_seeds(3, "train", draw, n=2)}
+    assert {r.seed for r in train} == expected_train and len(expected_train) == 4
+    assert sorted(r.seed for r in first) == sorted(r.seed for r in second)
+    assert len({r.seed for r in first}) == 6 and not {r.seed for r in first} & expected_train
+    assert rollout_seeds(4, "train", 0, n=2) != rollout_seeds(3, "train", 0, n=2)
+    sent = {req["body"]["sampling_params"].get("seed") for req in engine.requests}
+    assert expected_train | {r.seed for r in first} <= sent  # the seed reaches the engine
