@@ -19,6 +19,7 @@ from jaxrl.trainer.step import Trainer
 
 PROMPT = [3, 14, 15, 9, 2, 6]
 TARGETS = {7, 8, 9, 10}  # rewarded tokens (of 64)
+GROUPS, GROUP_SIZE = 4, 16  # ~4 rewarded draws per step at the start (p ~ 0.06): a rise that no run of luck decides
 
 
 def target_prob(trainer: Trainer) -> float:
@@ -40,10 +41,14 @@ def test_grpo_raises_reward_of_a_one_token_bandit() -> None:
     start = target_prob(trainer)
     kls = []
     for step in range(1, 9):
-        requests = [Request(PROMPT, SamplingParams(max_tokens=1, temperature=1.0, seed=1000 * step + i)) for i in range(16)]
+        requests = [
+            Request(PROMPT, SamplingParams(max_tokens=1, temperature=1.0, seed=1000 * step + i))
+            for i in range(GROUPS * GROUP_SIZE)
+        ]
         completions = engine.generate(requests)
         samples: list[TrainingSample] = []
-        for group in (completions[:8], completions[8:]):  # GRPO: reward minus group mean
+        for g in range(GROUPS):  # GRPO: reward minus group mean
+            group = completions[g * GROUP_SIZE : (g + 1) * GROUP_SIZE]
             rewards = [float(c.token_ids[0] in TARGETS) for c in group]
             for c, adv in zip(group, np.asarray(rewards) - np.mean(rewards)):
                 n = len(PROMPT) + 1
