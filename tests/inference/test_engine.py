@@ -82,6 +82,18 @@ def test_seeded_request_is_independent_of_batching_and_arrival(engine) -> None:
     np.testing.assert_allclose(got.logprobs, alone.logprobs, atol=1e-5)
 
 
+def test_seeded_draws_follow_the_sequence_position(engine) -> None:
+    """A seeded draw is keyed by the token's position in the whole sequence, so re-submitting
+    the prompt extended by the first k sampled tokens, with the same seed, continues the same
+    sample (keyed by index in the completion, it would replay draws 0.. at positions k..). It is
+    also why a later turn that reuses a rollout's seed gets fresh draws."""
+    prompt = _prompt(np.random.default_rng(6), 15)
+    full = engine.generate([_req(prompt, max_tokens=12, seed=9)])[0].token_ids
+    for k in (1, 5):
+        rest = engine.generate([_req(prompt + full[:k], max_tokens=12 - k, seed=9)])[0].token_ids
+        assert rest == full[k:]
+
+
 def test_stop_tokens_max_tokens_and_context_limit(engine) -> None:
     prompt = _prompt(np.random.default_rng(2), 12)
     full = engine.generate([_req(prompt, max_tokens=12, seed=3)])[0].token_ids
