@@ -124,6 +124,16 @@ class RunConfig(BaseModel):
                 f"trainer.seq_len = {self.trainer.seq_len} < inference.max_model_len = "
                 f"{self.inference.max_model_len}: a full rollout would not fit one packed row"
             )
+        if self.orchestrator is not None:
+            orch = self.orchestrator
+            splits = [("train", orch.train.sampling)] + ([("eval", orch.eval.sampling)] if orch.eval else [])
+            for split, sampling in splits:
+                if sampling.max_completion_tokens >= self.inference.max_model_len:
+                    raise ValueError(
+                        f"orchestrator.{split}.sampling.max_completion_tokens = {sampling.max_completion_tokens} "
+                        f"must be < inference.max_model_len = {self.inference.max_model_len} (the prompt needs "
+                        "room too); lower it or raise max_model_len"
+                    )
         return self
 
     @property

@@ -38,7 +38,7 @@ def test_cli_overrides_beat_toml(tmp_path) -> None:
         ("", ["--trainer.optim.lrr", "1"], "--trainer.optim.lrr"),
         ('[trainer.loss]\ncustom = "no_such_pkg.fn"\n', [], "loss.custom"),
         ('[model]\nname = "x"\n[model.scratch]\n', [], "model"),
-        ('[trainer.mesh]\ndata = -1\nfsdp = -1\n', [], None),
+        ("[trainer.mesh]\ndata = -1\nfsdp = -1\n", [], None),
     ],
 )
 def test_bad_fields_fail_before_work_naming_the_field(toml, overrides, needle, tmp_path) -> None:
@@ -61,3 +61,24 @@ def test_main_reports_bad_config_with_exit_2(tmp_path, capsys) -> None:
     f.write_text("[trainer]\nsteps = 'many'\n")
     assert main(["--config", str(f)]) == 2
     assert "trainer.steps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "override, value",
+    [
+        ("train.sampling.top_k", "2147483648"),  # once passed and killed the engine thread mid-run
+        ("train.sampling.top_k", "-2"),
+        ("train.sampling.temperature", "nan"),
+        ("train.sampling.temperature", "inf"),
+        ("train.sampling.top_p", "1e-46"),  # rounds to 0 in float32
+        ("train.sampling.max_completion_tokens", "0"),
+        ("train.sampling.max_completion_tokens", "256"),  # no room for a prompt in max_model_len 256
+        ("eval.sampling.top_k", "2147483648"),
+        ("eval.sampling.temperature", "-1"),
+    ],
+)
+def test_rl_sampling_values_are_range_checked(override, value, monkeypatch) -> None:
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ValueError) as e:
+        load_config(["--config", "configs/reverse_text/rl.toml", f"--orchestrator.{override}", value])
+    assert override.rsplit(".", 1)[-1] in str(e.value)

@@ -130,7 +130,10 @@ def _programs(
     cache_out = KVCache(cache_sh, cache_sh)
     outs = (cache_out, inputs_sh, inputs_sh)
     prefill = jax.jit(
-        traces.wrap(partial(_prefill, graphdef)), static_argnames=("filtered",), donate_argnums=(1,), out_shardings=outs
+        traces.wrap(partial(_prefill, graphdef)),
+        static_argnames=("filtered",),
+        donate_argnums=(1,),
+        out_shardings=outs,
     )
     decode = jax.jit(
         traces.wrap(partial(_decode, graphdef, steps, kernels=kernels)),
@@ -396,10 +399,14 @@ class Engine:
                     return
             try:
                 self.step()
-            except Exception as exc:  # a bug, not bad input: fail everything in flight, stop
-                log.exception("engine step failed")
-                self._fail(exc)
-                return
+            except Exception as exc:  # a bug, not bad input: fail the requests in flight, keep serving
+                log.exception("engine step failed; failing the requests in flight")
+                try:
+                    self._recover(exc)
+                except Exception:  # cannot serve on: fail everything, report unhealthy (the server exits)
+                    log.exception("engine could not recover from a failed step; stopping")
+                    self._fail(exc)
+                    return
 
     def _abort_all(self) -> None:
         """Finish every request still queued or running with finish_reason "abort"."""
@@ -410,6 +417,27 @@ class Engine:
         for seq in [*self._sched.waiting, *self._sched.running]:
             self._sched.abort(seq.request.request_id)
             self._deliver([seq])
+
+    def _recover(self, exc: BaseException) -> None:
+        """After a failed step: fail the requests the scheduler holds (the one that broke the
+        step cannot be told from the others of its batch) with ``exc``, start the scheduler over
+        (empty rows, no cached prefixes) and rebuild the KV cache if the failed call consumed it
+        (donation). Requests submitted since the step began stay queued."""
+        with self._lock:
+            queued = {seq.request.request_id for seq in self._inbox}
+            failed = {rid: f for rid, f in self._futures.items() if rid not in queued}
+            for rid in failed:
+                del self._futures[rid]
+            self._aborts.clear()
+        for f in failed.values():
+            if not f.done():
+                f.set_exception(RuntimeError(f"engine step failed: {exc!r}"))
+        stats = self._sched.stats
+        self._sched = Scheduler(self.config)
+        self._sched.stats = stats
+        old = (self._cache.k, self._cache.v)
+        if any(a.is_deleted() for a in old):
+            self._cache = KVCache(*(W.zeros_like_sharded(a.shape, a.dtype, a.sharding) for a in old))
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:

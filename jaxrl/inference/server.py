@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import signal
 import threading
@@ -23,7 +24,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -35,6 +37,7 @@ from jaxrl.inference.scheduler import Completion
 from jaxrl.inference.scheduler import Request as EngineRequest
 
 SESSION_HEADER = "x-session-id"
+log = logging.getLogger(__name__)
 
 
 class BadRequest(Exception):
@@ -103,6 +106,27 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     return text[: text.index("<tool_call>")].strip(), calls
 
 
+class _GuardedRoute(APIRoute):
+    """A route whose unexpected errors become a 500 response here, not in Starlette's
+    ServerErrorMiddleware, which re-raises them and makes uvicorn close the keep-alive
+    connection; env servers pool connections and do not retry, so a closed one would fail the
+    next rollout on it too."""
+
+    def get_route_handler(self) -> Callable[[Request], Any]:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (StarletteHTTPException, RequestValidationError, BadRequest, Unavailable):
+                raise  # answered by the app's exception handlers
+            except Exception as exc:  # a bug: answer 500 and keep serving
+                log.exception("%s %s failed", request.method, request.url.path)
+                return _error(500, f"internal error: {exc!r}")
+
+        return guarded
+
+
 class EngineServer:
     """The HTTP API of ``engine``: ``start()`` / ``stop()`` in a background thread, ``url``."""
 
@@ -130,7 +154,12 @@ class EngineServer:
         self.created = int(time.time())
         self.app = self._build_app()
         self._http = BackgroundServer(
-            self.app, host, port, name="jaxrl-http", keep_alive_s=keep_alive_s, graceful_shutdown_s=graceful_shutdown_s
+            self.app,
+            host,
+            port,
+            name="jaxrl-http",
+            keep_alive_s=keep_alive_s,
+            graceful_shutdown_s=graceful_shutdown_s,
         )
         self._owns_engine = False
 
@@ -164,6 +193,8 @@ class EngineServer:
             while not stop.wait(0.5):
                 if not self._http.alive:
                     raise RuntimeError("inference server stopped unexpectedly")
+                if not self.engine.healthy:  # exit non-zero: a supervisor restarts a fresh process
+                    raise RuntimeError("inference engine failed and cannot serve; see the log above")
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -181,13 +212,26 @@ class EngineServer:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _params(self, body: api.SamplingFields, max_tokens: int | None) -> list[SamplingParams]:
+    def _params(
+        self, body: api.SamplingFields, prompt_len: int, max_tokens: int | None
+    ) -> list[SamplingParams]:
+        """Engine sampling settings of a request's ``n`` choices. Like vLLM, a prompt plus
+        ``max_tokens`` beyond ``max_model_len`` is refused rather than silently cut short."""
+        limit = self.engine.max_model_len
+        if max_tokens is None:
+            max_tokens = max(limit - prompt_len, 1)  # a too-long prompt is refused by the engine
+        elif prompt_len + max_tokens > limit:
+            raise BadRequest(
+                f"max_tokens: this model's maximum context length is {limit} tokens; the request asks for "
+                f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} for the completion): "
+                f"lower max_tokens to at most {max(limit - prompt_len, 0)} or shorten the prompt"
+            )
         stop_ids = list(body.stop_token_ids or []) + ([] if body.ignore_eos else self.default_stop_ids)
         seeds = [None] * body.n if body.seed is None else [body.seed + i for i in range(body.n)]
         try:
             return [
                 SamplingParams(
-                    max_tokens=max_tokens or self.engine.max_model_len,
+                    max_tokens=max_tokens,
                     temperature=1.0 if body.temperature is None else body.temperature,
                     top_p=1.0 if body.top_p is None else body.top_p,
                     top_k=body.top_k or 0,
@@ -201,7 +245,7 @@ class EngineServer:
 
     @staticmethod
     def _stops(body: api.SamplingFields) -> list[str]:
-        return [body.stop] if isinstance(body.stop, str) else [s for s in body.stop or [] if s]
+        return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
 
     async def _complete(
         self, prompt: list[int], params: list[SamplingParams], session: str | None, stops: list[str]
@@ -251,6 +295,7 @@ class EngineServer:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="jaxrl inference", docs_url=None, redoc_url=None)
+        app.router.route_class = _GuardedRoute
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -291,7 +336,7 @@ class EngineServer:
         @app.post("/inference/v1/generate")
         async def generate(body: api.GenerateRequest, request: Request) -> JSONResponse:
             sp = body.sampling_params
-            params = self._params(sp, sp.max_tokens)
+            params = self._params(sp, len(body.token_ids), sp.max_tokens)
             completions = await self._complete(
                 body.token_ids, params, request.headers.get(SESSION_HEADER), self._stops(sp)
             )
@@ -339,7 +384,7 @@ class EngineServer:
             except (TemplateError, TypeError, KeyError, ValueError) as e:  # the template rejects it
                 raise BadRequest(f"messages: the chat template failed: {e}") from None
             prompt = self.tokenizer.encode(text, add_special_tokens=False)
-            params = self._params(body, body.max_completion_tokens or body.max_tokens)
+            params = self._params(body, len(prompt), body.max_completion_tokens or body.max_tokens)
             stops = self._stops(body)
             completions = await self._complete(prompt, params, request.headers.get(SESSION_HEADER), stops)
             choices = [self._chat_choice(i, c, stops, body) for i, c in enumerate(completions)]
@@ -360,7 +405,7 @@ class EngineServer:
             if body.stream:
                 raise BadRequest("stream: streaming is not supported; send stream=false")
             prompt = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
-            params = self._params(body, body.max_tokens)
+            params = self._params(body, len(prompt), body.max_tokens)
             stops = self._stops(body)
             done = await self._complete(prompt, params, request.headers.get(SESSION_HEADER), stops)
             choices = []
@@ -411,8 +456,8 @@ class EngineServer:
     @staticmethod
     def _message(m: api.ChatMessage) -> dict[str, Any]:
         msg = m.model_dump(exclude_none=True)
-        if isinstance(m.content, list):  # OpenAI content parts: the text parts, concatenated
-            msg["content"] = "".join(p.get("text", "") for p in m.content if p.get("type", "text") == "text")
+        if isinstance(m.content, list):  # OpenAI content parts (text only), concatenated
+            msg["content"] = "".join(p.text for p in m.content)
         msg.setdefault("content", "")
         return msg
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# The HTTP API's own range types: a run cannot configure what the server would refuse.
+from jaxrl.inference.api import MaxTokens, Temperature, TopK, TopP
 from jaxrl.orchestrator.env_server import EnvConfig
 
 
@@ -11,13 +13,15 @@ class SamplingConfig(BaseModel):
     """Sampling parameters sent with every rollout request of a split."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-    max_completion_tokens: int = Field(128, ge=1)
+    max_completion_tokens: MaxTokens = 128
     """Tokens the model may generate per turn."""
-    temperature: float = Field(1.0, ge=0)
-    """Sampling temperature; the trainer scores sampled tokens at the same temperature."""
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
-    """-1: no top-k filtering."""
+    temperature: Temperature = 1.0
+    """Sampling temperature (finite, >= 0; 0 = greedy); the trainer scores sampled tokens at the
+    same temperature."""
+    top_p: TopP = 1.0
+    """Nucleus mass in (0, 1]; 1: no top-p filtering."""
+    top_k: TopK = -1
+    """-1 (or 0): no top-k filtering; else 1 .. 2**31 - 1 (values above the vocabulary keep all)."""
 
 
 class TrainSplitConfig(BaseModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -15,6 +16,8 @@ from transformers import AutoTokenizer
 
 from jaxrl.inference import api
 from jaxrl.inference.engine import Engine
+from jaxrl.inference.sampling import SamplingParams
+from jaxrl.inference.scheduler import Request as EngineRequest
 from jaxrl.inference.server import EngineServer, parse_tool_calls
 from jaxrl.models.hf_io import load_decoder
 
@@ -175,6 +178,41 @@ def test_parse_tool_calls() -> None:
     assert parse_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
 
 
+OUT_OF_RANGE = [
+    ({"top_k": 2**31}, "top_k"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_p": 1e-46}, "top_p"),  # positive, but 0 in float32
+    ({"top_p": 0}, "top_p"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": 1e39}, "temperature"),  # inf in float32
+    ({"seed": 2**63}, "seed"),
+    ({"stop": ""}, "stop"),
+    ({"stop": ["ok", ""]}, "stop"),
+    ({"min_p": 2}, "min_p"),
+    ({"max_tokens": 2**31}, "max_tokens"),
+    ({"n": 0}, "n"),
+]
+
+
+def sampling_cases() -> list[tuple[str, dict, str]]:
+    """Each out-of-range sampling value on each generating endpoint."""
+    cases = []
+    for sampling, field in OUT_OF_RANGE:
+        cases.append(
+            (
+                "/inference/v1/generate",
+                {"token_ids": [1, 2], "sampling_params": sampling},
+                f"sampling_params.{field}",
+            )
+        )
+        cases.append(
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], **sampling}, field)
+        )
+        cases.append(("/v1/completions", {"prompt": "x", **sampling}, field))
+    return cases
+
+
 BAD = [
     ("/inference/v1/generate", '{"token_ids": [1, 2', "malformed JSON"),
     ("/inference/v1/generate", {"token_ids": [1, 10_000]}, "token_ids[1] = 10000 is outside the vocabulary"),
@@ -197,17 +235,54 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream"),
     ("/v1/completions", {"prompt": [1, -3]}, "vocabulary"),
     ("/update_weights", {}, "path: Field required"),
+    # Every sampling value is range-checked before it reaches the engine thread (a top_k of 2**31
+    # once overflowed an int32 array there and left the server answering 503 for good).
+    *sampling_cases(),
+    (
+        "/inference/v1/generate",
+        {"token_ids": [1], "sampling_params": {"logprobs": 21}},
+        "sampling_params.logprobs",
+    ),
+    (
+        "/inference/v1/generate",
+        {"token_ids": [1], "sampling_params": {"seed": 2**63 - 1, "n": 2}},
+        "seed + n - 1",
+    ),
+    # prompt + max_tokens over max_model_len: refused as vLLM does, not silently cut short
+    (
+        "/inference/v1/generate",
+        {"token_ids": [1] * 10, "sampling_params": {"max_tokens": MAX_LEN - 9}},
+        "maximum context length is 1024",
+    ),
+    ("/v1/completions", {"prompt": [1] * (MAX_LEN - 8)}, "max_tokens: this model's maximum context length"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+        "text",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+        "text",
+    ),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "type"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21},
+        "top_logprobs",
+    ),
+    ("/update_weights", {"path": "x", "version": 2**70}, "version"),
 ]
 
 
 @pytest.mark.parametrize(("path", "body", "message"), BAD)
 def test_bad_requests_get_400_naming_the_problem(server, path, body, message) -> None:
-    kw = (
-        {"content": body, "headers": {"content-type": "application/json"}}
-        if isinstance(body, str)
-        else {"json": body}
+    content = (
+        body if isinstance(body, str) else json.dumps(body)
+    )  # NaN / Infinity as Python clients send them
+    r = httpx.post(
+        server.url + path, content=content, headers={"content-type": "application/json"}, timeout=60
     )
-    r = httpx.post(server.url + path, timeout=60, **kw)
     assert r.status_code == 400, r.text
     assert message in r.json()["error"]["message"]
 
@@ -235,6 +310,46 @@ def test_unknown_fields_are_ignored_and_server_stays_healthy(server) -> None:
     assert out["choices"][0]["logprobs"] is None and out["choices"][0]["finish_reason"] == "length"
     assert httpx.get(server.url + "/nope").status_code == 404
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def _local_port(r: httpx.Response) -> int:
+    return r.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+def test_engine_step_failure_fails_its_batch_and_keeps_serving(server) -> None:
+    """A request that breaks an engine step (here: a top_k that overflows the int32 sampling
+    array, smuggled past validation) fails with the requests of its batch; the engine thread
+    lives on, /health stays ok, the 500 keeps the keep-alive connection open, and the next
+    request on that connection succeeds."""
+    engine = server.engine
+    params = SamplingParams(max_tokens=4)
+    object.__setattr__(params, "top_k", 2**31)  # what the API and SamplingParams now refuse
+    killer = EngineRequest([1, 2, 3], params)
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        result: dict[str, httpx.Response] = {}
+        body = {"token_ids": [4, 5, 6], "sampling_params": {"max_tokens": 600, "ignore_eos": True}}
+
+        def call() -> None:
+            result["r"] = client.post("/inference/v1/generate", json=body)
+
+        before = engine.stats.generated_tokens
+        thread = threading.Thread(target=call)
+        thread.start()
+        _wait_for_tokens(engine, before)
+        failed = engine.submit(killer)
+        with pytest.raises(RuntimeError, match="engine step failed.*OverflowError"):
+            failed.result(timeout=120)
+        thread.join()
+        in_batch = result["r"]
+        assert in_batch.status_code == 500 and "engine step failed" in in_batch.json()["error"]["message"]
+        assert in_batch.headers.get("connection") != "close"
+        assert engine.healthy and engine.running
+        assert client.get("/health").json()["status"] == "ok"
+        after = client.post(
+            "/inference/v1/generate", json={"token_ids": [1, 2], "sampling_params": {"max_tokens": 3}}
+        )
+        assert after.status_code == 200 and len(after.json()["choices"][0]["token_ids"]) == 3
+        assert _local_port(after) == _local_port(in_batch)  # the same pooled connection
 
 
 def test_shutdown_lets_requests_in_flight_finish(server, tokenizer) -> None:
