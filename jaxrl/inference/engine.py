@@ -130,10 +130,7 @@ def _programs(
     cache_out = KVCache(cache_sh, cache_sh)
     outs = (cache_out, inputs_sh, inputs_sh)
     prefill = jax.jit(
-        traces.wrap(partial(_prefill, graphdef)),
-        static_argnames=("filtered",),
-        donate_argnums=(1,),
-        out_shardings=outs,
+        traces.wrap(partial(_prefill, graphdef)), static_argnames=("filtered",), donate_argnums=(1,), out_shardings=outs
     )
     decode = jax.jit(
         traces.wrap(partial(_decode, graphdef, steps, kernels=kernels)),
