@@ -7,7 +7,7 @@ import pydantic
 import pytest
 from trace_builders import rollout, single_turn_trace, tool_trace
 
-from jaxrl.orchestrator.algo import EchoConfig, GRPOConfig, SFTConfig, make_algorithm
+from jaxrl.orchestrator.algo import EchoConfig, GRPOConfig, MaxRLConfig, SFTConfig, make_algorithm
 from jaxrl.orchestrator.env_server import EnvConfig
 
 TOOL_CE = {14: 0.1, 15: 0.1}  # tool node 3 spans 13..17; content at 14, 15
@@ -33,11 +33,59 @@ def test_grpo_advantage_is_reward_minus_group_mean():
         assert s.temperature == pytest.approx(0.7) and s.policy_version == 3
 
 
-def test_grpo_linear_length_penalty():
-    group = [rollout(single_turn_trace(n, reward=r)) for n, r in ((2, 1.0), (4, 1.0), (3, 0.0))]
-    advantages = make_algorithm(GRPOConfig(length_penalty=0.1)).advantages(group)
-    shaped = np.array([1.0 - 0.2, 1.0 - 0.4, 0.0 - 0.3])
-    assert advantages == pytest.approx((shaped - shaped.mean()).tolist())
+def test_grpo_length_penalty_is_prime_rl_linear_form():
+    # prime-rl's own case (tests/unit/orchestrator/test_advantage.py): equal rewards, output
+    # lengths 10/20/30, only the output term: penalty = 1 * 0.25 * [1/3, 2/3, 1].
+    out_only = {"num_output_tokens_weight": 0.25, "num_input_tokens_weight": 0.0, "num_turns_weight": 0.0}
+    algo = make_algorithm(GRPOConfig(length_penalty=out_only))
+    group = [rollout(single_turn_trace(n, reward=1.0)) for n in (10, 20, 30)]
+    assert algo.advantages(group) == pytest.approx([1 / 12, 0.0, -1 / 12], abs=1e-12)
+    # Rewards [1, 1, 0]: the cut is scaled by the pass rate 2/3: shaped = r - 2/3 * 0.25 * [1/3, 2/3, 1].
+    group = [rollout(single_turn_trace(n, reward=r)) for n, r in ((10, 1.0), (20, 1.0), (30, 0.0))]
+    shaped = np.array([1.0, 1.0, 0.0]) - (2 / 3) * 0.25 * np.array([1 / 3, 2 / 3, 1.0])
+    assert algo.advantages(group) == pytest.approx((shaped - shaped.mean()).tolist(), abs=1e-12)
+    assert algo.advantages(group) == pytest.approx([7 / 18, 1 / 3, -13 / 18], abs=1e-12)
+
+
+def test_grpo_length_penalty_input_and_turn_terms():
+    # Input tokens = everything not sampled (4 prompt tokens + 1 scaffold in single_turn_trace);
+    # a two-turn trace (tool_trace) has more of both. Terms normalise by the group max.
+    lp = {"num_output_tokens_weight": 0.0, "num_input_tokens_weight": 0.5, "num_turns_weight": 0.0}
+    group = [rollout(single_turn_trace(5, reward=1.0)), rollout(tool_trace(), reward=1.0)]
+    # tool_trace: 7 nodes, 25 tokens, 6 sampled -> 19 input tokens; single_turn: 5 input tokens.
+    adv = make_algorithm(GRPOConfig(length_penalty=lp)).advantages(group)
+    shaped = 1.0 - 0.5 * np.array([5 / 19, 1.0])
+    assert adv == pytest.approx((shaped - shaped.mean()).tolist(), abs=1e-12)
+    turns = {"num_output_tokens_weight": 0.0, "num_input_tokens_weight": 0.0, "num_turns_weight": 0.3}
+    adv = make_algorithm(GRPOConfig(length_penalty=turns)).advantages(group)  # 1 turn vs 3
+    shaped = 1.0 - 0.3 * np.array([1 / 3, 1.0])
+    assert adv == pytest.approx((shaped - shaped.mean()).tolist(), abs=1e-12)
+
+
+def test_grpo_length_penalty_defaults_and_migration():
+    lp = GRPOConfig.model_validate({"length_penalty": {}}).length_penalty
+    assert (lp.num_output_tokens_weight, lp.num_input_tokens_weight, lp.num_turns_weight) == (0.25, 0.1, 0.1)
+    with pytest.raises(pydantic.ValidationError, match=r"num_output_tokens_weight"):
+        GRPOConfig.model_validate({"length_penalty": 0.01})
+    with pytest.raises(pydantic.ValidationError, match="finite"):
+        GRPOConfig.model_validate({"length_penalty": {"num_turns_weight": float("inf")}})
+    with pytest.raises(pydantic.ValidationError, match="greater than or equal"):
+        GRPOConfig.model_validate({"length_penalty": {"num_output_tokens_weight": -0.1}})
+
+
+def test_max_rl_normalises_by_the_group_mean():
+    algo = make_algorithm(MaxRLConfig())
+    one_of_four = [rollout(single_turn_trace(2, reward=r)) for r in (1.0, 0.0, 0.0, 0.0)]
+    assert algo.advantages(one_of_four) == pytest.approx([3.0, -1.0, -1.0, -1.0], abs=1e-12)
+    assert [s.advantage for s in algo.samples(one_of_four)] == pytest.approx([3.0, -1.0, -1.0, -1.0])
+    two_of_four = [rollout(single_turn_trace(2, reward=r)) for r in (1.0, 1.0, 0.0, 0.0)]
+    assert algo.advantages(two_of_four) == pytest.approx([1.0, 1.0, -1.0, -1.0], abs=1e-12)
+    # No success: no signal (not a division by zero); all successes centre to zero.
+    assert algo.advantages([rollout(single_turn_trace(2, reward=0.0))] * 2) == [0.0, 0.0]
+    assert algo.samples([rollout(single_turn_trace(2, reward=1.0))] * 2) == []
+    # A failed rollout stays out of the mean: mean of (1, 0, 0) is 1/3.
+    failed = [*one_of_four[:3], rollout(None, error="ProviderError: 500")]
+    assert algo.advantages(failed) == pytest.approx([2.0, -1.0, -1.0, 0.0], abs=1e-12)
 
 
 def test_grpo_group_with_equal_rewards_trains_no_rl_tokens():
