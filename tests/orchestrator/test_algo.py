@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pydantic
 import pytest
-from trace_builders import rollout, single_turn_trace, tool_trace
+from trace_builders import forked_trace, rollout, single_turn_trace, tool_trace
 
 from jaxrl.orchestrator.algo import EchoConfig, GRPOConfig, MaxRLConfig, SFTConfig, make_algorithm
 from jaxrl.orchestrator.env_server import EnvConfig
+from jaxrl.trainer.packing import component_counts, pack
 
 TOOL_CE = {14: 0.1, 15: 0.1}  # tool node 3 spans 13..17; content at 14, 15
 USER_CE = {17: 0.2, 18: 0.2, 19: 0.2}  # user node 4 spans 17..20, no attribution: whole span
@@ -113,6 +114,19 @@ def test_grpo_makes_one_sample_per_trainable_branch():
     assert [s.metadata["branch"] for s in samples] == [0, 1, 0, 1]
 
 
+def test_a_shared_branch_node_is_trained_once():
+    """forked_trace: both branches hold sampled node 1 (positions 4, 5); only branch 0 trains it.
+    Per rollout: 4 RL tokens (4, 5, 9 | 9), not 6; the trainer's counts agree."""
+    group = [rollout(forked_trace(), reward=r) for r in (1.0, 0.0)]
+    samples = make_algorithm(EchoConfig(roles={"tool": {"alpha": 0.1}})).samples(group)
+    assert [np.flatnonzero(s.rl_w).tolist() for s in samples] == [[4, 5, 9], [9], [4, 5, 9], [9]]
+    assert [ce_of(s) for s in samples] == [{6: 0.1, 7: 0.1}] * 4  # each branch's own tool node
+    batch = pack(samples, seq_len=32)
+    assert component_counts(batch) == {"rl": 8.0, "ce": 8.0}  # was rl 12 with the node in both samples
+    sft = make_algorithm(SFTConfig()).samples(group)
+    assert [np.flatnonzero(s.ce_w).tolist() for s in sft] == [[4, 5, 9], [9], [4, 5, 9], [9]]
+
+
 def test_echo_selects_content_of_enabled_roles_after_the_first_response():
     config = EchoConfig(roles={"tool": {"alpha": 0.1}, "user": {"alpha": 0.2}})
     b0, b1, *_ = make_algorithm(config).samples(tool_group())
@@ -154,6 +168,25 @@ def wrong_length(trace, branches):
     return [[True] * (len(b) - 1) for b in branches]
 
 
+def raises(trace, branches):
+    raise RuntimeError("boom")
+
+
+def raises_on_a_win(trace, branches):
+    if trace["rewards"]["r"]["score"] == 1.0:
+        raise RuntimeError("boom")
+    return [[True] * len(b) for b in branches]
+
+
+def three_args(trace, branches, extra):
+    return []
+
+
+def prime_rl_form(trace, drop=14):
+    """prime-rl's filter signature: fn(trace) with the verifiers Trace, masks per trainable branch."""
+    return [[t != drop for t in branch.token_ids] for branch in trace.branches]
+
+
 def test_echo_filter_narrows_the_selection():
     config = EchoConfig(
         roles={"tool": {"alpha": 0.1}}, filter={"import_path": f"{__name__}:keep_first_content_token"}
@@ -166,24 +199,75 @@ def test_echo_filter_narrows_the_selection():
     assert ce_of(make_algorithm(widen).samples(tool_group())[0]) == TOOL_CE  # token 16 was never selected
 
 
+def test_echo_filter_in_prime_rl_form_gets_the_verifiers_trace():
+    # Token id 14 sits at position 13... tool content is ids 15, 16 at positions 14, 15: drop id 15.
+    config = EchoConfig(
+        roles={"tool": {"alpha": 0.1}},
+        filter={"import_path": f"{__name__}:prime_rl_form", "kwargs": {"drop": 15}},
+    )
+    assert ce_of(make_algorithm(config).samples(tool_group())[0]) == {15: 0.1}
+
+
 @pytest.mark.parametrize(
     ("fn", "message"),
     [
         ("wrong_count", "must return one mask per trainable branch: got 1, expected 2"),
         ("wrong_length", "mask 0 must be 23 bools"),
+        ("raises", "RuntimeError: boom"),
     ],
 )
-def test_echo_filter_shape_is_validated(fn, message):
+def test_echo_filter_failure_fails_the_rollout_not_the_step(fn, message):
     config = EchoConfig(roles={"tool": {"alpha": 0.1}}, filter={"import_path": f"{__name__}:{fn}"})
-    with pytest.raises(ValueError, match=message):
-        make_algorithm(config).samples(tool_group())
+    group = tool_group()
+    assert make_algorithm(config).samples(group) == []  # no exception
+    assert [r.error.startswith("echo: ") and message in r.error for r in group] == [True, True]
+
+
+def test_a_raising_filter_fails_only_its_rollout():
+    config = EchoConfig(roles={"tool": {"alpha": 0.1}}, filter={"import_path": f"{__name__}:raises_on_a_win"})
+    group = tool_group((1.0, 0.0, 0.5))
+    samples = make_algorithm(config).samples(group)
+    assert group[0].error == "echo: RuntimeError: boom" and group[1].ok and group[2].ok
+    # the failed rollout leaves the baseline: mean of (0.0, 0.5)
+    assert [s.advantage for s in samples] == pytest.approx([-0.25, -0.25, 0.25, 0.25])
+    assert all(ce_of(s) == TOOL_CE for s in samples[::2])
+
+
+def test_echo_filter_signature_is_checked_at_config_time():
+    with pytest.raises(pydantic.ValidationError, match="must take"):
+        EchoConfig(roles={"tool": {}}, filter={"import_path": f"{__name__}:three_args"})
+    with pytest.raises(pydantic.ValidationError, match="cannot import"):
+        EchoConfig(roles={"tool": {}}, filter={"import_path": "no_such_pkg:fn"})
+
+
+def test_echo_role_options():
+    config = EchoConfig(roles={"tool": {}})
+    assert config.roles.tool.alpha == 1.0  # default alpha 1.0
+    for bad, needle in (
+        ({"tool": {"tool_names": []}}, "at least 1 item"),
+        ({"tool": {"alpha": float("nan")}}, "finite"),
+        ({"user": {"alpha": float("inf")}}, "finite"),
+        ({"user": {"alpha": -0.1}}, "greater than or equal"),
+    ):
+        with pytest.raises(pydantic.ValidationError, match=needle):
+            EchoConfig(roles=bad)
+
+
+def test_echo_assistant_alpha_zero_removes_rl_on_assistant_tokens():
+    # tool echo at 0.1 plus assistant at alpha 0: the policy's sampled tokens leave RL entirely.
+    config = EchoConfig(roles={"tool": {"alpha": 0.1}, "assistant": {"alpha": 0.0}})
+    b0, *_ = make_algorithm(config).samples(tool_group())
+    assert not b0.rl_w.any() and ce_of(b0) == TOOL_CE
+    # assistant alpha 0.5: the sampled tokens train by CE at 0.5 instead of RL.
+    config = EchoConfig(roles={"assistant": {"alpha": 0.5}})
+    b0, b1, *_ = make_algorithm(config).samples(tool_group())
+    assert not b0.rl_w.any() and ce_of(b0) == {i: 0.5 for i in (10, 11, 12, 21, 22)}
+    assert ce_of(b1) == {9: 0.5}
 
 
 def test_echo_config_needs_a_role():
     with pytest.raises(pydantic.ValidationError, match="no role is enabled"):
         EchoConfig()
-    with pytest.raises(pydantic.ValidationError):
-        EchoConfig(roles={"tool": {"alpha": 0.0}})
 
 
 def test_sft_trains_ce_on_sampled_tokens():

@@ -27,6 +27,9 @@ from jaxrl.samples import TrainingSample
 ZERO_ADVANTAGE = 1e-8
 """Advantages within this of zero count as zero (float noise of equal rewards)."""
 
+Selection = tuple[np.ndarray, np.ndarray]
+"""Echo selection of one branch: (ce_w float32[L], selected bool[L]); selected tokens leave RL."""
+
 
 class LinearLengthPenalty(AlgoConfigBase):
     """prime-rl's linear length penalty: a pass-rate-scaled cut subtracted from each reward
@@ -79,28 +82,40 @@ class GRPOConfig(AlgoConfigBase):
 
 class GroupRelative(Algorithm):
     """One scalar advantage per rollout (`advantages`), broadcast over its sampled tokens in
-    the RL component; subclasses may add CE weights (`ce_weights`)."""
+    the RL component; subclasses may select tokens for CE instead (`echo`)."""
 
     @abstractmethod
     def advantages(self, group: list[Rollout]) -> list[float]:
         """One advantage per rollout; failed rollouts get 0 and stay out of any baseline."""
 
-    def ce_weights(self, trace: dict, branches: list[Branch]) -> list[np.ndarray | None]:
-        """Per-branch CE weight streams (None = none); plain RL trains no CE tokens."""
+    def echo(self, trace: dict, branches: list[Branch]) -> list[Selection | None]:
+        """Per-branch echo selections (None = none); plain RL selects nothing. May raise: the
+        rollout then fails (a record with the error), not the step."""
         return [None] * len(branches)
 
+    def _selections(self, rollout: Rollout) -> list[list[Selection | None]]:
+        """Echo selections per trainable trace; a raising hook marks the rollout failed."""
+        try:
+            return [self.echo(trace, branches) for trace, branches in trainable_branches(rollout)]
+        except Exception as e:  # noqa: BLE001 - user filter code: one failed rollout, not a failed step
+            rollout.error = f"echo: {type(e).__name__}: {e}"
+            return []
+
     def samples(self, group: list[Rollout]) -> list[TrainingSample]:
+        selections = [self._selections(r) if r.ok else [] for r in group]
         advantages = self.advantages(group)
         rl_on = any(abs(a) > ZERO_ADVANTAGE for a in advantages)
         out = []
-        for rollout, advantage in zip(group, advantages):
+        for rollout, advantage, per_trace in zip(group, advantages, selections):
             if not rollout.ok:
                 continue
-            for trace, branches in trainable_branches(rollout):
-                for branch, ce_w in zip(branches, self.ce_weights(trace, branches)):
+            for (trace, branches), chosen in zip(trainable_branches(rollout), per_trace):
+                for branch, selection in zip(branches, chosen):
                     rl_w = branch.sampled_mask.astype(np.float32) * float(rl_on)
-                    if ce_w is not None:
-                        rl_w = np.where(ce_w != 0, 0.0, rl_w).astype(np.float32)
+                    ce_w = None
+                    if selection is not None:
+                        ce_w, selected = selection
+                        rl_w = np.where(selected, 0.0, rl_w).astype(np.float32)
                     sample = branch_sample(
                         branch,
                         rollout,
