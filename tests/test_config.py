@@ -61,3 +61,54 @@ def test_main_reports_bad_config_with_exit_2(tmp_path, capsys) -> None:
     f.write_text("[trainer]\nsteps = 'many'\n")
     assert main(["--config", str(f)]) == 2
     assert "trainer.steps" in capsys.readouterr().err
+
+
+PRIME_RL_TOML = """
+max_steps = 20
+[model]
+name = "x"
+[orchestrator]
+batch_size = 16
+rollouts_per_example = 4
+[orchestrator.sampling]
+max_tokens = 12
+[[orchestrator.env]]
+id = "reverse_text"
+num_workers = 2
+[orchestrator.eval]
+num_examples = 10
+[[orchestrator.eval.source]]
+id = "reverse_text"
+"""
+
+
+def test_prime_rl_keys_fail_naming_their_jaxrl_names() -> None:
+    import tomllib
+
+    with pytest.raises(ValueError) as e:
+        build_config(tomllib.loads(PRIME_RL_TOML), [])
+    message = str(e.value)
+    for needle in (
+        "`max_steps` was renamed to `trainer.steps`",
+        "`orchestrator.sampling` was renamed to `[orchestrator.train.sampling]`",
+        "`orchestrator.sampling.max_tokens` was renamed to `max_completion_tokens`",
+        "`orchestrator.env` was renamed to `[[orchestrator.train.env]]`",
+        "`orchestrator.env[0].num_workers` was renamed to `pool_size`",
+        "`orchestrator.rollouts_per_example` was renamed to `orchestrator.group_size`",
+        "`orchestrator.eval.num_examples` was renamed to `orchestrator.eval.num_tasks`",
+        "`orchestrator.eval.source` was renamed to `[[orchestrator.eval.env]]`",
+    ):
+        assert needle in message
+    assert "extra inputs" not in message.lower()
+
+
+def test_prime_rl_keys_fail_in_each_model_too() -> None:
+    import pydantic
+
+    from jaxrl.orchestrator.config import SamplingConfig
+    from jaxrl.orchestrator.env_server import EnvConfig
+
+    with pytest.raises(pydantic.ValidationError, match="`num_workers` was renamed to `pool_size`"):
+        EnvConfig(id="reverse_text", num_workers=2)
+    with pytest.raises(pydantic.ValidationError, match="`max_tokens` was renamed to `max_completion_tokens`"):
+        SamplingConfig(max_tokens=3)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from jaxrl import renamed
 from jaxrl.orchestrator.env_server import EnvConfig
 
 
@@ -19,12 +22,22 @@ class SamplingConfig(BaseModel):
     top_k: int = Field(-1, ge=-1)
     """-1: no top-k filtering."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        return renamed.reject_renamed(data, renamed.SAMPLING)
+
 
 class TrainSplitConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     sampling: SamplingConfig = SamplingConfig()
     env: list[EnvConfig] = Field(default_factory=list)
     """`[[orchestrator.train.env]]` entries; tasks are drawn from each in turn."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        return renamed.reject_renamed(data, renamed.TRAIN_SPLIT)
 
     @model_validator(mode="after")
     def _unique(self) -> "TrainSplitConfig":
@@ -44,6 +57,11 @@ class EvalConfig(TrainSplitConfig):
     pass_threshold: float = 1.0
     """A sample with at least this reward counts as a pass."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        return renamed.reject_renamed(data, renamed.TRAIN_SPLIT | renamed.EVAL)
+
 
 class OrchestratorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
@@ -60,6 +78,11 @@ class OrchestratorConfig(BaseModel):
     """Rollouts in flight at once (across envs)."""
     train: TrainSplitConfig = TrainSplitConfig()
     eval: EvalConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        return renamed.reject_renamed(data, renamed.ORCHESTRATOR)
 
     @model_validator(mode="after")
     def _check(self) -> "OrchestratorConfig":

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from jaxrl import renamed
 from jaxrl.envs import check_env_id, plugin_id, register_plugin
 from jaxrl.orchestrator.algo import AlgoConfig, GRPOConfig
 from jaxrl.orchestrator.traces import Rollout, episode_error
@@ -86,6 +87,11 @@ class EnvConfig(BaseModel):
     """Seconds a spawned server may take to come up and answer health."""
     rollout_timeout: float | None = Field(None, gt=0)
     """Seconds one rollout may take before it is cancelled and recorded as failed (None: no limit)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        return renamed.reject_renamed(data, renamed.ENV)
 
     @field_validator("id")
     @classmethod
