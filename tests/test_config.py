@@ -112,3 +112,21 @@ def test_prime_rl_keys_fail_in_each_model_too() -> None:
         EnvConfig(id="reverse_text", num_workers=2)
     with pytest.raises(pydantic.ValidationError, match="`max_tokens` was renamed to `max_completion_tokens`"):
         SamplingConfig(max_tokens=3)
+
+
+def test_per_env_sampling_inherits_unset_fields_and_ratio_is_checked() -> None:
+    import pydantic
+
+    from jaxrl.orchestrator.config import TrainSplitConfig
+
+    split = TrainSplitConfig(
+        sampling={"temperature": 0.9, "max_completion_tokens": 50, "top_p": 0.8},
+        env=[{"id": "reverse_text", "sampling": {"temperature": 0.3}}],
+    )
+    resolved = split.sampling_for(split.env[0])
+    assert (resolved.temperature, resolved.max_completion_tokens, resolved.top_p) == (0.3, 50, 0.8)
+    for bad, needle in (({"ratio": 0}, "ratio"), ({"ratio": float("nan")}, "ratio"),
+                        ({"sampling": {"max_completion_tokens": 0}}, "max_completion_tokens"),
+                        ({"sampling": {"max_tokens": 5}}, "renamed to `max_completion_tokens`")):
+        with pytest.raises(pydantic.ValidationError, match=needle):
+            TrainSplitConfig(env=[{"id": "reverse_text", **bad}])

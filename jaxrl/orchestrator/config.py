@@ -32,7 +32,14 @@ class TrainSplitConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     sampling: SamplingConfig = SamplingConfig()
     env: list[EnvConfig] = Field(default_factory=list)
-    """`[[orchestrator.train.env]]` entries; tasks are drawn from each in turn."""
+    """`[[orchestrator.train.env]]` entries; groups are drawn from them in proportion to their
+    `ratio` (equal ratios: in turn)."""
+
+    def sampling_for(self, env: EnvConfig) -> SamplingConfig:
+        """This split's sampling with `env`'s `[...env.sampling]` fields over it."""
+        if env.sampling is None:
+            return self.sampling
+        return SamplingConfig.model_validate(self.sampling.model_dump() | env.sampling.model_dump(exclude_none=True))
 
     @model_validator(mode="before")
     @classmethod
