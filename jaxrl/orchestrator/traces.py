@@ -292,10 +292,11 @@ def branch_sample(
     advantage: float,
     rl_w: np.ndarray | None = None,
     ce_w: np.ndarray | None = None,
+    ref_kl_w: np.ndarray | None = None,
     metadata: dict | None = None,
 ) -> TrainingSample:
-    """The training sample of one branch: rl_w defaults to the sampled mask, ce_w to 0; both are
-    zeroed outside the tokens the branch owns (a shared node trains once)."""
+    """The training sample of one branch: rl_w defaults to the sampled mask, ce_w and ref_kl_w to
+    0; all are zeroed outside the tokens the branch owns (a shared node trains once)."""
     n = len(branch)
     rl_w = branch.sampled_mask.astype(np.float32) if rl_w is None else rl_w
     ce_w = np.zeros(n, np.float32) if ce_w is None else ce_w
@@ -305,6 +306,7 @@ def branch_sample(
         logprobs=branch.logprobs,
         rl_w=np.where(branch.owned, rl_w, 0.0).astype(np.float32),
         ce_w=np.where(branch.owned, ce_w, 0.0).astype(np.float32),
+        ref_kl_w=None if ref_kl_w is None else np.where(branch.owned, ref_kl_w, 0.0).astype(np.float32),
         temperature=rollout.temperature,
         advantage=float(advantage),
         policy_version=rollout.policy_version,

@@ -193,6 +193,7 @@ def loss_sums(
         out["ref_kl_loss_sum"] = _ref_kl_token_loss(
             zero(logp), zero(logq), zero(logr), zero(ref_kl_w), cfg
         ).sum()
+        out["teacher_kl_sum"] = jax.lax.stop_gradient(zero(logp - logr).sum())
         trained = trained | ref_on
     if entropy is not None:
         out["entropy_sum"] = jax.lax.stop_gradient(jnp.where(trained, entropy, 0.0).sum())
@@ -253,6 +254,9 @@ def metrics(total: dict[str, jax.Array]) -> dict[str, jax.Array]:
         "ce_nll_mean": _safe_div(total["ce_nll_sum"], total["ce_count"]),
         "ce_nll_max": total["ce_nll_max"],
     }
+    if "teacher_kl_sum" in total:
+        # mean of logp - logr over sampled ref-KL tokens: an estimate of KL(policy || teacher)
+        out["teacher_kl"] = _safe_div(total["teacher_kl_sum"], total["ref_kl_count"])
     if "entropy_sum" in total:
         out["entropy"] = _safe_div(total["entropy_sum"], total["entropy_count"])
         out["ce_entropy"] = _safe_div(total["ce_entropy_sum"], total["ce_count"])

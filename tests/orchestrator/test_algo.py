@@ -122,7 +122,7 @@ def test_a_shared_branch_node_is_trained_once():
     assert [np.flatnonzero(s.rl_w).tolist() for s in samples] == [[4, 5, 9], [9], [4, 5, 9], [9]]
     assert [ce_of(s) for s in samples] == [{6: 0.1, 7: 0.1}] * 4  # each branch's own tool node
     batch = pack(samples, seq_len=32)
-    assert component_counts(batch) == {"rl": 8.0, "ce": 8.0}  # was rl 12 with the node in both samples
+    assert component_counts(batch) == {"rl": 8.0, "ce": 8.0, "ref_kl": 0.0}  # was rl 12 with the node in both samples
     sft = make_algorithm(SFTConfig()).samples(group)
     assert [np.flatnonzero(s.ce_w).tolist() for s in sft] == [[4, 5, 9], [9], [4, 5, 9], [9]]
 

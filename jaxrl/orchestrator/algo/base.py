@@ -63,4 +63,4 @@ def rollout_lengths(rollout: Rollout) -> RolloutLengths:
 
 def has_weight(sample: TrainingSample) -> bool:
     """Whether any token of the sample (past the first, which is never predicted) is trained."""
-    return bool(sample.rl_w[1:].any() or sample.ce_w[1:].any())
+    return bool(sample.rl_w[1:].any() or sample.ce_w[1:].any() or sample.ref_kl_w[1:].any())
