@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
 
+from jaxrl import renamed
 from jaxrl.inference.config import InferenceConfig
 from jaxrl.orchestrator.config import OrchestratorConfig
 from jaxrl.parallel.distributed import DistributedConfig
@@ -112,6 +113,13 @@ class RunConfig(BaseModel):
     ckpt: CkptConfig = CkptConfig()
     log: LogConfig = LogConfig()
     distributed: DistributedConfig = DistributedConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if found := renamed.find_renamed(data):
+            raise ValueError("prime-rl key(s): " + "; ".join(found))
+        return data
 
     @model_validator(mode="after")
     def _mode(self) -> "RunConfig":

@@ -31,7 +31,10 @@ from jaxrl.trainer.optim import make_optimizer
 from jaxrl.trainer.packing import PackedBatch, choose_bucket, component_counts, pack
 
 # Arrays of a micro-batch the loss reads, in PackedBatch field names.
-_MB_FIELDS = ("tokens", "positions", "segment_ids", "loss_mask", "logq", "advantages", "temperature", "rl_w", "ce_w")
+_MB_FIELDS = (
+    "tokens", "positions", "segment_ids", "loss_mask", "logq", "advantages", "temperature", "rl_w", "ce_w",
+    "ref_kl_w", "logr",
+)
 
 
 def micro_batch_loss(
@@ -70,6 +73,8 @@ def micro_batch_loss(
         mb["loss_mask"][:, 1:],
         cfg.loss,
         entropy=entropy.reshape(shape),
+        ref_kl_w=mb["ref_kl_w"][:, 1:],
+        logr=mb["logr"][:, 1:],
     )
     return L.normalized_loss(sums, counts), sums
 
@@ -149,7 +154,9 @@ class Trainer:
         """One optimizer step over ``samples``; returns this step's metrics (host floats)."""
         t0 = time.perf_counter()
         batch = self.pack(samples)
-        counts = jax.device_put({**{k: np.float32(v) for k, v in component_counts(batch).items()}, "ref_kl": np.float32(0.0)}, replicated(self.mesh))
+        if unscored := sum(s.needs_reference for s in samples):
+            raise ValueError(f"{unscored} sample(s) train the ref-KL component but carry no teacher log-probs (logr)")
+        counts = jax.device_put({k: np.float32(v) for k, v in component_counts(batch).items()}, replicated(self.mesh))
         grads, total = self._zeroed_accumulators(batch)
         rows = self.cfg.micro_batch_rows
         for start in range(0, batch.num_rows, rows):
