@@ -9,8 +9,9 @@ requests from any thread and get ``concurrent.futures.Future``s. Each step:
 4. runs ``decode_steps`` decode steps for every sequence past prefill, in one device call.
 
 Device programs are compiled per shape bucket (``InferenceConfig.program_bound``). Decode
-attention reads a window of the cache: the running rows, up to the length bucket covering the
-longest of them, gathered once per call and written back once per call.
+attention by the references reads a window of the cache: the running rows, up to the length
+bucket covering the longest of them, gathered once per call and written back once per call; the
+decode kernel (TPU) reads the heads-major cache in place, with no copy.
 
 Weight updates take effect between steps only (``weight_update`` = "drain": requests in flight
 finish on the old weights first; "immediate": at the next step). The policy version counter
@@ -65,22 +66,28 @@ def _prefill(graphdef, state, cache, tokens, positions, rows, last, sampling, *,
 
 
 def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *, filtered, length, kernels):  # type: ignore[no-untyped-def]
-    """``steps`` decode steps over a window of the cache: rows ``rows``, positions < ``length``;
-    attention over the window by ``kernels`` (``inference.kernels``).
+    """``steps`` decode steps; attention by ``kernels`` (``inference.kernels``).
 
-    Padding entries have a row index out of range (the window reads zeros there and writes
-    nothing back) and a position >= ``length`` (their keys/values are never written).
+    The references attend over a window of the cache, rows ``rows`` and positions < ``length``,
+    gathered once per call and written back once per call. The decode kernel reads the whole
+    cache in place instead (only each row's live blocks; ``length`` is unused), so the call
+    copies nothing. Padding entries have a row index out of range (the window reads zeros there
+    and writes nothing back; the kernel attends to nothing) and a position >= ``length``.
     """
     model = nnx.merge(graphdef, state)
     lm_head = model.lm_head_weight()
-    window = KVCache(
-        cache.k.at[:, rows, :length].get(mode="fill", fill_value=0),
-        cache.v.at[:, rows, :length].get(mode="fill", fill_value=0),
-    )
+    if kernels.reference:
+        window = KVCache(
+            cache.k.at[:, rows, :, :length].get(mode="fill", fill_value=0),
+            cache.v.at[:, rows, :, :length].get(mode="fill", fill_value=0),
+        )
+        window_rows = None  # the window's rows are the batch's
+    else:
+        window, window_rows = cache, rows
 
     def body(carry, _):  # type: ignore[no-untyped-def]
         window, tok, pos, index = carry
-        hidden, window = model(tok[:, None], pos[:, None], cache=window, kernels=kernels)
+        hidden, window = model(tok[:, None], pos[:, None], cache=window, cache_rows=window_rows, kernels=kernels)
         new, logp = sample(
             logits_f32(hidden[:, 0], lm_head), replace(sampling, draw_position=index), filtered=filtered
         )
@@ -88,11 +95,12 @@ def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *,
 
     carry = (window, tokens, positions, sampling.draw_position)
     (window, *_), (new_tokens, logprobs) = jax.lax.scan(body, carry, None, length=steps)
-    cache = KVCache(
-        cache.k.at[:, rows, :length].set(window.k, mode="drop"),
-        cache.v.at[:, rows, :length].set(window.v, mode="drop"),
-    )
-    return cache, new_tokens, logprobs
+    if kernels.reference:
+        window = KVCache(
+            cache.k.at[:, rows, :, :length].set(window.k, mode="drop"),
+            cache.v.at[:, rows, :, :length].set(window.v, mode="drop"),
+        )
+    return window, new_tokens, logprobs
 
 
 def _copy_row(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
@@ -177,7 +185,7 @@ class Engine:
         self._param_dtype = jax.tree.leaves(state)[0].dtype
         self._compute_dtype = model.dtype
         cache_dtype = model.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
-        shape = (arch.num_layers, config.max_seqs, config.max_model_len, arch.num_kv_heads, arch.head_dim)
+        shape = KVCache.shape(arch, config.max_seqs, config.max_model_len)
         cache_sh = W.cache_sharding(mesh, shape)
         self._cache = KVCache(*(W.zeros_like_sharded(shape, cache_dtype, cache_sh) for _ in range(2)))
         self._inputs = W.replicated(mesh)
@@ -499,8 +507,10 @@ class Engine:
 
     def _run_decode(self, plan: DecodePlan) -> None:
         args = self._put((plan.tokens, plan.positions, plan.rows, plan.sampling))
+        # The decode kernel reads the cache in place, whatever the length: one program per batch.
+        length = plan.length if self.kernels.reference else self.config.max_model_len
         self._cache, tokens, logprobs = self._decode_fn(
-            self._state, self._cache, *args, filtered=plan.filtered, length=plan.length
+            self._state, self._cache, *args, filtered=plan.filtered, length=length
         )
         tokens, logprobs = jax.device_get((tokens, logprobs))
         self._deliver(self._sched.finish_decode(plan, tokens, logprobs, self._version))
