@@ -82,3 +82,15 @@ def test_rl_sampling_values_are_range_checked(override, value, monkeypatch) -> N
     with pytest.raises(ValueError) as e:
         load_config(["--config", "configs/reverse_text/rl.toml", f"--orchestrator.{override}", value])
     assert override.rsplit(".", 1)[-1] in str(e.value)
+
+
+def test_max_model_len_defaults_to_the_models_context(tmp_path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    cfg, _ = load_config(["--model.name", str(model)])
+    assert cfg.inference.max_model_len == 512  # the README's serve command on a 512-token model
+    cfg, _ = load_config(["--model.name", str(model), "--inference.max_model_len", "128"])
+    assert cfg.inference.max_model_len == 128
+    cfg, _ = load_config([])  # scratch model
+    assert cfg.inference.max_model_len == cfg.model.scratch.max_position_embeddings

@@ -266,6 +266,19 @@ class UpdateWeightsRequest(_Body):
     """Policy version to assign (must increase); default: current + 1."""
 
 
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx / 5xx body (OpenAI's error shape)."""
+
+    error: ErrorBody
+
+
 class UpdateWeightsResponse(BaseModel):
     policy_version: int
 

@@ -12,24 +12,30 @@ Shutdown is graceful: the socket closes, in-flight requests finish (up to
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import logging
 import re
+import secrets
 import signal
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxrl.inference import api
+from jaxrl.inference.config import ServerConfig
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.http_thread import BackgroundServer
 from jaxrl.inference.sampling import SamplingParams
@@ -106,6 +112,39 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     return text[: text.index("<tool_call>")].strip(), calls
 
 
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach ("localhost", 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, with the 400 this server answers for invalid bodies documented in place
+    of FastAPI's default 422 (clients and fuzzers check responses against it)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        error = {
+            "description": "Bad request: the message names the field and the problem",
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+        }
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        error_schema = api.ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(error_schema.pop("$defs", {}), ErrorResponse=error_schema)
+        for methods in schema.get("paths", {}).values():
+            for op in methods.values():
+                responses = op.setdefault("responses", {})
+                if responses.pop("422", None) is not None or op.get("requestBody"):
+                    responses["400"] = error
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(unused, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 class _GuardedRoute(APIRoute):
     """A route whose unexpected errors become a 500 response here, not in Starlette's
     ServerErrorMiddleware, which re-raises them and makes uvicorn close the keep-alive
@@ -141,8 +180,20 @@ class EngineServer:
         stop_token_ids: Sequence[int] | None = None,
         graceful_shutdown_s: float = 30.0,
         keep_alive_s: float = 600.0,
+        api_key: str | None = None,
+        weights_root: str | Path | None = None,
     ):
         self.engine = engine
+        if api_key is None and not is_loopback(host):  # never an open control route on a network
+            api_key = secrets.token_urlsafe(24)
+            log.warning(
+                "inference server binds %s without inference.server.api_key: /update_weights requires "
+                "'Authorization: Bearer %s' (a key generated for this process)",
+                host,
+                api_key,
+            )
+        self.api_key = api_key
+        self.weights_root = Path(weights_root).resolve() if weights_root is not None else None
         self.tokenizer = tokenizer
         self.host = host
         self.model_name = model_name
@@ -162,6 +213,30 @@ class EngineServer:
             graceful_shutdown_s=graceful_shutdown_s,
         )
         self._owns_engine = False
+
+    @classmethod
+    def from_config(
+        cls,
+        engine: Engine,
+        tokenizer: Any,
+        config: ServerConfig,
+        *,
+        model_name: str,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> EngineServer:
+        """The server ``[inference.server]`` describes (not started)."""
+        return cls(
+            engine,
+            tokenizer,
+            config.host,
+            config.port,
+            model_name=config.served_model_name or model_name,
+            stop_token_ids=stop_token_ids,
+            graceful_shutdown_s=config.graceful_shutdown_s,
+            keep_alive_s=config.keep_alive_s,
+            api_key=config.api_key,
+            weights_root=config.weights_root,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -311,7 +386,9 @@ class EngineServer:
 
         @app.exception_handler(StarletteHTTPException)
         async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-            return _error(exc.status_code, str(exc.detail))
+            response = _error(exc.status_code, str(exc.detail))
+            response.headers.update(exc.headers or {})  # e.g. Allow on a 405, WWW-Authenticate on a 401
+            return response
 
         @app.exception_handler(Exception)
         async def _crash(request: Request, exc: Exception) -> JSONResponse:
@@ -442,16 +519,44 @@ class EngineServer:
             )
 
         @app.post("/update_weights")
-        async def update_weights(body: api.UpdateWeightsRequest) -> dict[str, int]:
+        async def update_weights(body: api.UpdateWeightsRequest, request: Request) -> dict[str, int]:
+            self._authorize(request)
+            path = self._weights_dir(body.path)
             try:
                 version = await asyncio.to_thread(
-                    self.engine.update_weights_from_path, body.path, version=body.version
+                    self.engine.update_weights_from_path, path, version=body.version
                 )
-            except (FileNotFoundError, KeyError, ValueError) as e:
-                raise BadRequest(f"update_weights: {e}") from None
+            except RuntimeError as e:  # the engine failed or stops
+                raise Unavailable(f"update_weights: {e}") from None
+            except Exception as e:  # noqa: BLE001 - the client's directory does not load: the old weights stay
+                raise BadRequest(
+                    f"update_weights: cannot load {body.path}: {type(e).__name__}: {e}"
+                ) from None
             return api.UpdateWeightsResponse(policy_version=version).model_dump()
 
+        app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
         return app
+
+    def _authorize(self, request: Request) -> None:
+        """Control routes need ``Authorization: Bearer <api_key>`` when the server has a key."""
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise StarletteHTTPException(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <inference.server.api_key>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    def _weights_dir(self, path: str) -> Path:
+        """The model directory an update names, checked before anything is read from it."""
+        p = Path(path).resolve()
+        if self.weights_root is not None and not p.is_relative_to(self.weights_root):
+            raise BadRequest(f"path: {path} is outside the allowed weights directory {self.weights_root}")
+        if not (p / "config.json").is_file():
+            raise BadRequest(f"path: {path} is not a model directory (no config.json)")
+        return p
 
     @staticmethod
     def _message(m: api.ChatMessage) -> dict[str, Any]:
