@@ -192,6 +192,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: LogprobCount | None = None
     stream: bool = False
+    chat_template: str | None = None
+    """A request-supplied template (vLLM's field; also read from ``chat_template_kwargs``):
+    refused unless the server allows them (``inference.server.allow_request_chat_template``)."""
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_ids: bool = False
 

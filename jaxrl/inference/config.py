@@ -39,6 +39,15 @@ class ServerConfig(BaseModel):
     weights_root: str | None = None
     """If set, ``/update_weights`` only loads model directories under this one."""
 
+    allow_request_chat_template: bool = False
+    """Accept a chat template in a chat request (``chat_template``, or in
+    ``chat_template_kwargs``), as vLLM's ``--trust-request-chat-template``. Off by default: a
+    template is code. When on, each renders in a separate process within
+    ``request_template_timeout_s`` and a memory cap (``jaxrl.inference.template_sandbox``)."""
+
+    request_template_timeout_s: float = Field(2.0, gt=0, le=60)
+    """Wall-clock budget of rendering one request-supplied chat template."""
+
     keep_alive_s: float = Field(600.0, gt=0)
     """How long an idle client connection stays open. Long on purpose: env servers pool their
     connections and do not retry, and uvicorn's 5 s default closes them while rollouts wait

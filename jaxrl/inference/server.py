@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,12 @@ from jaxrl.inference.http_thread import BackgroundServer
 from jaxrl.inference.sampling import SamplingParams
 from jaxrl.inference.scheduler import Completion
 from jaxrl.inference.scheduler import Request as EngineRequest
+from jaxrl.inference.template_sandbox import TemplateBudgetError, render_in_sandbox
 
 SESSION_HEADER = "x-session-id"
+MAX_TEMPLATE_CHARS = 64 * 1024  # a request-supplied chat template (real ones are a few KB)
+PROMPT_CHARS_PER_TOKEN = 64  # rendered prompts longer than this x max_model_len cannot fit anyway
+SANDBOX_SLOTS = 2  # request-supplied templates rendering at once (each in its own process)
 log = logging.getLogger(__name__)
 
 
@@ -182,6 +187,8 @@ class EngineServer:
         keep_alive_s: float = 600.0,
         api_key: str | None = None,
         weights_root: str | Path | None = None,
+        allow_request_chat_template: bool = False,
+        request_template_timeout_s: float = 2.0,
     ):
         self.engine = engine
         if api_key is None and not is_loopback(host):  # never an open control route on a network
@@ -193,6 +200,10 @@ class EngineServer:
                 api_key,
             )
         self.api_key = api_key
+        self.allow_request_chat_template = allow_request_chat_template
+        self.request_template_timeout_s = request_template_timeout_s
+        self._sandbox_slots = asyncio.Semaphore(SANDBOX_SLOTS)
+        self._max_prompt_chars = PROMPT_CHARS_PER_TOKEN * engine.max_model_len
         self.weights_root = Path(weights_root).resolve() if weights_root is not None else None
         self.tokenizer = tokenizer
         self.host = host
@@ -236,6 +247,8 @@ class EngineServer:
             keep_alive_s=config.keep_alive_s,
             api_key=config.api_key,
             weights_root=config.weights_root,
+            allow_request_chat_template=config.allow_request_chat_template,
+            request_template_timeout_s=config.request_template_timeout_s,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -449,18 +462,7 @@ class EngineServer:
         async def chat(body: api.ChatCompletionRequest, request: Request) -> JSONResponse:
             if body.stream:
                 raise BadRequest("stream: streaming is not supported; send stream=false")
-            messages = [self._message(m) for m in body.messages]
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    messages,
-                    tools=body.tools,
-                    add_generation_prompt=True,
-                    tokenize=False,
-                    **(body.chat_template_kwargs or {}),
-                )
-            except (TemplateError, TypeError, KeyError, ValueError) as e:  # the template rejects it
-                raise BadRequest(f"messages: the chat template failed: {e}") from None
-            prompt = self.tokenizer.encode(text, add_special_tokens=False)
+            prompt = await self._render_chat(body)
             params = self._params(body, len(prompt), body.max_completion_tokens or body.max_tokens)
             stops = self._stops(body)
             completions = await self._complete(prompt, params, request.headers.get(SESSION_HEADER), stops)
@@ -557,6 +559,62 @@ class EngineServer:
         if not (p / "config.json").is_file():
             raise BadRequest(f"path: {path} is not a model directory (no config.json)")
         return p
+
+    async def _render_chat(self, body: api.ChatCompletionRequest) -> list[int]:
+        """Prompt token ids of a chat request, rendered off the event loop: with the server's own
+        template in a worker thread, or with a request-supplied template (only when allowed) in a
+        budgeted child process (``template_sandbox``)."""
+        messages = [self._message(m) for m in body.messages]
+        kwargs = dict(body.chat_template_kwargs or {})
+        template = kwargs.pop("chat_template", None) or body.chat_template
+        for reserved in ("tokenize", "add_generation_prompt", "tools", "conversation", "messages"):
+            if reserved in kwargs:
+                raise BadRequest(f"chat_template_kwargs.{reserved}: set by the server, not the request")
+        if template is not None:
+            text = await self._render_request_template(template, messages, body.tools, kwargs)
+        else:
+            render = partial(
+                self.tokenizer.apply_chat_template,
+                messages,
+                tools=body.tools,
+                add_generation_prompt=True,
+                tokenize=False,
+                **kwargs,
+            )
+            try:
+                text = await asyncio.to_thread(render)
+            except (TemplateError, TypeError, KeyError, ValueError) as e:  # the template rejects it
+                raise BadRequest(f"messages: the chat template failed: {e}") from None
+        if len(text) > self._max_prompt_chars:
+            raise BadRequest(f"messages: the rendered prompt has over {self._max_prompt_chars} characters")
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+
+    async def _render_request_template(
+        self, template: Any, messages: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any]
+    ) -> str:
+        if not self.allow_request_chat_template:
+            raise BadRequest(
+                "chat_template: request-supplied chat templates are off on this server (they run code); "
+                "start it with inference.server.allow_request_chat_template = true to accept them"
+            )
+        if not isinstance(template, str) or len(template) > MAX_TEMPLATE_CHARS:
+            raise BadRequest(f"chat_template: must be a string of at most {MAX_TEMPLATE_CHARS} characters")
+        specials = {k: v for k, v in self.tokenizer.special_tokens_map.items() if isinstance(v, str)}
+        context = {**specials, **kwargs, "messages": messages, "tools": tools, "add_generation_prompt": True}
+        try:
+            json.dumps(context)
+        except (TypeError, ValueError) as e:
+            raise BadRequest(f"chat_template_kwargs: not JSON data: {e}") from None
+        async with self._sandbox_slots:
+            try:
+                return await render_in_sandbox(
+                    template,
+                    context,
+                    timeout_s=self.request_template_timeout_s,
+                    max_chars=self._max_prompt_chars,
+                )
+            except TemplateBudgetError as e:
+                raise BadRequest(f"chat_template: {e}") from None
 
     @staticmethod
     def _message(m: api.ChatMessage) -> dict[str, Any]:

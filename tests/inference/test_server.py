@@ -472,3 +472,69 @@ def test_update_weights_needs_the_api_key(model_dir, tokenizer, make_config, tmp
     # Bound to a non-loopback address with no key configured: a key is generated, never an open route.
     assert EngineServer(engine, tokenizer, host="0.0.0.0").api_key
     assert EngineServer(engine, tokenizer, host="127.0.0.1").api_key is None
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+SLOW_TEMPLATE = "{% for a in range(500) %}{% for b in range(500) %}{% for c in range(500) %}{% endfor %}{% endfor %}{% endfor %}"
+
+
+def test_request_chat_templates_are_off_by_default(server) -> None:
+    for body in (
+        {**CHAT, "chat_template": "{{ 'x' }}"},
+        {**CHAT, "chat_template_kwargs": {"chat_template": SLOW_TEMPLATE}},
+    ):
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and "allow_request_chat_template" in r.json()["error"]["message"]
+
+
+def test_allowed_request_templates_render_in_a_budgeted_sandbox(server, tokenizer) -> None:
+    srv = EngineServer(
+        server.engine, tokenizer, allow_request_chat_template=True, request_template_timeout_s=1.0
+    )
+    srv.start()  # the engine runs already: this server only adds the HTTP front
+    try:
+        plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ eos_token }}{{ greeting }}"
+        body = {
+            **CHAT,
+            "chat_template_kwargs": {"chat_template": plain, "greeting": "!"},
+            "return_token_ids": True,
+        }
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["prompt_token_ids"] == tokenizer.encode(
+            "hi" + tokenizer.eos_token + "!", add_special_tokens=False
+        )
+
+        async def slow_render_and_health():  # type: ignore[no-untyped-def]
+            done: list[str] = []
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+
+                async def call(name: str, coro):  # type: ignore[no-untyped-def]
+                    response = await coro
+                    done.append(name)
+                    return response
+
+                slow = asyncio.create_task(
+                    call(
+                        "slow", c.post("/v1/chat/completions", json={**CHAT, "chat_template": SLOW_TEMPLATE})
+                    )
+                )
+                await asyncio.sleep(0.2)
+                health = await call("health", c.get("/health"))
+                return await slow, health, done
+
+        slow, health, done = asyncio.run(slow_render_and_health())
+        assert health.status_code == 200 and done == ["health", "slow"]  # the event loop never stalled
+        assert slow.status_code == 400 and "longer than 1 s" in slow.json()["error"]["message"]
+        for template, needle in (
+            ("{{ 'a' * 1000000000 }}", "memory"),  # grows the child, never the server
+            ("{% for i in range(100000) %}{{ 'abcdefgh' * 100 }}{% endfor %}", "exceeds"),
+            ("{{ raise_exception('no system prompt') }}", "no system prompt"),
+            ("{% for %}", "TemplateSyntaxError"),
+        ):
+            r = httpx.post(
+                srv.url + "/v1/chat/completions", json={**CHAT, "chat_template": template}, timeout=60
+            )
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    finally:
+        srv.stop()
