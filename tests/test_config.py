@@ -151,3 +151,15 @@ def test_per_env_sampling_inherits_unset_fields_and_ratio_is_checked() -> None:
                         ({"sampling": {"max_tokens": 5}}, "renamed to `max_completion_tokens`")):
         with pytest.raises(pydantic.ValidationError, match=needle):
             TrainSplitConfig(env=[{"id": "reverse_text", **bad}])
+
+
+def test_max_model_len_defaults_to_the_models_context(tmp_path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    cfg, _ = load_config(["--model.name", str(model)])
+    assert cfg.inference.max_model_len == 512  # the README's serve command on a 512-token model
+    cfg, _ = load_config(["--model.name", str(model), "--inference.max_model_len", "128"])
+    assert cfg.inference.max_model_len == 128
+    cfg, _ = load_config([])  # scratch model
+    assert cfg.inference.max_model_len == cfg.model.scratch.max_position_embeddings

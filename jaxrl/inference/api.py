@@ -192,6 +192,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: LogprobCount | None = None
     stream: bool = False
+    chat_template: str | None = None
+    """A request-supplied template (vLLM's field; also read from ``chat_template_kwargs``):
+    refused unless the server allows them (``inference.server.allow_request_chat_template``)."""
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_ids: bool = False
 
@@ -264,6 +267,19 @@ class UpdateWeightsRequest(_Body):
     """A Hugging Face model directory (config.json + safetensors) with the served architecture."""
     version: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
     """Policy version to assign (must increase); default: current + 1."""
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx / 5xx body (OpenAI's error shape)."""
+
+    error: ErrorBody
 
 
 class UpdateWeightsResponse(BaseModel):

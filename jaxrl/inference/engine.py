@@ -168,6 +168,7 @@ class Engine:
 
     def __init__(self, model: Decoder, config: InferenceConfig, *, mesh: Mesh | None = None):
         arch = model.arch
+        config = config.with_model_len(arch.max_position_embeddings)
         if config.max_model_len > arch.max_position_embeddings:
             raise ValueError(
                 f"inference.max_model_len ({config.max_model_len}) exceeds the model's "

@@ -12,31 +12,42 @@ Shutdown is graceful: the socket closes, in-flight requests finish (up to
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import logging
 import re
+import secrets
 import signal
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxrl.inference import api
+from jaxrl.inference.config import ServerConfig
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.http_thread import BackgroundServer
 from jaxrl.inference.sampling import SamplingParams
 from jaxrl.inference.scheduler import Completion
 from jaxrl.inference.scheduler import Request as EngineRequest
+from jaxrl.inference.template_sandbox import TemplateBudgetError, render_in_sandbox
 
 SESSION_HEADER = "x-session-id"
+MAX_TEMPLATE_CHARS = 64 * 1024  # a request-supplied chat template (real ones are a few KB)
+PROMPT_CHARS_PER_TOKEN = 64  # rendered prompts longer than this x max_model_len cannot fit anyway
+SANDBOX_SLOTS = 2  # request-supplied templates rendering at once (each in its own process)
 log = logging.getLogger(__name__)
 
 
@@ -106,6 +117,39 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     return text[: text.index("<tool_call>")].strip(), calls
 
 
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach ("localhost", 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, with the 400 this server answers for invalid bodies documented in place
+    of FastAPI's default 422 (clients and fuzzers check responses against it)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        error = {
+            "description": "Bad request: the message names the field and the problem",
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+        }
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        error_schema = api.ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(error_schema.pop("$defs", {}), ErrorResponse=error_schema)
+        for methods in schema.get("paths", {}).values():
+            for op in methods.values():
+                responses = op.setdefault("responses", {})
+                if responses.pop("422", None) is not None or op.get("requestBody"):
+                    responses["400"] = error
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(unused, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 class _GuardedRoute(APIRoute):
     """A route whose unexpected errors become a 500 response here, not in Starlette's
     ServerErrorMiddleware, which re-raises them and makes uvicorn close the keep-alive
@@ -141,8 +185,26 @@ class EngineServer:
         stop_token_ids: Sequence[int] | None = None,
         graceful_shutdown_s: float = 30.0,
         keep_alive_s: float = 600.0,
+        api_key: str | None = None,
+        weights_root: str | Path | None = None,
+        allow_request_chat_template: bool = False,
+        request_template_timeout_s: float = 2.0,
     ):
         self.engine = engine
+        if api_key is None and not is_loopback(host):  # never an open control route on a network
+            api_key = secrets.token_urlsafe(24)
+            log.warning(
+                "inference server binds %s without inference.server.api_key: /update_weights requires "
+                "'Authorization: Bearer %s' (a key generated for this process)",
+                host,
+                api_key,
+            )
+        self.api_key = api_key
+        self.allow_request_chat_template = allow_request_chat_template
+        self.request_template_timeout_s = request_template_timeout_s
+        self._sandbox_slots = asyncio.Semaphore(SANDBOX_SLOTS)
+        self._max_prompt_chars = PROMPT_CHARS_PER_TOKEN * engine.max_model_len
+        self.weights_root = Path(weights_root).resolve() if weights_root is not None else None
         self.tokenizer = tokenizer
         self.host = host
         self.model_name = model_name
@@ -162,6 +224,32 @@ class EngineServer:
             graceful_shutdown_s=graceful_shutdown_s,
         )
         self._owns_engine = False
+
+    @classmethod
+    def from_config(
+        cls,
+        engine: Engine,
+        tokenizer: Any,
+        config: ServerConfig,
+        *,
+        model_name: str,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> EngineServer:
+        """The server ``[inference.server]`` describes (not started)."""
+        return cls(
+            engine,
+            tokenizer,
+            config.host,
+            config.port,
+            model_name=config.served_model_name or model_name,
+            stop_token_ids=stop_token_ids,
+            graceful_shutdown_s=config.graceful_shutdown_s,
+            keep_alive_s=config.keep_alive_s,
+            api_key=config.api_key,
+            weights_root=config.weights_root,
+            allow_request_chat_template=config.allow_request_chat_template,
+            request_template_timeout_s=config.request_template_timeout_s,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -311,7 +399,9 @@ class EngineServer:
 
         @app.exception_handler(StarletteHTTPException)
         async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-            return _error(exc.status_code, str(exc.detail))
+            response = _error(exc.status_code, str(exc.detail))
+            response.headers.update(exc.headers or {})  # e.g. Allow on a 405, WWW-Authenticate on a 401
+            return response
 
         @app.exception_handler(Exception)
         async def _crash(request: Request, exc: Exception) -> JSONResponse:
@@ -372,18 +462,7 @@ class EngineServer:
         async def chat(body: api.ChatCompletionRequest, request: Request) -> JSONResponse:
             if body.stream:
                 raise BadRequest("stream: streaming is not supported; send stream=false")
-            messages = [self._message(m) for m in body.messages]
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    messages,
-                    tools=body.tools,
-                    add_generation_prompt=True,
-                    tokenize=False,
-                    **(body.chat_template_kwargs or {}),
-                )
-            except (TemplateError, TypeError, KeyError, ValueError) as e:  # the template rejects it
-                raise BadRequest(f"messages: the chat template failed: {e}") from None
-            prompt = self.tokenizer.encode(text, add_special_tokens=False)
+            prompt = await self._render_chat(body)
             params = self._params(body, len(prompt), body.max_completion_tokens or body.max_tokens)
             stops = self._stops(body)
             completions = await self._complete(prompt, params, request.headers.get(SESSION_HEADER), stops)
@@ -442,16 +521,100 @@ class EngineServer:
             )
 
         @app.post("/update_weights")
-        async def update_weights(body: api.UpdateWeightsRequest) -> dict[str, int]:
+        async def update_weights(body: api.UpdateWeightsRequest, request: Request) -> dict[str, int]:
+            self._authorize(request)
+            path = self._weights_dir(body.path)
             try:
                 version = await asyncio.to_thread(
-                    self.engine.update_weights_from_path, body.path, version=body.version
+                    self.engine.update_weights_from_path, path, version=body.version
                 )
-            except (FileNotFoundError, KeyError, ValueError) as e:
-                raise BadRequest(f"update_weights: {e}") from None
+            except RuntimeError as e:  # the engine failed or stops
+                raise Unavailable(f"update_weights: {e}") from None
+            except Exception as e:  # noqa: BLE001 - the client's directory does not load: the old weights stay
+                raise BadRequest(
+                    f"update_weights: cannot load {body.path}: {type(e).__name__}: {e}"
+                ) from None
             return api.UpdateWeightsResponse(policy_version=version).model_dump()
 
+        app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
         return app
+
+    def _authorize(self, request: Request) -> None:
+        """Control routes need ``Authorization: Bearer <api_key>`` when the server has a key."""
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise StarletteHTTPException(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <inference.server.api_key>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    def _weights_dir(self, path: str) -> Path:
+        """The model directory an update names, checked before anything is read from it."""
+        p = Path(path).resolve()
+        if self.weights_root is not None and not p.is_relative_to(self.weights_root):
+            raise BadRequest(f"path: {path} is outside the allowed weights directory {self.weights_root}")
+        if not (p / "config.json").is_file():
+            raise BadRequest(f"path: {path} is not a model directory (no config.json)")
+        return p
+
+    async def _render_chat(self, body: api.ChatCompletionRequest) -> list[int]:
+        """Prompt token ids of a chat request, rendered off the event loop: with the server's own
+        template in a worker thread, or with a request-supplied template (only when allowed) in a
+        budgeted child process (``template_sandbox``)."""
+        messages = [self._message(m) for m in body.messages]
+        kwargs = dict(body.chat_template_kwargs or {})
+        template = kwargs.pop("chat_template", None) or body.chat_template
+        for reserved in ("tokenize", "add_generation_prompt", "tools", "conversation", "messages"):
+            if reserved in kwargs:
+                raise BadRequest(f"chat_template_kwargs.{reserved}: set by the server, not the request")
+        if template is not None:
+            text = await self._render_request_template(template, messages, body.tools, kwargs)
+        else:
+            render = partial(
+                self.tokenizer.apply_chat_template,
+                messages,
+                tools=body.tools,
+                add_generation_prompt=True,
+                tokenize=False,
+                **kwargs,
+            )
+            try:
+                text = await asyncio.to_thread(render)
+            except (TemplateError, TypeError, KeyError, ValueError) as e:  # the template rejects it
+                raise BadRequest(f"messages: the chat template failed: {e}") from None
+        if len(text) > self._max_prompt_chars:
+            raise BadRequest(f"messages: the rendered prompt has over {self._max_prompt_chars} characters")
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+
+    async def _render_request_template(
+        self, template: Any, messages: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any]
+    ) -> str:
+        if not self.allow_request_chat_template:
+            raise BadRequest(
+                "chat_template: request-supplied chat templates are off on this server (they run code); "
+                "start it with inference.server.allow_request_chat_template = true to accept them"
+            )
+        if not isinstance(template, str) or len(template) > MAX_TEMPLATE_CHARS:
+            raise BadRequest(f"chat_template: must be a string of at most {MAX_TEMPLATE_CHARS} characters")
+        specials = {k: v for k, v in self.tokenizer.special_tokens_map.items() if isinstance(v, str)}
+        context = {**specials, **kwargs, "messages": messages, "tools": tools, "add_generation_prompt": True}
+        try:
+            json.dumps(context)
+        except (TypeError, ValueError) as e:
+            raise BadRequest(f"chat_template_kwargs: not JSON data: {e}") from None
+        async with self._sandbox_slots:
+            try:
+                return await render_in_sandbox(
+                    template,
+                    context,
+                    timeout_s=self.request_template_timeout_s,
+                    max_chars=self._max_prompt_chars,
+                )
+            except TemplateBudgetError as e:
+                raise BadRequest(f"chat_template: {e}") from None
 
     @staticmethod
     def _message(m: api.ChatMessage) -> dict[str, Any]:

@@ -408,5 +408,133 @@ def test_update_weights_over_http_loses_no_request(server, other_model_dir) -> N
         versions.append(choice["policy_version"])
     assert 0 in versions  # some were in flight during the update, and finished on the old weights
     assert after.json()["choices"][0]["policy_version"] == 1
-    assert bad.status_code == 400 and "update_weights" in bad.json()["error"]["message"]
+    assert bad.status_code == 400 and "not a model directory" in bad.json()["error"]["message"]
     assert httpx.get(server.url + "/health").json()["policy_version"] == 1
+
+
+def test_update_weights_refuses_a_broken_directory_with_400(server, model_dir, tmp_path) -> None:
+    """A directory that does not load is the client's error: 400, the old weights keep serving,
+    and the connection stays open."""
+    import shutil
+
+    not_a_config = tmp_path / "list_config"
+    not_a_config.mkdir()
+    (not_a_config / "config.json").write_text("[]")
+    truncated = tmp_path / "truncated"
+    shutil.copytree(model_dir, truncated)
+    shard = next(truncated.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    version = server.engine.policy_version
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        for path, needle in (
+            (not_a_config, "cannot load"),
+            (truncated, "cannot load"),
+            (tmp_path / "missing", "not a model directory"),
+            (model_dir / "config.json", "not a model directory"),
+        ):
+            r = client.post("/update_weights", json={"path": str(path)})
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+            assert r.headers.get("connection") != "close"
+        assert client.get("/health").json()["policy_version"] == version
+
+
+def test_405_names_the_allowed_methods_and_openapi_documents_400(server) -> None:
+    r = httpx.get(server.url + "/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    r = httpx.post(server.url + "/health")
+    assert r.status_code == 405 and r.headers["allow"] == "GET"
+    schema = httpx.get(server.url + "/openapi.json").json()
+    for path in ("/inference/v1/generate", "/v1/chat/completions", "/v1/completions", "/update_weights"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert "422" not in responses and "400" in responses
+    assert "ErrorResponse" in schema["components"]["schemas"]
+
+
+def test_update_weights_needs_the_api_key(model_dir, tokenizer, make_config, tmp_path) -> None:
+    engine = Engine.from_pretrained(model_dir, make_config(max_model_len=64))
+    srv = EngineServer(engine, tokenizer, api_key="k" * 20, weights_root=tmp_path)
+    srv.start()
+    try:
+        body = {"path": str(model_dir)}
+        assert httpx.post(srv.url + "/update_weights", json=body).status_code == 401
+        wrong = {"authorization": "Bearer " + "x" * 20}
+        r = httpx.post(srv.url + "/update_weights", json=body, headers=wrong)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        right = {"authorization": "Bearer " + "k" * 20}
+        r = httpx.post(srv.url + "/update_weights", json=body, headers=right)
+        assert (
+            r.status_code == 400 and "outside the allowed weights directory" in r.json()["error"]["message"]
+        )
+        generate = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}}
+        assert httpx.post(srv.url + "/inference/v1/generate", json=generate, timeout=120).status_code == 200
+    finally:
+        srv.stop()
+    # Bound to a non-loopback address with no key configured: a key is generated, never an open route.
+    assert EngineServer(engine, tokenizer, host="0.0.0.0").api_key
+    assert EngineServer(engine, tokenizer, host="127.0.0.1").api_key is None
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+SLOW_TEMPLATE = "{% for a in range(500) %}{% for b in range(500) %}{% for c in range(500) %}{% endfor %}{% endfor %}{% endfor %}"
+
+
+def test_request_chat_templates_are_off_by_default(server) -> None:
+    for body in (
+        {**CHAT, "chat_template": "{{ 'x' }}"},
+        {**CHAT, "chat_template_kwargs": {"chat_template": SLOW_TEMPLATE}},
+    ):
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and "allow_request_chat_template" in r.json()["error"]["message"]
+
+
+def test_allowed_request_templates_render_in_a_budgeted_sandbox(server, tokenizer) -> None:
+    srv = EngineServer(
+        server.engine, tokenizer, allow_request_chat_template=True, request_template_timeout_s=1.0
+    )
+    srv.start()  # the engine runs already: this server only adds the HTTP front
+    try:
+        plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ eos_token }}{{ greeting }}"
+        body = {
+            **CHAT,
+            "chat_template_kwargs": {"chat_template": plain, "greeting": "!"},
+            "return_token_ids": True,
+        }
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["prompt_token_ids"] == tokenizer.encode(
+            "hi" + tokenizer.eos_token + "!", add_special_tokens=False
+        )
+
+        async def slow_render_and_health():  # type: ignore[no-untyped-def]
+            done: list[str] = []
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+
+                async def call(name: str, coro):  # type: ignore[no-untyped-def]
+                    response = await coro
+                    done.append(name)
+                    return response
+
+                slow = asyncio.create_task(
+                    call(
+                        "slow", c.post("/v1/chat/completions", json={**CHAT, "chat_template": SLOW_TEMPLATE})
+                    )
+                )
+                await asyncio.sleep(0.2)
+                health = await call("health", c.get("/health"))
+                return await slow, health, done
+
+        slow, health, done = asyncio.run(slow_render_and_health())
+        assert health.status_code == 200 and done == ["health", "slow"]  # the event loop never stalled
+        assert slow.status_code == 400 and "longer than 1 s" in slow.json()["error"]["message"]
+        for template, needle in (
+            ("{{ 'a' * 1000000000 }}", "memory"),  # grows the child, never the server
+            ("{% for i in range(100000) %}{{ 'abcdefgh' * 100 }}{% endfor %}", "exceeds"),
+            ("{{ raise_exception('no system prompt') }}", "no system prompt"),
+            ("{% for %}", "TemplateSyntaxError"),
+        ):
+            r = httpx.post(
+                srv.url + "/v1/chat/completions", json={**CHAT, "chat_template": template}, timeout=60
+            )
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    finally:
+        srv.stop()
