@@ -22,7 +22,7 @@ from jaxrl.models.arch import arch_from_hf_config
 from jaxrl.models.decoder import Decoder, param_name
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.models.tokenizer import build_tokenizer
-from jaxrl.parallel.mesh import param_sharding_fn
+from jaxrl.models.sharding import param_sharding_fn
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
