@@ -22,7 +22,8 @@ from jaxrl.inference.sampling import SamplingParams
 from jaxrl.inference.scheduler import Request
 from jaxrl.kernel_dispatch import Kernels, resolve
 from jaxrl.models.decoder import KVCache
-from jaxrl.parallel.mesh import MeshConfig, batch_sharding, make_mesh, shard_params
+from jaxrl.models.sharding import shard_params
+from jaxrl.parallel.mesh import MeshConfig, batch_sharding, make_mesh
 from jaxrl.trainer.config import TrainerConfig
 from jaxrl.trainer.packing import component_counts, pack
 from jaxrl.trainer.step import Trainer, micro_batch_loss

@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 from helpers import random_samples, tiny_model
 
-from jaxrl.parallel.mesh import MeshConfig, make_mesh, param_sharding_fn, shard_params
+from jaxrl.models.sharding import param_sharding_fn, shard_params
+from jaxrl.parallel.mesh import MeshConfig, make_mesh
 from jaxrl.trainer import loss as L
 from jaxrl.trainer.config import TrainerConfig
 from jaxrl.trainer.packing import component_counts, pack
