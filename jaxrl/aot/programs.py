@@ -127,13 +127,10 @@ def _compile(fit: ProgramFit, jitted: Any, *args: Any, **kwargs: Any) -> Program
     fit.output_bytes = int(mem.output_size_in_bytes)
     fit.alias_bytes = int(mem.alias_size_in_bytes)
     fit.temp_bytes = int(mem.temp_size_in_bytes)
-    try:
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        fit.estimated_flops = float(cost.get("flops", 0.0)) or None
-        fit.estimated_bytes_accessed = float(cost.get("bytes accessed", 0.0)) or None
-    except Exception:  # the cost model is optional information
-        pass
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    fit.estimated_flops = float(cost.get("flops", 0.0)) or None
+    fit.estimated_bytes_accessed = float(cost.get("bytes accessed", 0.0)) or None
     return fit
 
 
