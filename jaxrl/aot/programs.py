@@ -155,6 +155,7 @@ def abstract_decoder(arch: ModelArch, param_dtype: Any, dtype: Any) -> Decoder:
 
 @dataclass
 class EngineShapes:
+    config: Any  # InferenceConfig, max_model_len resolved for the model
     mesh: Mesh
     graphdef: Any
     weights: Any  # sharded ShapeDtypeStructs
@@ -204,7 +205,7 @@ def _engine_shapes(cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo
     from jaxrl.inference.engine import EngineLayout
     from jaxrl.kernel_dispatch import Kernels
 
-    icfg = cfg.inference
+    icfg = cfg.inference.with_model_len(arch.max_position_embeddings)
     if icfg.max_model_len > arch.max_position_embeddings:
         raise ValueError(
             f"inference.max_model_len ({icfg.max_model_len}) exceeds the model's max_position_embeddings "
@@ -220,7 +221,7 @@ def _engine_shapes(cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo
     weights = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings)
     layout = EngineLayout.create(arch, icfg, trainer_model.dtype, mesh)
     kernels = Kernels.create(icfg.kernels, field="inference.kernels", mesh=mesh)
-    return EngineShapes(mesh, graphdef, weights, layout, kernels)
+    return EngineShapes(icfg, mesh, graphdef, weights, layout, kernels)
 
 
 def plan(cfg: RunConfig, topo: Topology, *, engine: bool | None = None) -> list[ProgramFit]:
@@ -258,7 +259,7 @@ def _engine_fits(cfg: RunConfig, eng: EngineShapes, topo: Topology) -> list[Prog
     """The engine's largest decode and prefill programs, compiled (not yet ``_finish``ed)."""
     from jaxrl.inference.engine import engine_programs
 
-    icfg, layout = cfg.inference, eng.layout
+    icfg, layout = eng.config, eng.layout
     prefill, decode, _, _ = engine_programs(eng.graphdef, icfg.decode_steps, layout, eng.kernels)
     cache = layout.abstract_cache()
     md = _mesh_dict(eng.mesh)

@@ -44,6 +44,8 @@ _MB_DTYPES = {
     "temperature": jnp.float32,
     "rl_w": jnp.float32,
     "ce_w": jnp.float32,
+    "ref_kl_w": jnp.float32,
+    "logr": jnp.float32,
 }
 _MB_FIELDS = tuple(_MB_DTYPES)
 
@@ -84,6 +86,8 @@ def micro_batch_loss(
         mb["loss_mask"][:, 1:],
         cfg.loss,
         entropy=entropy.reshape(shape),
+        ref_kl_w=mb["ref_kl_w"][:, 1:],
+        logr=mb["logr"][:, 1:],
     )
     return L.normalized_loss(sums, counts), sums
 
@@ -219,7 +223,9 @@ class Trainer:
         """One optimizer step over ``samples``; returns this step's metrics (host floats)."""
         t0 = time.perf_counter()
         batch = self.pack(samples)
-        counts = jax.device_put({**{k: np.float32(v) for k, v in component_counts(batch).items()}, "ref_kl": np.float32(0.0)}, replicated(self.mesh))
+        if unscored := sum(s.needs_reference for s in samples):
+            raise ValueError(f"{unscored} sample(s) train the ref-KL component but carry no teacher log-probs (logr)")
+        counts = jax.device_put({k: np.float32(v) for k, v in component_counts(batch).items()}, replicated(self.mesh))
         grads, total = self._zeroed_accumulators(batch)
         rows = self.cfg.micro_batch_rows
         for start in range(0, batch.num_rows, rows):

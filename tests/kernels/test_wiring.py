@@ -39,7 +39,7 @@ def _batch():
     batch = pack(samples, SEQ_LEN, rows_multiple=8)
     segments = batch.segment_ids.max(axis=1)
     assert batch.num_rows == 8 and (segments >= 2).all(), "every row must pack several samples"
-    counts = {k: jnp.float32(v) for k, v in component_counts(batch).items()} | {"ref_kl": jnp.float32(0)}
+    counts = {k: jnp.float32(v) for k, v in component_counts(batch).items()}
     return {k: jnp.asarray(v) for k, v in batch.as_dict().items()}, counts
 
 
