@@ -224,10 +224,11 @@ def _engine_shapes(cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo
     return EngineShapes(icfg, mesh, graphdef, weights, layout, kernels)
 
 
-def plan(cfg: RunConfig, topo: Topology, *, engine: bool | None = None) -> list[ProgramFit]:
+def plan(cfg: RunConfig, topo: Topology, *, engine: bool | None = None, trainer: bool = True) -> list[ProgramFit]:
     """Compile the run's programs for ``topo``; one ``ProgramFit`` each (errors included).
 
-    ``engine``: also the embedded engine's programs (see ``run_shapes``).
+    ``engine``: also the embedded engine's programs (see ``run_shapes``); ``trainer``: the
+    trainer's (False: the engine's alone, with the trainer's state still counted resident).
     """
     run = run_shapes(cfg, topo, engine=engine)
     tcfg, mesh, programs, params, opt = cfg.trainer, run.mesh, run.programs, run.params, run.opt
@@ -238,7 +239,7 @@ def plan(cfg: RunConfig, topo: Topology, *, engine: bool | None = None) -> list[
     fits: list[ProgramFit] = []
     counts = {c: jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated(mesh)) for c in L.COMPONENTS}
     sums: Any = None
-    for bucket in tcfg.seq_len_buckets or [tcfg.seq_len]:
+    for bucket in (tcfg.seq_len_buckets or [tcfg.seq_len]) if trainer else []:
         mb = micro_batch_shapes(mesh, tcfg.micro_batch_rows, bucket)
         sums = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(mesh)),
@@ -247,9 +248,10 @@ def plan(cfg: RunConfig, topo: Topology, *, engine: bool | None = None) -> list[
         fit = ProgramFit(f"train_micro_step[{tcfg.micro_batch_rows}x{bucket}]", topo.name, _mesh_dict(mesh), knobs=TRAINER_KNOBS)
         _compile(fit, programs.micro_step, params, params, sums, mb, counts)
         fits.append(_finish(fit, sb["trainer_opt_state"] + engine_state_bytes, topo.hbm_per_device))
-    fit = ProgramFit("train_update", topo.name, _mesh_dict(mesh), knobs=TRAINER_KNOBS[:1])
-    _compile(fit, programs.apply, params, opt, params, sums)
-    fits.append(_finish(fit, engine_state_bytes, topo.hbm_per_device))
+    if trainer:
+        fit = ProgramFit("train_update", topo.name, _mesh_dict(mesh), knobs=TRAINER_KNOBS[:1])
+        _compile(fit, programs.apply, params, opt, params, sums)
+        fits.append(_finish(fit, engine_state_bytes, topo.hbm_per_device))
     for f in engine_fits:  # the trainer's parameters and optimizer state stay resident
         fits.append(_finish(f, sb["trainer_params"] + sb["trainer_opt_state"], topo.hbm_per_device))
     return fits
