@@ -17,9 +17,10 @@ from typing import Any
 
 from jaxrl.config import RunConfig
 from jaxrl.orchestrator.batch import build_batch
-from jaxrl.orchestrator.env_server import ModelEndpoint
+from jaxrl.orchestrator.env_server import EnvServerDead, ModelEndpoint
 from jaxrl.orchestrator.orchestrator import Orchestrator
 from jaxrl.parallel.distributed import is_main_process
+from jaxrl.preemption import RunAborted
 from jaxrl.run_common import TrainingRun
 
 PLOT_KEYS = ("reward_mean", "eval_reward_mean", "rl_loss", "mismatch_kl", "entropy", "time/step_s")
@@ -80,6 +81,7 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     rollouts = RolloutLog(run.out / "rollouts.jsonl", append=bool(meta))
     assert run.logger is not None
     last: dict[str, Any] = {}
+    aborted: EnvServerDead | None = None
     try:
         orch.start(first_step=run.trainer.step + 1, sampler_state=meta.get("orchestrator", {}).get("sampler"))
         eval_every = ocfg.eval.interval if ocfg.eval else 0
@@ -95,10 +97,19 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
                 if run.should_checkpoint(step) or stop.requested:
                     run.save(_orch_meta(orch, step))
         run.save(_orch_meta(orch, run.trainer.step))
+    except EnvServerDead as e:  # keep what was learnt: checkpoint, result.json, then stop with the cause
+        aborted = e
+        run.save(_orch_meta(orch, run.trainer.step))
     finally:
         orch.close()
         server.stop()
         engine.stop()
+    if aborted is not None:
+        run.finish(title=f"RL {Path(cfg.output_dir).name}", export=False, error=str(aborted))
+        raise RunAborted(
+            f"{aborted}\nA checkpoint of step {run.trainer.step} is in {run.ckpt.dir}: fix the env, then rerun "
+            "with --resume"
+        ) from aborted
     result = run.finish(title=f"RL {Path(cfg.output_dir).name}", export=not run.stop_request().requested)
     return result | {"last": last}
 
@@ -115,7 +126,7 @@ def _rl_step(run: TrainingRun, orch: Orchestrator, engine: Any, rollouts: Rollou
     for attempt in range(max_resample):
         if batch.has_signal:
             break
-        batch.mark("resampled")
+        batch.mark_resampled()
         rollouts.write(batch.records)
         orch.request_more(step)
         batch = build_batch(orch.next_batch(step), orch.algorithms, step)

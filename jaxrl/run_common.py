@@ -83,9 +83,11 @@ class TrainingRun:
             AutoTokenizer.from_pretrained(self.tokenizer_dir).save_pretrained(path)
         return path
 
-    def finish(self, *, title: str, export: bool) -> dict[str, Any]:
+    def finish(self, *, title: str, export: bool, error: str | None = None) -> dict[str, Any]:
         self.ckpt.close()
         result: dict[str, Any] = {"steps": self.trainer.step, "stopped_by": self._stop.signal_name}
+        if error is not None:
+            result["error"] = error
         if export:
             result["export"] = str(self.export())
         if self.logger is not None:

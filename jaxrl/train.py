@@ -12,6 +12,7 @@ from pathlib import Path
 
 from jaxrl.config import RunConfig, load_config
 from jaxrl.parallel.distributed import initialize
+from jaxrl.preemption import RunAborted
 
 
 def has_weights(model_dir: str | None) -> bool:
@@ -48,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     if flags.dry_run:
         print(cfg.model_dump_json(indent=2))
         return 0
-    result = run(cfg, resume=flags.resume)
+    try:
+        result = run(cfg, resume=flags.resume)
+    except RunAborted as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"[jaxrl] done: {result.get('steps')} steps; outputs in {cfg.output_dir}")
     return 0
 

@@ -34,7 +34,14 @@ from typing import Any
 
 from jaxrl.orchestrator.algo import Algorithm, make_algorithm
 from jaxrl.orchestrator.config import EvalConfig, OrchestratorConfig, SamplingConfig
-from jaxrl.orchestrator.env_server import EnvConfig, EnvServer, ModelEndpoint, start_env_servers, task_data
+from jaxrl.orchestrator.env_server import (
+    EnvConfig,
+    EnvServer,
+    EnvServerDead,
+    ModelEndpoint,
+    start_env_servers,
+    task_data,
+)
 from jaxrl.orchestrator.tasks import TaskSampler
 from jaxrl.orchestrator.traces import Rollout
 
@@ -112,6 +119,7 @@ class Orchestrator:
         self._sampler_at_step: dict[int, dict[str, Any]] = {}
         self._stopping = False
         self._producer: asyncio.Future | None = None
+        self._fatal: EnvServerDead | None = None
         self.train_servers: list[EnvServer] = []
         self.eval_servers: list[EnvServer] = []
         self.eval_tasks: dict[str, list[dict[str, Any]]] = {}
@@ -195,10 +203,16 @@ class Orchestrator:
         version = self.policy_version()
         n = self.group_sizes[env]
         t0 = time.perf_counter()
-        rollouts = await server.run_group(
-            data, self.endpoint, sampling_params(self.cfg.train.sampling), n, policy_version=version,
-            seeds=rollout_seeds(self.seed, "train", draw, n=n),
-        )
+        try:
+            rollouts = await server.run_group(
+                data, self.endpoint, sampling_params(self.cfg.train.sampling), n, policy_version=version,
+                seeds=rollout_seeds(self.seed, "train", draw, n=n),
+            )
+        except EnvServerDead as e:  # surfaces in next_batch: the run checkpoints and stops
+            with self._cond:
+                self._fatal = self._fatal or e
+                self._cond.notify_all()
+            return
         group = Group(env, step, rollouts, version, time.perf_counter() - t0)
         with self._cond:
             self._queues[step].groups.append(group)
@@ -215,6 +229,8 @@ class Orchestrator:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while len(self._queues[step].groups) < self.groups_per_step:
+                if self._fatal is not None:
+                    raise self._fatal
                 if self._producer is not None and self._producer.done() and not self._producer.cancelled():
                     self._producer.result()  # re-raise a producer crash here
                 left = None if deadline is None else deadline - time.monotonic()

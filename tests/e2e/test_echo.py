@@ -79,7 +79,7 @@ def trained_groups(out: Path) -> dict[int, list[list[Rollout]]]:
     for line in (out / "rollouts.jsonl").read_text().splitlines():
         r = json.loads(line)
         assert r["fate"] != "failed", r["error"]
-        if r["fate"] in ("trained", "no_signal"):
+        if r["fate"] in ("trained", "no_signal") and not r.get("resampled"):
             rollout = Rollout(r["env"], r["group_id"], r["task"], r["episode"], r["error"], r["policy_version"],
                               r["temperature"])
             groups[r["step"]][r["group_id"]].append(rollout)
