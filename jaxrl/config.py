@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -118,6 +119,12 @@ class RunConfig(BaseModel):
     def _mode(self) -> "RunConfig":
         if self.model.name is None and self.model.scratch is None:
             raise ValueError("model: set `name` (a HF model directory) or `[model.scratch]`")
+        name = self.model.name
+        if name is not None and self.warmstart is None and not Path(name).is_dir() and not _HUB_ID.match(name):
+            raise ValueError(
+                f"model.name: {self.model.name} is not a directory; point it at a Hugging Face model directory "
+                "(config.json + safetensors; hub ids are not fetched)"
+            )
         context = model_context_len(self.model)
         if context is not None:
             self.inference = self.inference.with_model_len(context)
@@ -152,6 +159,9 @@ class RunConfig(BaseModel):
     def mode(self) -> Literal["sft", "rl"]:
         """RL when `[orchestrator]` is set, else SFT (with `[data]` or its defaults)."""
         return "rl" if self.orchestrator is not None else "sft"
+
+
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # "org/model": left to the model loader, not a local path
 
 
 def model_context_len(model: ModelConfig) -> int | None:
@@ -192,8 +202,11 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"--config {p}: no such file")
-    with p.open("rb") as f:
-        return tomllib.load(f)
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config {p}: invalid TOML: {e}") from None
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:

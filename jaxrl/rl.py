@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxrl.config import RunConfig
+from jaxrl.inference.http_thread import check_port_free
 from jaxrl.orchestrator.batch import build_batch
 from jaxrl.orchestrator.env_server import EnvServerDead, ModelEndpoint
 from jaxrl.orchestrator.orchestrator import Orchestrator
@@ -72,6 +73,8 @@ def start_engine(run: TrainingRun) -> tuple[Any, Any, ModelEndpoint]:
 def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     assert cfg.orchestrator is not None
     ocfg = cfg.orchestrator
+    if cfg.inference.backend in ("embedded", "vllm"):  # before the model loads
+        check_port_free(cfg.inference.server.host, cfg.inference.server.port)
     run = TrainingRun(cfg, plot_keys=PLOT_KEYS)
     meta = run.maybe_resume(resume)
     engine, server, endpoint = start_engine(run)

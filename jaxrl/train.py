@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from jaxrl.config import RunConfig, load_config
+from jaxrl.inference.http_thread import PortInUse
 from jaxrl.parallel.distributed import initialize
 from jaxrl.preemption import RunAborted
 
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         result = run(cfg, resume=flags.resume)
+    except PortInUse as e:  # a config error only the environment shows: found before any work
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except RunAborted as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
