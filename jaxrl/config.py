@@ -81,7 +81,10 @@ class DataConfig(BaseModel):
 class LogConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     progress: bool = True
-    """Rich progress bar on the terminal."""
+    """Rich progress bar when stdout is a terminal; elsewhere (a file, ``kubectl logs``) a plain
+    line every `interval` steps instead."""
+    interval: int = Field(1, ge=1)
+    """Steps between two plain progress lines off a terminal (the last step always prints)."""
     plot: bool = True
     """Write <output_dir>/metrics.png at the end."""
     wandb_project: str | None = None
@@ -209,11 +212,27 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"--config {p}: invalid TOML: {e}") from None
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--config", default=None)
-    parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--resume", action="store_true")
+def parse_args(argv: list[str] | None, prog: str = "python -m jaxrl.train") -> tuple[argparse.Namespace, list[str]]:
+    """The entry points' own flags; everything else is a dotted override. ``--help`` exits 0."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        allow_abbrev=False,  # "--conf" must not swallow anything: unknown flags are overrides
+        description="Run with a TOML config (every field has a default) and dotted overrides of its fields.",
+        epilog=(
+            "overrides: --section.field VALUE, e.g. --trainer.steps 50 --trainer.optim.lr 1e-3 "
+            "--inference.server.port 8123 (the field docstrings in jaxrl/config.py and the section modules "
+            "document every field)"
+        ),
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="TOML file; repeat to merge several, later files winning field by field",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config, exit")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
     return parser.parse_known_args(argv)
 
 
@@ -226,8 +245,13 @@ def build_config(toml: dict[str, Any], overrides: list[str]) -> RunConfig:
         raise ValueError(f"invalid config:\n{e}") from None
 
 
-def load_config(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Namespace]:
-    """Parse an entry point's argv: (validated config, flags --config/--dry-run/--resume)."""
-    flags, rest = parse_args(argv)
-    toml = read_toml(flags.config) if flags.config else {}
+def load_config(
+    argv: list[str] | None = None, prog: str = "python -m jaxrl.train"
+) -> tuple[RunConfig, argparse.Namespace]:
+    """Parse an entry point's argv: (validated config, flags --config/--dry-run/--resume).
+    Several ``--config`` files merge left to right; overrides apply last."""
+    flags, rest = parse_args(argv, prog)
+    toml: dict[str, Any] = {}
+    for path in flags.config:
+        toml = deep_merge(toml, read_toml(path))
     return build_config(toml, rest), flags

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,19 @@ from rich.progress import (
 
 from jaxrl.parallel.distributed import is_main_process
 
-# Shown on the progress bar when present (first match wins per slot).
-_BAR_KEYS = ("ce_loss", "rl_loss", "reward_mean", "eval_reward_mean", "mismatch_kl", "tokens_per_s")
+# Shown on the progress bar / plain progress line when present in a row, in this order.
+_BAR_KEYS = (
+    "reward_mean", "ce_loss", "rl_loss", "mismatch_kl", "grad_norm", "rollouts_failed", "tokens_per_s",
+    "time/rollout_wait_s", "time/train_s", "step_time_s",
+)  # fmt: skip
+
+
+def progress_fields(metrics: dict[str, Any]) -> str:
+    """``key=value`` for the row's headline metrics (eval averages included), in a fixed order."""
+    keys = [k for k in _BAR_KEYS if k in metrics] + sorted(
+        k for k in metrics if k.startswith("eval/") and "/avg@" in k
+    )
+    return " ".join(f"{k}={metrics[k]:.4g}" for k in keys if isinstance(metrics[k], (int, float)))
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -90,6 +102,7 @@ class MetricsLogger:
         start_step: int = 0,
         progress: bool = True,
         plot_keys: tuple[str, ...] = (),
+        interval: int = 1,
         wandb_project: str | None = None,
         tensorboard: bool = False,
         run_config: dict[str, Any] | None = None,
@@ -98,6 +111,7 @@ class MetricsLogger:
         self.dir = Path(output_dir)
         self.path = self.dir / "metrics.jsonl"
         self.plot_keys = plot_keys
+        self.total_steps, self.interval = total_steps, interval
         self._progress: Progress | None = None
         self._wandb = self._tb = None
         if not self.main:
@@ -105,7 +119,7 @@ class MetricsLogger:
         self.dir.mkdir(parents=True, exist_ok=True)
         if start_step == 0:
             self.path.write_text("")
-        if progress:
+        if progress and sys.stdout.isatty():  # elsewhere a redrawn bar is one unreadable line
             self._progress = Progress(
                 TextColumn("[bold]step"),
                 MofNCompleteColumn(),
@@ -132,8 +146,9 @@ class MetricsLogger:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self._progress is not None:
-            shown = [f"{k}={metrics[k]:.4g}" for k in _BAR_KEYS if isinstance(metrics.get(k), (int, float))]
-            self._progress.update(self._task, completed=step, description=" ".join(shown))
+            self._progress.update(self._task, completed=step, description=progress_fields(metrics))
+        elif step % self.interval == 0 or step == self.total_steps:
+            print(f"[jaxrl] step {step}/{self.total_steps} {progress_fields(metrics)}", flush=True)
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
         if self._tb is not None:

@@ -57,7 +57,7 @@ class TrainingRun:
         log = self.cfg.log
         self.logger = MetricsLogger(
             self.out, self.cfg.trainer.steps, start_step=self.trainer.step, progress=log.progress,
-            plot_keys=self.plot_keys if log.plot else (), wandb_project=log.wandb_project,
+            plot_keys=self.plot_keys if log.plot else (), interval=log.interval, wandb_project=log.wandb_project,
             tensorboard=log.tensorboard, run_config=self.cfg.model_dump(),
         )
         return meta

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 after a clean stop, 2 for a config error (one message, before any work),
     1 when the engine failed beyond recovery (a supervisor should restart the process)."""
     try:
-        cfg, flags = load_config(argv)
+        cfg, flags = load_config(argv, prog="python -m jaxrl.serve")
         if flags.dry_run:
             print(cfg.inference.model_dump_json(indent=2))
             return 0
@@ -77,5 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``jaxrl-serve`` console script."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

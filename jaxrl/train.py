@@ -62,5 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``jaxrl-train`` console script."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()
