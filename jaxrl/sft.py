@@ -10,7 +10,6 @@ from jaxrl.config import DataConfig, RunConfig
 from jaxrl.data.sft import reference_conversations, sft_dataset
 from jaxrl.run_common import TrainingRun
 
-
 # Loss metrics of the RL and ref-KL components, always 0 in SFT: left out of SFT rows.
 RL_ONLY = (
     "rl_loss", "rl_tokens", "ref_kl_loss", "ref_kl_tokens", "mismatch_kl", "mismatch_kl_masked",
