@@ -83,6 +83,10 @@ class LogConfig(BaseModel):
     progress: bool = True
     """Rich progress bar when stdout is a terminal; elsewhere (a file, ``kubectl logs``) a plain
     line every `interval` steps instead."""
+    rollout_episodes: bool = False
+    """Also store each rollout's raw episode (every trace's token ids, log-probs, masks) in
+    rollouts.jsonl. Off by default: ~8 KB per two-word rollout; the flat record (env, prompt,
+    completion, reward, fate, seed, error, task) is enough to read a run."""
     interval: int = Field(1, ge=1)
     """Steps between two plain progress lines off a terminal (the last step always prints)."""
     plot: bool = True

@@ -30,8 +30,9 @@ PLOT_KEYS = ("reward_mean", "eval_reward_mean", "rl_loss", "mismatch_kl", "entro
 class RolloutLog:
     """``<output_dir>/rollouts.jsonl``: every rollout, train and eval, with its fate."""
 
-    def __init__(self, path: Path, *, append: bool):
+    def __init__(self, path: Path, *, append: bool, episodes: bool = False):
         self.path = path
+        self.episodes = episodes
         self.enabled = is_main_process()
         if self.enabled and not append:
             path.write_text("")
@@ -41,6 +42,8 @@ class RolloutLog:
             return
         with self.path.open("a") as f:
             for r in records:
+                if not self.episodes:  # the raw episode is ~8 KB even for a two-word rollout
+                    r = {k: v for k, v in r.items() if k != "episode"}
                 f.write(json.dumps(r, default=str) + "\n")
 
 
@@ -81,7 +84,7 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     if run.trainer.step:
         engine.update_weights_from_state(run.trainer.params, version=run.trainer.step)
     orch = Orchestrator(ocfg, endpoint, output_dir=run.out, seed=cfg.seed, policy_version=lambda: engine.policy_version)
-    rollouts = RolloutLog(run.out / "rollouts.jsonl", append=bool(meta))
+    rollouts = RolloutLog(run.out / "rollouts.jsonl", append=bool(meta), episodes=cfg.log.rollout_episodes)
     assert run.logger is not None
     last: dict[str, Any] = {}
     aborted: EnvServerDead | None = None

@@ -68,7 +68,7 @@ def echo_run(warm_start, tmp_path_factory) -> Path:
             "train": {"sampling": {"max_completion_tokens": 64, "temperature": 0.7},
                       "env": [{"id": "lookup", "args": ENV_ARGS, "algo": ECHO}]},
         },
-        "log": {"progress": False},
+        "log": {"progress": False, "rollout_episodes": True},  # re-scored offline below
     }, []))
     return out
 
