@@ -63,6 +63,15 @@ def truncate_jsonl(path: str | Path, max_step: int) -> int:
     return dropped
 
 
+def ema(values: list[float], decay: float = 0.9) -> list[float]:
+    """Exponential moving average, bias-corrected (the first points are not pulled to 0)."""
+    out, acc, weight = [], 0.0, 0.0
+    for v in values:
+        acc, weight = decay * acc + (1 - decay) * v, decay * weight + (1 - decay)
+        out.append(acc / weight)
+    return out
+
+
 def plot_metrics(
     rows: list[dict[str, Any]], keys: list[str], out: str | Path, title: str = ""
 ) -> Path | None:
@@ -81,9 +90,25 @@ def plot_metrics(
         return None
     fig, axes = plt.subplots(1, len(series), figsize=(4 * len(series), 3.2), squeeze=False)
     for ax, (k, pts) in zip(axes[0], series.items()):
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
+        steps, values = [p[0] for p in pts], [p[1] for p in pts]
+        if k == "reward_mean":  # train reward, smoothed, with the held-out eval on the same axis
+            ax.plot(steps, values, color="C0", alpha=0.3, label="train (per step)")
+            ax.plot(steps, ema(values), color="C0", label="train (EMA 0.9)")
+            evals = [
+                (r["step"], r["eval_reward_mean"], r.get("eval_reward_se", 0.0))
+                for r in rows
+                if isinstance(r.get("eval_reward_mean"), (int, float)) and math.isfinite(r["eval_reward_mean"])
+            ]
+            if evals:
+                se = [e[2] if isinstance(e[2], (int, float)) and math.isfinite(e[2]) else 0.0 for e in evals]
+                ax.errorbar([e[0] for e in evals], [e[1] for e in evals], yerr=se, color="C1", marker="o",
+                            capsize=3, label="eval (± SE)")  # fmt: skip
+            ax.legend(fontsize="small")
+        else:
+            ax.plot(steps, values, marker="." if len(pts) < 50 else None)
         ax.set_title(k)
         ax.set_xlabel("step")
+        ax.set_ylabel(k)
         ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title)

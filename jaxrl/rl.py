@@ -24,7 +24,7 @@ from jaxrl.parallel.distributed import is_main_process
 from jaxrl.preemption import RunAborted
 from jaxrl.run_common import TrainingRun
 
-PLOT_KEYS = ("reward_mean", "eval_reward_mean", "rl_loss", "mismatch_kl", "entropy", "time/step_s")
+PLOT_KEYS = ("reward_mean", "rl_loss", "mismatch_kl", "entropy", "time/step_s")  # eval shares reward's panel
 
 
 class RolloutLog:

@@ -34,3 +34,13 @@ def test_off_a_terminal_progress_is_a_plain_line_every_interval_steps(tmp_path, 
         4,
         5,
     ]
+
+
+def test_plot_puts_eval_with_its_standard_error_on_the_train_reward_panel(tmp_path) -> None:
+    from jaxrl.metrics import ema, plot_metrics
+
+    assert ema([1.0, 1.0, 1.0]) == [1.0, 1.0, 1.0]  # bias-corrected: no pull towards 0
+    rows = [{"step": s, "reward_mean": 0.5 + 0.01 * s, "rl_loss": 0.1} for s in range(1, 11)]
+    rows[-1] |= {"eval_reward_mean": 0.6, "eval_reward_se": 0.02}
+    out = plot_metrics(rows, ["reward_mean", "rl_loss"], tmp_path / "m.png", "RL")
+    assert out is not None and out.stat().st_size > 0

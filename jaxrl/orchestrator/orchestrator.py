@@ -24,6 +24,7 @@ import asyncio
 import hashlib
 import logging
 import math
+import statistics
 import threading
 import time
 from collections import defaultdict
@@ -272,11 +273,18 @@ class Orchestrator:
             rewards = [r.reward for g in ok for r in g]
             name = server.name
             metrics[f"eval/{name}/avg@{cfg.k}"] = sum(rewards) / len(rewards) if rewards else math.nan
+            task_means = [sum(r.reward for r in g) / len(g) for g in ok if g]  # tasks are the independent draws
+            metrics[f"eval/{name}/avg@{cfg.k}_se"] = (
+                statistics.stdev(task_means) / len(task_means) ** 0.5 if len(task_means) > 1 else math.nan
+            )
             metrics[f"eval/{name}/pass@{cfg.k}"] = sum(
                 any(r.reward >= cfg.pass_threshold for r in g) for g in ok
             ) / max(len(ok), 1)
             metrics[f"eval/{name}/failed"] = sum(not r.ok for g in groups for r in g)
             everything += [r for g in groups for r in g]
-        means = [v for k, v in metrics.items() if "/avg@" in k and not math.isnan(v)]
+        means = [v for k, v in metrics.items() if "/avg@" in k and not k.endswith("_se") and not math.isnan(v)]
+        ses = [v for k, v in metrics.items() if "/avg@" in k and k.endswith("_se")]
         metrics["eval_reward_mean"] = sum(means) / len(means) if means else math.nan
+        # standard error of that mean over envs (independent task draws per env)
+        metrics["eval_reward_se"] = math.sqrt(sum(s * s for s in ses)) / len(ses) if ses else math.nan
         return metrics, everything
