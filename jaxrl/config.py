@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
 
+from jaxrl import renamed
 from jaxrl.inference.config import InferenceConfig
 from jaxrl.orchestrator.config import OrchestratorConfig
 from jaxrl.parallel.distributed import DistributedConfig
@@ -56,7 +57,7 @@ class ModelConfig(BaseModel):
     """Parameter (and optimizer master) dtype."""
 
     @model_validator(mode="after")
-    def _source(self) -> "ModelConfig":
+    def _source(self) -> ModelConfig:
         if self.scratch is not None and self.name is not None:
             raise ValueError("model: set either `name` (load a HF directory) or `[model.scratch]`, not both")
         return self
@@ -122,12 +123,24 @@ class RunConfig(BaseModel):
     log: LogConfig = LogConfig()
     distributed: DistributedConfig = DistributedConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if found := renamed.find_renamed(data):
+            raise ValueError("prime-rl key(s): " + "; ".join(found))
+        return data
+
     @model_validator(mode="after")
-    def _mode(self) -> "RunConfig":
+    def _mode(self) -> RunConfig:
         if self.model.name is None and self.model.scratch is None:
             raise ValueError("model: set `name` (a HF model directory) or `[model.scratch]`")
         name = self.model.name
-        if name is not None and self.warmstart is None and not Path(name).is_dir() and not _HUB_ID.match(name):
+        if (
+            name is not None
+            and self.warmstart is None
+            and not Path(name).is_dir()
+            and not _HUB_ID.match(name)
+        ):
             raise ValueError(
                 f"model.name: {self.model.name} is not a directory; point it at a Hugging Face model directory "
                 "(config.json + safetensors; hub ids are not fetched)"
@@ -152,11 +165,15 @@ class RunConfig(BaseModel):
             )
         if self.orchestrator is not None:
             orch = self.orchestrator
-            splits = [("train", orch.train.sampling)] + ([("eval", orch.eval.sampling)] if orch.eval else [])
-            for split, sampling in splits:
-                if sampling.max_completion_tokens >= self.inference.max_model_len:
+            splits = [("train", orch.train)] + ([("eval", orch.eval)] if orch.eval else [])
+            for split, cfg in splits:
+                for where, sampling in [("", cfg.sampling)] + [
+                    (f"env {e.name!r}: ", cfg.sampling_for(e)) for e in cfg.env
+                ]:
+                    if sampling.max_completion_tokens < self.inference.max_model_len:
+                        continue
                     raise ValueError(
-                        f"orchestrator.{split}.sampling.max_completion_tokens = {sampling.max_completion_tokens} "
+                        f"{where}orchestrator.{split}.sampling.max_completion_tokens = {sampling.max_completion_tokens} "
                         f"must be < inference.max_model_len = {self.inference.max_model_len} (the prompt needs "
                         "room too); lower it or raise max_model_len"
                     )
@@ -216,7 +233,9 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"--config {p}: invalid TOML: {e}") from None
 
 
-def parse_args(argv: list[str] | None, prog: str = "python -m jaxrl.train") -> tuple[argparse.Namespace, list[str]]:
+def parse_args(
+    argv: list[str] | None, prog: str = "python -m jaxrl.train"
+) -> tuple[argparse.Namespace, list[str]]:
     """The entry points' own flags; everything else is a dotted override. ``--help`` exits 0."""
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -236,7 +255,9 @@ def parse_args(argv: list[str] | None, prog: str = "python -m jaxrl.train") -> t
         help="TOML file; repeat to merge several, later files winning field by field",
     )
     parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config, exit")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
+    )
     return parser.parse_known_args(argv)
 
 

@@ -31,7 +31,6 @@ class TrainingRun:
             (self.out / "config.json").write_text(cfg.model_dump_json(indent=2))
         self.mesh = make_mesh(cfg.trainer.mesh)
         model, self.tokenizer_dir, self.hf_config = prepare_model(cfg.model, self.mesh, self.out)
-        model.remat = cfg.trainer.remat
         peak = cfg.trainer.peak_tflops * 1e12 if cfg.trainer.peak_tflops else None
         if peak is None and jax.default_backend() == "cpu":
             peak = measure_matmul_peak()

@@ -84,6 +84,75 @@ def test_rl_sampling_values_are_range_checked(override, value, monkeypatch) -> N
     assert override.rsplit(".", 1)[-1] in str(e.value)
 
 
+PRIME_RL_TOML = """
+max_steps = 20
+[model]
+name = "x"
+[orchestrator]
+batch_size = 16
+rollouts_per_example = 4
+[orchestrator.sampling]
+max_tokens = 12
+[[orchestrator.env]]
+id = "reverse_text"
+num_workers = 2
+[orchestrator.eval]
+num_examples = 10
+[[orchestrator.eval.source]]
+id = "reverse_text"
+"""
+
+
+def test_prime_rl_keys_fail_naming_their_jaxrl_names() -> None:
+    import tomllib
+
+    with pytest.raises(ValueError) as e:
+        build_config(tomllib.loads(PRIME_RL_TOML), [])
+    message = str(e.value)
+    for needle in (
+        "`max_steps` was renamed to `trainer.steps`",
+        "`orchestrator.sampling` was renamed to `[orchestrator.train.sampling]`",
+        "`orchestrator.sampling.max_tokens` was renamed to `max_completion_tokens`",
+        "`orchestrator.env` was renamed to `[[orchestrator.train.env]]`",
+        "`orchestrator.env[0].num_workers` was renamed to `pool_size`",
+        "`orchestrator.rollouts_per_example` was renamed to `orchestrator.group_size`",
+        "`orchestrator.eval.num_examples` was renamed to `orchestrator.eval.num_tasks`",
+        "`orchestrator.eval.source` was renamed to `[[orchestrator.eval.env]]`",
+    ):
+        assert needle in message
+    assert "extra inputs" not in message.lower()
+
+
+def test_prime_rl_keys_fail_in_each_model_too() -> None:
+    import pydantic
+
+    from jaxrl.orchestrator.config import SamplingConfig
+    from jaxrl.orchestrator.env_server import EnvConfig
+
+    with pytest.raises(pydantic.ValidationError, match="`num_workers` was renamed to `pool_size`"):
+        EnvConfig(id="reverse_text", num_workers=2)
+    with pytest.raises(pydantic.ValidationError, match="`max_tokens` was renamed to `max_completion_tokens`"):
+        SamplingConfig(max_tokens=3)
+
+
+def test_per_env_sampling_inherits_unset_fields_and_ratio_is_checked() -> None:
+    import pydantic
+
+    from jaxrl.orchestrator.config import TrainSplitConfig
+
+    split = TrainSplitConfig(
+        sampling={"temperature": 0.9, "max_completion_tokens": 50, "top_p": 0.8},
+        env=[{"id": "reverse_text", "sampling": {"temperature": 0.3}}],
+    )
+    resolved = split.sampling_for(split.env[0])
+    assert (resolved.temperature, resolved.max_completion_tokens, resolved.top_p) == (0.3, 50, 0.8)
+    for bad, needle in (({"ratio": 0}, "ratio"), ({"ratio": float("nan")}, "ratio"),
+                        ({"sampling": {"max_completion_tokens": 0}}, "max_completion_tokens"),
+                        ({"sampling": {"max_tokens": 5}}, "renamed to `max_completion_tokens`")):
+        with pytest.raises(pydantic.ValidationError, match=needle):
+            TrainSplitConfig(env=[{"id": "reverse_text", **bad}])
+
+
 def test_max_model_len_defaults_to_the_models_context(tmp_path) -> None:
     model = tmp_path / "m"
     model.mkdir()
