@@ -7,7 +7,7 @@ import pydantic
 import pytest
 from trace_builders import forked_trace, rollout, single_turn_trace, tool_trace
 
-from jaxrl.orchestrator.algo import EchoConfig, GRPOConfig, MaxRLConfig, SFTConfig, make_algorithm
+from jaxrl.orchestrator.algo import EchoConfig, GRPOConfig, MaxRLConfig, OPDConfig, SFTConfig, make_algorithm
 from jaxrl.orchestrator.env_server import EnvConfig
 from jaxrl.trainer.packing import component_counts, pack
 
@@ -268,6 +268,16 @@ def test_echo_assistant_alpha_zero_removes_rl_on_assistant_tokens():
 def test_echo_config_needs_a_role():
     with pytest.raises(pydantic.ValidationError, match="no role is enabled"):
         EchoConfig()
+
+
+def test_opd_routes_every_sampled_token_to_ref_kl_whatever_the_reward():
+    group = [rollout(forked_trace(), reward=r) for r in (1.0, 1.0)] + [rollout(None, error="E: x")]
+    samples = make_algorithm(OPDConfig(teacher={"name": "t-dir"})).samples(group)
+    assert [np.flatnonzero(s.ref_kl_w).tolist() for s in samples] == [[4, 5, 9], [9], [4, 5, 9], [9]]
+    assert all(not s.rl_w.any() and not s.ce_w.any() and s.advantage == 0 for s in samples)
+    assert all(s.needs_reference and s.metadata["teacher"] == "t-dir" for s in samples)
+    with pytest.raises(pydantic.ValidationError, match="teacher"):
+        OPDConfig()
 
 
 def test_sft_trains_ce_on_sampled_tokens():
