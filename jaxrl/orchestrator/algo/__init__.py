@@ -1,7 +1,7 @@
 """Algorithms, selected per env by `type` (a pydantic discriminated union).
 
 [orchestrator.train.env.algo]
-type = "echo"        # "grpo" (default) | "max_rl" | "echo" | "opd" | "sft"
+type = "echo"        # "grpo" (default) | "max_rl" | "rae" | "echo" | "opd" | "sft"
 """
 
 from __future__ import annotations
@@ -15,21 +15,23 @@ from jaxrl.orchestrator.algo.echo import Echo, EchoConfig, EchoFilter, EchoRoles
 from jaxrl.orchestrator.algo.grpo import GRPO, GRPOConfig, LinearLengthPenalty
 from jaxrl.orchestrator.algo.max_rl import MaxRL, MaxRLConfig
 from jaxrl.orchestrator.algo.opd import OPD, OPDConfig, TeacherConfig
+from jaxrl.orchestrator.algo.rae import RAE, RAEConfig
 from jaxrl.orchestrator.algo.sft import SFT, SFTConfig
 
-AlgoConfig = Annotated[GRPOConfig | MaxRLConfig | EchoConfig | OPDConfig | SFTConfig, Field(discriminator="type")]
+AlgoConfig = Annotated[GRPOConfig | MaxRLConfig | RAEConfig | EchoConfig | OPDConfig | SFTConfig, Field(discriminator="type")]
 
 
 _ALGORITHMS: dict[type, type[Algorithm]] = {
     GRPOConfig: GRPO,
     MaxRLConfig: MaxRL,
+    RAEConfig: RAE,
     EchoConfig: Echo,
     OPDConfig: OPD,
     SFTConfig: SFT,
 }
 
 
-def make_algorithm(config: GRPOConfig | MaxRLConfig | EchoConfig | OPDConfig | SFTConfig) -> Algorithm:
+def make_algorithm(config: GRPOConfig | MaxRLConfig | RAEConfig | EchoConfig | OPDConfig | SFTConfig) -> Algorithm:
     """The algorithm a config names."""
     return _ALGORITHMS[type(config)](config)
 
@@ -49,6 +51,8 @@ __all__ = [
     "MaxRLConfig",
     "OPD",
     "OPDConfig",
+    "RAE",
+    "RAEConfig",
     "TeacherConfig",
     "RoleEcho",
     "SFTConfig",
