@@ -17,8 +17,10 @@ from typing import Any
 
 from jaxrl.config import RunConfig
 from jaxrl.inference.http_thread import check_port_free
+from jaxrl.orchestrator.algo import OPDConfig
 from jaxrl.orchestrator.batch import build_batch
 from jaxrl.orchestrator.env_server import EnvServerDead, ModelEndpoint
+from jaxrl.trainer.teacher import Teacher
 from jaxrl.orchestrator.orchestrator import Orchestrator
 from jaxrl.parallel.distributed import is_main_process
 from jaxrl.preemption import RunAborted
@@ -84,6 +86,7 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     if run.trainer.step:
         engine.update_weights_from_state(run.trainer.params, version=run.trainer.step)
     orch = Orchestrator(ocfg, endpoint, output_dir=run.out, seed=cfg.seed, policy_version=lambda: engine.policy_version)
+    teachers = load_teachers(ocfg, run.trainer)
     rollouts = RolloutLog(run.out / "rollouts.jsonl", append=bool(meta), episodes=cfg.log.rollout_episodes)
     assert run.logger is not None
     last: dict[str, Any] = {}
@@ -96,7 +99,7 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
         with run.stop_request() as stop:
             while run.trainer.step < cfg.trainer.steps and not stop.requested:
                 step = run.trainer.step + 1
-                last = _rl_step(run, orch, engine, rollouts, step, ocfg.max_resample)
+                last = _rl_step(run, orch, engine, rollouts, step, ocfg.max_resample, teachers)
                 if eval_every and (step % eval_every == 0 or step == cfg.trainer.steps):
                     last |= _evaluate(orch, rollouts, step)
                 run.logger.log(step, last)
@@ -120,11 +123,23 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     return result | {"last": last}
 
 
+def load_teachers(ocfg: Any, trainer: Any) -> dict[str, Teacher]:
+    """The OPD teachers the train envs name, each loaded once on the trainer's mesh."""
+    configs = {e.algo.teacher.name: e.algo.teacher for e in ocfg.train.env if isinstance(e.algo, OPDConfig)}
+    return {name: Teacher.load(name, trainer, c.dtype) for name, c in configs.items()}
+
+
+def score_references(samples: list[Any], teachers: dict[str, Teacher]) -> None:
+    """Fill `logr` of every ref-KL sample with its teacher's log-probs."""
+    for name, teacher in teachers.items():
+        teacher.score([s for s in samples if s.needs_reference and s.metadata.get("teacher") == name])
+
+
 def _orch_meta(orch: Orchestrator, step: int) -> dict[str, Any]:
     return {"orchestrator": {"sampler": orch.sampler_state_for(step + 1)}}
 
 
-def _rl_step(run: TrainingRun, orch: Orchestrator, engine: Any, rollouts: RolloutLog, step: int, max_resample: int) -> dict[str, Any]:
+def _rl_step(run: TrainingRun, orch: Orchestrator, engine: Any, rollouts: RolloutLog, step: int, max_resample: int, teachers: dict[str, Teacher]) -> dict[str, Any]:
     t0 = time.perf_counter()
     groups = orch.next_batch(step)
     t_rollout = time.perf_counter() - t0
@@ -143,6 +158,7 @@ def _rl_step(run: TrainingRun, orch: Orchestrator, engine: Any, rollouts: Rollou
             "were identical and no CE tokens were selected); check the env's reward, raise the temperature, "
             "or raise orchestrator.max_resample. Rollouts are in rollouts.jsonl"
         )
+    score_references(batch.samples, teachers)
     t_score = time.perf_counter() - t0 - t_rollout
     train = run.trainer.train_step(batch.samples)
     t_train = time.perf_counter() - t0 - t_rollout - t_score
