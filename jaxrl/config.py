@@ -43,7 +43,10 @@ class ScratchModelConfig(BaseModel):
 class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     name: str | None = None
-    """A Hugging Face model directory (config.json + safetensors). Hub ids are not fetched."""
+    """A Hugging Face model directory (config.json + safetensors) or a hub id (`Qwen/Qwen3-0.6B`),
+    fetched into the HF cache (`HF_HOME`, `HF_HUB_OFFLINE`, `HF_TOKEN` honoured)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of a hub id `name`; default: the repo's main branch."""
     scratch: ScratchModelConfig | None = None
     """Build a new random model instead of loading `name` (for from-scratch recipes)."""
     tokenizer: str | None = None
@@ -57,6 +60,8 @@ class ModelConfig(BaseModel):
     def _source(self) -> "ModelConfig":
         if self.scratch is not None and self.name is not None:
             raise ValueError("model: set either `name` (load a HF directory) or `[model.scratch]`, not both")
+        if self.revision is not None and self.name is None:
+            raise ValueError("model.revision: set only with `name` (a hub id)")
         return self
 
 

@@ -33,16 +33,18 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
 
     from jaxrl.inference.engine import Engine
     from jaxrl.inference.server import EngineServer
+    from jaxrl.models.hub import resolve_model_dir
 
     if cfg.model.name is None:
-        raise SystemExit("jaxrl.serve: set --model.name (or [model] name) to a Hugging Face model directory")
+        raise SystemExit("jaxrl.serve: set --model.name (or [model] name) to a Hugging Face model directory or hub id")
     if cfg.inference.backend != "embedded":
         raise SystemExit(
             f'jaxrl.serve runs the embedded engine; inference.backend = "{cfg.inference.backend}" names a server '
             "that runs elsewhere"
         )
-    engine = Engine.from_pretrained(cfg.model.name, cfg.inference, dtype=cfg.model.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.name)
+    model_dir = resolve_model_dir(cfg.model.name, cfg.model.revision)
+    engine = Engine.from_pretrained(model_dir, cfg.inference, dtype=cfg.model.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
     srv = cfg.inference.server
     return EngineServer(
         engine,
@@ -50,7 +52,7 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
         srv.host,
         srv.port,
         model_name=srv.served_model_name or cfg.model.name,
-        stop_token_ids=eos_token_ids(cfg.model.name, tokenizer),
+        stop_token_ids=eos_token_ids(model_dir, tokenizer),
         graceful_shutdown_s=srv.graceful_shutdown_s,
         keep_alive_s=srv.keep_alive_s,
     )
