@@ -65,11 +65,14 @@ def start_engine(run: TrainingRun) -> tuple[Any, Any, ModelEndpoint]:
     name = cfg.inference.server.served_model_name or cfg.model.name or "jaxrl"
     server = EngineServer(
         engine, tokenizer, cfg.inference.server.host, cfg.inference.server.port, model_name=name,
+        renderer=run.renderer,
         graceful_shutdown_s=cfg.inference.server.graceful_shutdown_s,
         keep_alive_s=cfg.inference.server.keep_alive_s,
     )
     server.start()
-    endpoint = ModelEndpoint(base_url=f"{server.url}/v1", model=name, tokenizer_dir=run.tokenizer_dir)
+    endpoint = ModelEndpoint(
+        base_url=f"{server.url}/v1", model=name, tokenizer_dir=run.tokenizer_dir, renderer=run.renderer
+    )
     return engine, server, endpoint
 
 

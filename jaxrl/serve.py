@@ -33,6 +33,7 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
 
     from jaxrl.inference.engine import Engine
     from jaxrl.inference.server import EngineServer
+    from jaxrl.models.chat import model_renderer
     from jaxrl.models.hub import resolve_model_dir
 
     if cfg.model.name is None:
@@ -55,6 +56,7 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
         stop_token_ids=eos_token_ids(model_dir, tokenizer),
         graceful_shutdown_s=srv.graceful_shutdown_s,
         keep_alive_s=srv.keep_alive_s,
+        renderer=model_renderer(cfg.model, json.loads((model_dir / "config.json").read_text()), tokenizer),
     )
 
 

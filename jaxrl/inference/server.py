@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -117,9 +117,14 @@ class EngineServer:
         stop_token_ids: Sequence[int] | None = None,
         graceful_shutdown_s: float = 30.0,
         keep_alive_s: float = 600.0,
+        renderer: Mapping[str, Any] | None = None,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
+        # The run's `renderers` config (`[model] renderer`): chat prompts render and completions
+        # parse exactly as the env servers' do. None: the tokenizer's chat template.
+        self.renderer = dict(renderer) if renderer is not None else None
+        self._renderers: dict[str, Any] = {}
         self.host = host
         self.model_name = model_name
         eos = tokenizer.eos_token_id
@@ -328,21 +333,26 @@ class EngineServer:
             if body.stream:
                 raise BadRequest("stream: streaming is not supported; send stream=false")
             messages = [self._message(m) for m in body.messages]
+            renderer = None
             try:
-                text = self.tokenizer.apply_chat_template(
-                    messages,
-                    tools=body.tools,
-                    add_generation_prompt=True,
-                    tokenize=False,
-                    **(body.chat_template_kwargs or {}),
-                )
-            except (TemplateError, TypeError, KeyError, ValueError) as e:  # the template rejects it
+                if self.renderer is not None:
+                    renderer = self._chat_renderer(body.chat_template_kwargs)
+                    prompt = renderer.render_ids(messages, tools=body.tools, add_generation_prompt=True)
+                else:
+                    text = self.tokenizer.apply_chat_template(
+                        messages,
+                        tools=body.tools,
+                        add_generation_prompt=True,
+                        tokenize=False,
+                        **(body.chat_template_kwargs or {}),
+                    )
+                    prompt = self.tokenizer.encode(text, add_special_tokens=False)
+            except (TemplateError, TypeError, KeyError, ValueError, AssertionError) as e:  # the template rejects it
                 raise BadRequest(f"messages: the chat template failed: {e}") from None
-            prompt = self.tokenizer.encode(text, add_special_tokens=False)
             params = self._params(body, body.max_completion_tokens or body.max_tokens)
             stops = self._stops(body)
             completions = await self._complete(prompt, params, request.headers.get(SESSION_HEADER), stops)
-            choices = [self._chat_choice(i, c, stops, body) for i, c in enumerate(completions)]
+            choices = [self._chat_choice(i, c, stops, body, renderer, prompt) for i, c in enumerate(completions)]
             out = {
                 "id": f"chatcmpl-{uuid.uuid4().hex}",
                 "object": "chat.completion",
@@ -416,12 +426,47 @@ class EngineServer:
         msg.setdefault("content", "")
         return msg
 
+    def _chat_renderer(self, kwargs: Mapping[str, Any] | None) -> Any:
+        """The run's renderer with a request's chat_template_kwargs (validated by renderers), cached."""
+        from jaxrl.models.chat import create_renderer
+
+        key = json.dumps(kwargs or {}, sort_keys=True, default=str)
+        if key not in self._renderers:
+            assert self.renderer is not None
+            self._renderers[key] = create_renderer(self.tokenizer, self.renderer, kwargs or None)
+        return self._renderers[key]
+
     def _chat_choice(
-        self, index: int, c: Completion, stops: list[str], body: api.ChatCompletionRequest
+        self,
+        index: int,
+        c: Completion,
+        stops: list[str],
+        body: api.ChatCompletionRequest,
+        renderer: Any = None,
+        prompt: list[int] | None = None,
     ) -> dict[str, Any]:
         ids, text = self._visible(c, stops)
-        content, tool_calls = parse_tool_calls(text) if body.tools else (text, [])
+        reasoning = None
+        if renderer is not None:
+            parsed = renderer.parse_response(ids, tools=body.tools, prompt_ids=prompt)
+            content, reasoning = parsed.content, parsed.reasoning_content
+            tool_calls = [
+                {
+                    "id": tc.id or f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {
+                        "name": tc.name,
+                        "arguments": tc.arguments if isinstance(tc.arguments, str) else json.dumps(tc.arguments or {}),
+                    },
+                }
+                for tc in parsed.tool_calls
+                if tc.status.value == "ok" and tc.name
+            ]
+        else:
+            content, tool_calls = parse_tool_calls(text) if body.tools else (text, [])
         message: dict[str, Any] = {"role": "assistant", "content": _CONTROL.sub("", content) or None}
+        if reasoning:
+            message["reasoning_content"] = reasoning
         if tool_calls:
             message["tool_calls"] = tool_calls
         finish = "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason
