@@ -46,11 +46,20 @@ class ScratchModelConfig(BaseModel):
 class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     name: str | None = None
-    """A Hugging Face model directory (config.json + safetensors). Hub ids are not fetched."""
+    """A Hugging Face model directory (config.json + safetensors) or a hub id (`Qwen/Qwen3-0.6B`),
+    fetched into the HF cache (`HF_HOME`, `HF_HUB_OFFLINE`, `HF_TOKEN` honoured)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of a hub id `name`; default: the repo's main branch."""
     scratch: ScratchModelConfig | None = None
     """Build a new random model instead of loading `name` (for from-scratch recipes)."""
     tokenizer: str | None = None
     """Tokenizer directory; default: `name` (or a new jaxrl byte-level tokenizer for scratch)."""
+    renderer: str = "auto"
+    """Chat template family, a `renderers` renderer name (`qwen3`, `llama-3`, `gpt-oss`, `default`,
+    ...) or `auto` (from the hub id, else config.json's model_type). Used alike by env servers,
+    SFT rendering and the engine's chat endpoint."""
+    renderer_args: dict[str, Any] = {}
+    """Fields of that renderer's config, e.g. `{enable_thinking = true}` for qwen3."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Activation/compute dtype (float32 on CPU; bfloat16 on TPU/GPU)."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -60,12 +69,17 @@ class ModelConfig(BaseModel):
     def _source(self) -> ModelConfig:
         if self.scratch is not None and self.name is not None:
             raise ValueError("model: set either `name` (load a HF directory) or `[model.scratch]`, not both")
+        if self.revision is not None and self.name is None:
+            raise ValueError("model.revision: set only with `name` (a hub id)")
+        from jaxrl.models.chat import validate_renderer
+
+        validate_renderer(self.renderer, self.renderer_args)
         return self
 
 
 class DataConfig(BaseModel):
     """SFT data: conversations from a built-in taskset's reference answers, rendered with the
-    `renderers` Qwen3 renderer so SFT sees exactly the tokens RL rollouts will produce."""
+    run's renderer (`[model] renderer`) so SFT sees exactly the tokens RL rollouts will produce."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     taskset: str = "reverse_text"

@@ -69,9 +69,13 @@ def start_engine(run: TrainingRun) -> tuple[Any, Any, ModelEndpoint]:
         )
     engine = Engine(run.trainer.model(), cfg.inference)
     tokenizer = AutoTokenizer.from_pretrained(run.tokenizer_dir)
-    server = EngineServer.from_config(engine, tokenizer, cfg.inference.server, model_name=cfg.model.name or "jaxrl")
+    server = EngineServer.from_config(
+        engine, tokenizer, cfg.inference.server, model_name=cfg.model.name or "jaxrl", renderer=run.renderer
+    )
     server.start()
-    endpoint = ModelEndpoint(base_url=f"{server.url}/v1", model=server.model_name, tokenizer_dir=run.tokenizer_dir)
+    endpoint = ModelEndpoint(
+        base_url=f"{server.url}/v1", model=server.model_name, tokenizer_dir=run.tokenizer_dir, renderer=run.renderer
+    )
     return engine, server, endpoint
 
 

@@ -11,6 +11,7 @@ import jax
 
 from jaxrl.config import RunConfig
 from jaxrl.metrics import MetricsLogger, truncate_jsonl
+from jaxrl.models.chat import RendererSpec, model_renderer
 from jaxrl.models.hf_io import export_hf
 from jaxrl.models.setup import prepare_model
 from jaxrl.parallel.distributed import barrier, initialize, is_main_process
@@ -31,6 +32,9 @@ class TrainingRun:
             (self.out / "config.json").write_text(cfg.model_dump_json(indent=2))
         self.mesh = make_mesh(cfg.trainer.mesh)
         model, self.tokenizer_dir, self.hf_config = prepare_model(cfg.model, self.mesh, self.out)
+        from transformers import AutoTokenizer
+
+        self.renderer: RendererSpec = model_renderer(cfg.model, self.hf_config, AutoTokenizer.from_pretrained(self.tokenizer_dir))
         peak = cfg.trainer.peak_tflops * 1e12 if cfg.trainer.peak_tflops else None
         if peak is None and jax.default_backend() == "cpu":
             peak = measure_matmul_peak()

@@ -34,23 +34,27 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
     from jaxrl.inference.engine import Engine
     from jaxrl.inference.http_thread import check_port_free
     from jaxrl.inference.server import EngineServer
+    from jaxrl.models.chat import model_renderer
+    from jaxrl.models.hub import resolve_model_dir
 
     if cfg.model.name is None:
-        raise ValueError("model.name: set --model.name (or [model] name) to a Hugging Face model directory")
+        raise ValueError("model.name: set --model.name (or [model] name) to a Hugging Face model directory or hub id")
     if cfg.inference.backend != "embedded":
         raise ValueError(
             f'inference.backend = "{cfg.inference.backend}": jaxrl.serve runs the embedded engine; that backend '
             "names a server that runs elsewhere"
         )
     check_port_free(cfg.inference.server.host, cfg.inference.server.port)  # before the model loads
-    engine = Engine.from_pretrained(cfg.model.name, cfg.inference, dtype=cfg.model.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.name)
+    model_dir = resolve_model_dir(cfg.model.name, cfg.model.revision)
+    engine = Engine.from_pretrained(model_dir, cfg.inference, dtype=cfg.model.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
     return EngineServer.from_config(
         engine,
         tokenizer,
         cfg.inference.server,
         model_name=cfg.model.name,
-        stop_token_ids=eos_token_ids(cfg.model.name, tokenizer),
+        stop_token_ids=eos_token_ids(model_dir, tokenizer),
+        renderer=model_renderer(cfg.model, json.loads((model_dir / "config.json").read_text()), tokenizer),
     )
 
 

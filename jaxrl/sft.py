@@ -23,7 +23,7 @@ def run_sft(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     conversations = reference_conversations(
         data_cfg.taskset, data_cfg.taskset_args, data_cfg.num_examples, data_cfg.seed
     )
-    batches = iter(sft_dataset(conversations, run.tokenizer_dir, data_cfg.batch_size, data_cfg.seed).to_iter_dataset())
+    batches = iter(sft_dataset(conversations, run.tokenizer_dir, run.renderer, data_cfg.batch_size, data_cfg.seed).to_iter_dataset())
     meta = run.maybe_resume(resume)
     if meta:
         batches.set_state(meta["data"])

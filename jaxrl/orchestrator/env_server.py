@@ -130,8 +130,9 @@ class ModelEndpoint:
     tokenizer_dir: str
     """Local tokenizer directory the env server renders prompts with (`renderer_model_name`)."""
     renderer: Mapping[str, Any] = field(default_factory=lambda: {"name": "qwen3", "enable_thinking": False})
-    """A `renderers` RendererConfig. Name it explicitly: an unknown model falls back to a
-    default renderer without content attribution (so no echo)."""
+    """A `renderers` RendererConfig: the run's `[model] renderer`, resolved
+    (`jaxrl.models.chat.resolve_renderer`). Name it explicitly: an unknown model falls back to
+    a default renderer without content attribution (so no echo)."""
     api_key_var: str = "JAXRL_INFERENCE_API_KEY"
     """Environment variable the env server reads the API key from (unset: "EMPTY")."""
     headers: Mapping[str, str] = field(default_factory=dict)

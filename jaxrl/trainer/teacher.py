@@ -9,7 +9,6 @@ into the trainer's row buckets and scored one micro-batch at a time under one ji
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +18,7 @@ from jax.experimental import multihost_utils
 
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import load_decoder
+from jaxrl.models.hub import resolve_model_dir
 from jaxrl.models.sharding import param_sharding_fn
 from jaxrl.parallel.mesh import batch_sharding
 from jaxrl.samples import TrainingSample
@@ -26,18 +26,6 @@ from jaxrl.trainer.packing import assign_rows
 from jaxrl.trainer.step import Trainer, packed_logprobs
 
 _FIELDS = ("tokens", "positions", "segment_ids", "temperature")
-
-
-def resolve_model_dir(name: str) -> Path:
-    """A local HF model directory, or a hub id fetched into (or found in) the HF cache."""
-    path = Path(name)
-    if (path / "config.json").exists():
-        return path
-    if path.exists() or name.startswith((".", "/")):
-        raise FileNotFoundError(f"teacher {name!r}: no config.json there (a Hugging Face model directory)")
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
 
 
 class Teacher:
