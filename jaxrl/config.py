@@ -91,6 +91,11 @@ class DataConfig(BaseModel):
     batch_size: int = Field(32, ge=1)
     """Conversations per optimizer step."""
     seed: int = 0
+    eval_examples: int = Field(64, ge=1)
+    """Held-out conversations (the taskset's eval split, never trained on) scored for `eval/ce_loss`."""
+    eval_interval: int = Field(50, ge=0)
+    """Steps between two held-out evals (NLL per assistant token, logged as `eval/ce_loss`); the
+    last step always evaluates. 0: no eval."""
 
 
 class LogConfig(BaseModel):

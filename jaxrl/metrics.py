@@ -22,7 +22,7 @@ from jaxrl.parallel.distributed import is_main_process
 
 # Shown on the progress bar / plain progress line when present in a row, in this order.
 _BAR_KEYS = (
-    "reward_mean", "ce_loss", "rl_loss", "mismatch_kl", "grad_norm", "rollouts_failed", "tokens_per_s",
+    "reward_mean", "ce_loss", "eval/ce_loss", "rl_loss", "mismatch_kl", "grad_norm", "rollouts_failed", "tokens_per_s",
     "time/rollout_wait_s", "time/train_s", "step_time_s",
 )  # fmt: skip
 
@@ -72,6 +72,14 @@ def ema(values: list[float], decay: float = 0.9) -> list[float]:
     return out
 
 
+# Train metric -> (its held-out eval metric, that metric's standard error or None): drawn on one panel.
+_HELD_OUT = {"reward_mean": ("eval_reward_mean", "eval_reward_se"), "ce_loss": ("eval/ce_loss", None)}
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
 def plot_metrics(
     rows: list[dict[str, Any]], keys: list[str], out: str | Path, title: str = ""
 ) -> Path | None:
@@ -91,18 +99,15 @@ def plot_metrics(
     fig, axes = plt.subplots(1, len(series), figsize=(4 * len(series), 3.2), squeeze=False)
     for ax, (k, pts) in zip(axes[0], series.items()):
         steps, values = [p[0] for p in pts], [p[1] for p in pts]
-        if k == "reward_mean":  # train reward, smoothed, with the held-out eval on the same axis
+        if k in _HELD_OUT:  # the train metric, smoothed, with the held-out eval on the same axis
             ax.plot(steps, values, color="C0", alpha=0.3, label="train (per step)")
             ax.plot(steps, ema(values), color="C0", label="train (EMA 0.9)")
-            evals = [
-                (r["step"], r["eval_reward_mean"], r.get("eval_reward_se", 0.0))
-                for r in rows
-                if isinstance(r.get("eval_reward_mean"), (int, float)) and math.isfinite(r["eval_reward_mean"])
-            ]
+            mean_key, se_key = _HELD_OUT[k]
+            evals = [(r["step"], r[mean_key], r.get(se_key, 0.0) if se_key else 0.0) for r in rows if _finite(r.get(mean_key))]
             if evals:
-                se = [e[2] if isinstance(e[2], (int, float)) and math.isfinite(e[2]) else 0.0 for e in evals]
+                se = [e[2] if _finite(e[2]) else 0.0 for e in evals]
                 ax.errorbar([e[0] for e in evals], [e[1] for e in evals], yerr=se, color="C1", marker="o",
-                            capsize=3, label="eval (± SE)")  # fmt: skip
+                            capsize=3, label="eval (± SE)" if se_key else "eval (held out)")  # fmt: skip
             ax.legend(fontsize="small")
         else:
             ax.plot(steps, values, marker="." if len(pts) < 50 else None)

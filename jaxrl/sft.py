@@ -3,12 +3,15 @@ HF export (``<output_dir>/hf``, with the tokenizer: the warm start RL recipes lo
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 from jaxrl.config import DataConfig, RunConfig
-from jaxrl.data.sft import reference_conversations, sft_dataset
+from jaxrl.data.sft import RenderConversation, reference_conversations, sft_dataset
+from jaxrl.models.chat import RendererSpec
 from jaxrl.run_common import TrainingRun
+from jaxrl.samples import TrainingSample
 
 # Loss metrics of the RL and ref-KL components, always 0 in SFT: left out of SFT rows.
 RL_ONLY = (
@@ -19,11 +22,12 @@ RL_ONLY = (
 
 def run_sft(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     data_cfg = cfg.data or DataConfig()
-    run = TrainingRun(cfg, plot_keys=("ce_loss", "ce_nll_max", "grad_norm", "tokens_per_s"))
+    run = TrainingRun(cfg, plot_keys=("ce_loss", "ce_nll_max", "grad_norm", "tokens_per_s"))  # eval shares ce_loss's panel
     conversations = reference_conversations(
         data_cfg.taskset, data_cfg.taskset_args, data_cfg.num_examples, data_cfg.seed
     )
     batches = iter(sft_dataset(conversations, run.tokenizer_dir, run.renderer, data_cfg.batch_size, data_cfg.seed).to_iter_dataset())
+    held_out = heldout_samples(data_cfg, run.tokenizer_dir, run.renderer) if data_cfg.eval_interval else []
     meta = run.maybe_resume(resume)
     if meta:
         batches.set_state(meta["data"])
@@ -31,6 +35,8 @@ def run_sft(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     with run.stop_request() as stop:
         for step in range(run.trainer.step + 1, cfg.trainer.steps + 1):
             last = {k: v for k, v in run.trainer.train_step(next(batches)).items() if k not in RL_ONLY}
+            if held_out and (step % data_cfg.eval_interval == 0 or step == cfg.trainer.steps):
+                last |= evaluate(run, held_out)
             run.logger.log(step, last)
             if run.should_checkpoint(step) or stop.requested:
                 run.save({"data": batches.get_state()})
@@ -39,3 +45,19 @@ def run_sft(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     if not stop.requested:
         run.save({"data": batches.get_state()})
     return run.finish(title=f"SFT {Path(cfg.output_dir).name}", export=not stop.requested) | {"last": last}
+
+
+def heldout_samples(data_cfg: DataConfig, tokenizer_dir: str, renderer: RendererSpec) -> list[TrainingSample]:
+    """The taskset's eval-split reference conversations, rendered once: tasks SFT never trains on."""
+    conversations = reference_conversations(
+        data_cfg.taskset, data_cfg.taskset_args, data_cfg.eval_examples, data_cfg.seed, split="eval"
+    )
+    render = RenderConversation(tokenizer_dir, renderer)
+    return [render.map(c) for c in conversations]
+
+
+def evaluate(run: TrainingRun, held_out: list[TrainingSample]) -> dict[str, float]:
+    """``eval/ce_loss`` (NLL per assistant token) and ``eval/ce_tokens`` on the held-out set."""
+    t0 = time.perf_counter()
+    metrics = {f"eval/{k}": v for k, v in run.trainer.eval_loss(held_out).items()}
+    return metrics | {"time/eval_s": time.perf_counter() - t0}
