@@ -23,7 +23,7 @@ from jaxrl.parallel.distributed import is_main_process
 # Shown on the progress bar / plain progress line when present in a row, in this order.
 _BAR_KEYS = (
     "reward_mean", "ce_loss", "eval/ce_loss", "rl_loss", "mismatch_kl", "grad_norm", "rollouts_failed", "tokens_per_s",
-    "time/rollout_wait_s", "time/train_s", "step_time_s",
+    "time/rollout_wait_s", "time/train_s", "time/step_s",
 )  # fmt: skip
 
 

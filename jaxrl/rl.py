@@ -173,7 +173,7 @@ def _rl_step(run: TrainingRun, orch: Orchestrator, engine: Any, rollouts: Rollou
         "policy_version": float(engine.policy_version),
         "time/rollout_wait_s": t_rollout,
         "time/scoring_s": t_score,
-        "time/train_s": t_train,
+        "time/train_s": t_train,  # the whole train_step call (the trainer's own time/train_s, plus the host hand-off)
         "time/weight_sync_s": t_sync,
         "time/step_s": time.perf_counter() - t0,
     }

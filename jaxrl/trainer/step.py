@@ -248,7 +248,7 @@ class Trainer:
             "lr": lr,
             "tokens": tokens,
             "padding_frac": 1.0 - tokens / batch.tokens.size,
-            "step_time_s": elapsed,
+            "time/train_s": elapsed,  # this optimizer step (pack, forward/backward, update); RL adds time/step_s
             "tokens_per_s": tokens / elapsed,
         }
         if self.peak_flops:

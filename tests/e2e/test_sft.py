@@ -35,6 +35,7 @@ def test_sft_loss_falls_and_exports_a_transformers_model(tmp_path) -> None:
     result = run_sft(cfg)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 41))
+    assert all(r["time/train_s"] > 0 and "step_time_s" not in r for r in rows)  # one name, one meaning
     first, last = np.mean([r["ce_loss"] for r in rows[:3]]), np.mean([r["ce_loss"] for r in rows[-3:]])
     assert last < 0.5 * first, (first, last)
     # Held-out eval at every eval_interval steps and the last: the same 16 eval-split conversations each time.
