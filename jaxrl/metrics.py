@@ -7,7 +7,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.progress import (
     BarColumn,
@@ -19,6 +19,12 @@ from rich.progress import (
 )
 
 from jaxrl.parallel.distributed import is_main_process
+
+if TYPE_CHECKING:
+    from jaxrl.config import WandbConfig
+
+# Columns of the W&B sample tables (a flat rollouts.jsonl record's readable fields).
+SAMPLE_COLUMNS = ("step", "env", "prompt", "completion", "reward", "fate")
 
 # Shown on the progress bar / plain progress line when present in a row, in this order.
 _BAR_KEYS = (
@@ -133,7 +139,8 @@ class MetricsLogger:
         progress: bool = True,
         plot_keys: tuple[str, ...] = (),
         interval: int = 1,
-        wandb_project: str | None = None,
+        wandb: WandbConfig | None = None,
+        wandb_run_id: str | None = None,
         tensorboard: bool = False,
         run_config: dict[str, Any] | None = None,
     ):
@@ -160,10 +167,16 @@ class MetricsLogger:
             )
             self._progress.start()
             self._task = self._progress.add_task("", total=total_steps, completed=start_step)
-        if wandb_project:
-            import wandb  # optional dependency, only when asked for
-
-            self._wandb = wandb.init(project=wandb_project, config=run_config, dir=str(self.dir))
+        self._wandb_samples = wandb.samples if wandb else 0
+        if wandb is not None:
+            try:
+                import wandb as wandb_lib  # optional dependency, only when asked for
+            except ImportError as e:
+                raise ImportError("[log.wandb] is set but wandb is not installed: pip install 'jaxrl[wandb]'") from e
+            self._wandb = wandb_lib.init(
+                project=wandb.project, entity=wandb.entity, name=wandb.name, tags=wandb.tags, mode=wandb.mode,
+                config=run_config, dir=str(self.dir), id=wandb_run_id, resume="must" if wandb_run_id else None,
+            )  # fmt: skip
         if tensorboard:
             from tensorboardX import SummaryWriter  # optional dependency, only when asked for
 
@@ -185,6 +198,21 @@ class MetricsLogger:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        """The W&B run's id (kept in checkpoints: `--resume` continues that run), None without W&B."""
+        return self._wandb.id if self._wandb is not None else None
+
+    def log_samples(self, step: int, split: str, records: list[dict[str, Any]]) -> None:
+        """The first `[log.wandb] samples` rollout records of a step as the `samples/<split>` table."""
+        if self._wandb is None or not self._wandb_samples or not records:
+            return
+        import wandb
+
+        rows = [[json.dumps(r.get(c), default=str) if c in ("prompt", "completion") else r.get(c) for c in SAMPLE_COLUMNS]
+                for r in records[: self._wandb_samples]]  # fmt: skip
+        self._wandb.log({f"samples/{split}": wandb.Table(columns=list(SAMPLE_COLUMNS), data=rows)}, step=step)
 
     def close(self, title: str = "") -> Path | None:
         if not self.main:

@@ -17,6 +17,7 @@ from typing import Any
 
 from jaxrl.config import RunConfig
 from jaxrl.inference.http_thread import check_port_free
+from jaxrl.metrics import MetricsLogger
 from jaxrl.orchestrator.algo import OPDConfig
 from jaxrl.orchestrator.batch import build_batch
 from jaxrl.orchestrator.env_server import EnvServerDead, ModelEndpoint
@@ -32,9 +33,10 @@ PLOT_KEYS = ("reward_mean", "rl_loss", "mismatch_kl", "entropy", "time/step_s") 
 class RolloutLog:
     """``<output_dir>/rollouts.jsonl``: every rollout, train and eval, with its fate."""
 
-    def __init__(self, path: Path, *, append: bool, episodes: bool = False):
+    def __init__(self, path: Path, *, append: bool, episodes: bool = False, logger: MetricsLogger | None = None):
         self.path = path
         self.episodes = episodes
+        self.logger = logger  # W&B sample tables of train and eval rollouts, when [log.wandb] is set
         self.enabled = is_main_process()
         if self.enabled and not append:
             path.write_text("")
@@ -47,6 +49,10 @@ class RolloutLog:
                 if not self.episodes:  # the raw episode is ~8 KB even for a two-word rollout
                     r = {k: v for k, v in r.items() if k != "episode"}
                 f.write(json.dumps(r, default=str) + "\n")
+        if self.logger is not None:
+            for split in ("train", "eval"):
+                if picked := [r for r in records if r.get("split") == split]:
+                    self.logger.log_samples(picked[0]["step"], split, picked)
 
 
 def start_engine(run: TrainingRun) -> tuple[Any, Any, ModelEndpoint]:
@@ -91,7 +97,7 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
         engine.update_weights_from_state(run.trainer.params, version=run.trainer.step)
     orch = Orchestrator(ocfg, endpoint, output_dir=run.out, seed=cfg.seed, policy_version=lambda: engine.policy_version)
     teachers = load_teachers(ocfg, run.trainer)
-    rollouts = RolloutLog(run.out / "rollouts.jsonl", append=bool(meta), episodes=cfg.log.rollout_episodes)
+    rollouts = RolloutLog(run.out / "rollouts.jsonl", append=bool(meta), episodes=cfg.log.rollout_episodes, logger=run.logger)
     assert run.logger is not None
     last: dict[str, Any] = {}
     aborted: EnvServerDead | None = None

@@ -82,3 +82,17 @@ def test_heldout_conversations_are_never_trained_on() -> None:
     held_out = reference_conversations("reverse_text", {}, 64, 0, split="eval")
     prompts = lambda convs: {json.dumps(messages[:-1]) for messages, _ in convs}  # noqa: E731
     assert len(prompts(held_out)) == 64 and not prompts(train) & prompts(held_out)
+
+
+def test_wandb_run_id_is_checkpointed_and_resumed(tmp_path, monkeypatch) -> None:
+    """[log.wandb] (offline, a real wandb run): the checkpoint holds the run id and --resume continues it."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    data = {"num_examples": 32, "batch_size": 4, "eval_interval": 0}
+    log = {"progress": False, "plot": False, "wandb": {"project": "jaxrl-test", "mode": "offline"}}
+    over = {"ckpt": {"interval": 1}, "data": data, "log": log}
+    run_sft(tiny_cfg(tmp_path / "run", trainer={"steps": 1}, **over))
+    run_sft(tiny_cfg(tmp_path / "run", trainer={"steps": 2}, **over), resume=True)
+    ids = {p.name.rsplit("-", 1)[1] for p in (tmp_path / "run" / "wandb").glob("offline-run-*")}
+    dirs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(dirs) == 2 and len(ids) == 1, dirs
