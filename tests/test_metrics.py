@@ -89,3 +89,22 @@ def test_wandb_offline_run_logs_metrics_and_sample_tables_and_resumes_by_id(tmp_
     resumed.log(2, {"ce_loss": 0.4})
     resumed.close()
     assert wandb.run is None
+
+
+def test_rollout_log_sends_train_and_eval_samples_to_wandb(tmp_path, monkeypatch) -> None:
+    import pytest
+
+    pytest.importorskip("wandb")
+    from jaxrl.config import WandbConfig
+    from jaxrl.metrics import MetricsLogger
+    from jaxrl.rl import RolloutLog
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = MetricsLogger(tmp_path, 1, progress=False, wandb=WandbConfig(project="p", mode="offline"))
+    log = RolloutLog(tmp_path / "rollouts.jsonl", append=False, logger=logger)
+    log.write([{"step": 0, "split": "eval", "fate": "eval", "reward": 1.0}])
+    log.write([{"step": 1, "split": "train", "fate": "trained", "reward": 0.0}] * 3)
+    logger.close()
+    tables = sorted(p.name.split("_")[0] for p in (tmp_path / "wandb").rglob("*.table.json"))
+    assert tables == ["eval", "train"]
+    assert len((tmp_path / "rollouts.jsonl").read_text().splitlines()) == 4
