@@ -102,7 +102,7 @@ class DataConfig(BaseModel):
     seed: int = 0
 
     @model_validator(mode="after")
-    def _one_source(self) -> "DataConfig":
+    def _one_source(self) -> DataConfig:
         if self.path is not None and (self.taskset is not None or self.taskset_args):
             raise ValueError("data: set either `path` (your conversations) or `taskset`, not both")
         if self.path is None and (self.revision is not None or self.skip_bad_rows):

@@ -12,7 +12,7 @@ import pytest
 from families import build_family_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
-from test_hub import write_hub_cache  # noqa: E402
+from test_hub import write_hub_cache
 
 from jaxrl.config import build_config
 from jaxrl.data.conversations import load_conversations

@@ -10,9 +10,7 @@ on the env-server side) are, token for token, what the family's own chat templat
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import numpy as np
 import pytest
 from families import FAMILIES, build_family_model
 from transformers import AutoTokenizer
