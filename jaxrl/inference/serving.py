@@ -40,15 +40,11 @@ def build_engine_server(
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    srv = config.server
-    return EngineServer(
+    return EngineServer.from_config(
         engine,
         tokenizer,
-        srv.host,
-        srv.port,
-        model_name=srv.served_model_name or model_name,
+        config.server,
+        model_name=model_name,
         stop_token_ids=eos_token_ids(model_dir, tokenizer),
-        graceful_shutdown_s=srv.graceful_shutdown_s,
-        keep_alive_s=srv.keep_alive_s,
         renderer=renderer,
     )
