@@ -177,7 +177,7 @@ class RunConfig(BaseModel):
         ):
             raise ValueError(
                 f"model.name: {self.model.name} is not a directory; point it at a Hugging Face model directory "
-                "(config.json + safetensors; hub ids are not fetched)"
+                "(config.json + safetensors) or a hub id (org/name)"
             )
         context = model_context_len(self.model)
         if context is not None:
