@@ -15,8 +15,10 @@ scoped limit, so the kernels compile for any generation, only with smaller tiles
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from itertools import product
+from typing import Any
 
 from jax.experimental.pallas import tpu as pltpu
 
@@ -93,3 +95,17 @@ def best_blocks(candidates_a, candidates_b, vmem, seconds, budget: int) -> tuple
     if not fits:
         raise ValueError(f"no block sizes fit the kernel's VMEM budget of {budget / MiB:.1f} MiB")
     return min(fits)[2:]
+
+
+def compiled_kernel_vmem(compiled: Any) -> list[tuple[str, int]]:
+    """(op name, VMEM bytes) of each Mosaic kernel in a compiled XLA:TPU executable, as the
+    compiler allotted it (``used_scoped_memory_configs`` of each ``tpu_custom_call``)."""
+    found = []
+    for line in compiled.as_text().splitlines():
+        if 'custom_call_target="tpu_custom_call"' not in line:
+            continue
+        used = re.search(r'"used_scoped_memory_configs":\[([^\]]*)\]', line)
+        name = re.search(r'op_name="([^"]*)"', line)
+        size = sum(int(x) for x in re.findall(r'"size":"(\d+)"', used.group(1))) if used else 0
+        found.append((name.group(1) if name else "?", size))
+    return found
