@@ -33,7 +33,7 @@ from typing import Literal
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxrl.parallel.mesh import LOGICAL_RULES, logical_to_spec
+from jaxrl.parallel.rules import logical_to_spec
 from kernels import select
 from kernels.attention import segment_attention, tpu_segment_attention
 from kernels.decode_attention import decode_attention
@@ -98,8 +98,7 @@ class Kernels:
     def _axes(self, logical: str, *sizes: int) -> str | tuple[str, ...] | None:
         """Mesh axes for a dimension shared by arrays of these ``sizes`` (None unless all divide)."""
         assert self.mesh is not None
-        rules = {**LOGICAL_RULES, logical: tuple(a for a in LOGICAL_RULES[logical] if a in self.mesh.shape)}
-        entries = {logical_to_spec((logical,), (s,), self.mesh, rules)[0] for s in sizes}
+        entries = {logical_to_spec((logical,), (s,), self.mesh)[0] for s in sizes}
         return entries.pop() if len(entries) == 1 else None
 
     def _per_shard(self, fn: Callable, in_specs: tuple, out_specs: object) -> Callable:

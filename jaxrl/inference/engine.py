@@ -38,7 +38,7 @@ from jax.sharding import Mesh
 
 from jaxrl.inference import weights as W
 from jaxrl.inference.config import InferenceConfig
-from jaxrl.inference.sampling import logits_f32, sample
+from jaxrl.inference.sampling import SamplingBatch, logits_f32, sample
 from jaxrl.inference.scheduler import (
     Completion,
     DecodePlan,
@@ -127,14 +127,62 @@ class _TraceCounter:
         return traced
 
 
+@dataclass(frozen=True)
+class EngineLayout:
+    """Where and in what shapes the engine's state lives: the KV cache (``max_seqs`` rows of
+    ``max_model_len`` positions) and the host-fed inputs of each program, on ``mesh``.
+
+    Needs no weights, so ``jaxrl.aot`` describes the engine's programs from it alone.
+    """
+
+    mesh: Mesh | None
+    cache_shape: tuple[int, ...]
+    cache_dtype: Any
+    cache_sharding: Any
+    inputs: Any  # sharding of host-fed inputs (replicated)
+    key: tuple  # every shape the programs compile for (keys the program cache)
+
+    @classmethod
+    def create(cls, arch: Any, config: InferenceConfig, compute_dtype: Any, mesh: Mesh | None) -> EngineLayout:
+        cache_dtype = compute_dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
+        shape = KVCache.shape(arch, config.max_seqs, config.max_model_len)
+        key = (shape, str(jnp.dtype(cache_dtype)), *map(tuple, (config.decode_buckets(), config.decode_lengths())))
+        key += tuple(map(tuple, (config.prefill_lengths(), config.prefill_batches())))
+        return cls(mesh, shape, cache_dtype, W.cache_sharding(mesh, shape), W.replicated(mesh), key)
+
+    def abstract_cache(self) -> KVCache:
+        one = jax.ShapeDtypeStruct(self.cache_shape, self.cache_dtype, sharding=self.cache_sharding)
+        return KVCache(one, one)
+
+    def _abstract(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.inputs)
+
+    def _sampling(self, batch: int) -> SamplingBatch:
+        f32, i32 = jnp.float32, jnp.int32
+        a = self._abstract
+        return SamplingBatch(a((batch,), f32), a((batch,), f32), a((batch,), i32), a((batch, 2), jnp.uint32), a((batch,), i32))
+
+    def prefill_inputs(self, batch: int, length: int) -> tuple[Any, ...]:
+        """Abstract (tokens, positions, rows, last, sampling) of a prefill call."""
+        i32 = jnp.int32
+        a = self._abstract
+        return a((batch, length), i32), a((batch, length), i32), a((batch,), i32), a((batch,), i32), self._sampling(batch)
+
+    def decode_inputs(self, batch: int) -> tuple[Any, ...]:
+        """Abstract (tokens, positions, rows, sampling) of a decode call."""
+        a = self._abstract
+        return a((batch,), jnp.int32), a((batch,), jnp.int32), a((batch,), jnp.int32), self._sampling(batch)
+
+
 @functools.cache
-def _programs(
-    graphdef: nnx.GraphDef, steps: int, cache_sh: Any, inputs_sh: Any, layout: tuple, kernels: Kernels
+def engine_programs(
+    graphdef: nnx.GraphDef, steps: int, layout: EngineLayout, kernels: Kernels
 ) -> tuple[Any, Any, Any, _TraceCounter]:
-    """The engine's jitted programs, shared by engines of the same model, shardings and shape
-    layout (tests and benchmarks build several engines; each jit object has its own cache)."""
-    del layout  # part of the cache key only: engines with other buckets get their own programs
+    """The engine's jitted programs (prefill, decode, row copy), shared by engines of the same
+    model, shardings and shape layout (tests and benchmarks build several engines; each jit
+    object has its own cache)."""
     traces = _TraceCounter()
+    cache_sh, inputs_sh = layout.cache_sharding, layout.inputs
     cache_out = KVCache(cache_sh, cache_sh)
     outs = (cache_out, inputs_sh, inputs_sh)
     prefill = jax.jit(
@@ -168,6 +216,7 @@ class Engine:
 
     def __init__(self, model: Decoder, config: InferenceConfig, *, mesh: Mesh | None = None):
         arch = model.arch
+        config = config.with_model_len(arch.max_position_embeddings)
         if config.max_model_len > arch.max_position_embeddings:
             raise ValueError(
                 f"inference.max_model_len ({config.max_model_len}) exceeds the model's "
@@ -184,15 +233,13 @@ class Engine:
         self._state: nnx.State = W.place_state(state, state, self._param_shardings)
         self._param_dtype = jax.tree.leaves(state)[0].dtype
         self._compute_dtype = model.dtype
-        cache_dtype = model.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
-        shape = KVCache.shape(arch, config.max_seqs, config.max_model_len)
-        cache_sh = W.cache_sharding(mesh, shape)
-        self._cache = KVCache(*(W.zeros_like_sharded(shape, cache_dtype, cache_sh) for _ in range(2)))
-        self._inputs = W.replicated(mesh)
-        layout = (shape, str(cache_dtype), *map(tuple, (config.decode_buckets(), config.decode_lengths())))
-        layout += tuple(map(tuple, (config.prefill_lengths(), config.prefill_batches())))
+        layout = EngineLayout.create(arch, config, model.dtype, mesh)
+        self._cache = KVCache(
+            *(W.zeros_like_sharded(layout.cache_shape, layout.cache_dtype, layout.cache_sharding) for _ in range(2))
+        )
+        self._inputs = layout.inputs
         self.kernels = Kernels.create(config.kernels, field="inference.kernels", mesh=mesh)
-        programs = _programs(graphdef, config.decode_steps, cache_sh, self._inputs, layout, self.kernels)
+        programs = engine_programs(graphdef, config.decode_steps, layout, self.kernels)
         self._prefill_fn, self._decode_fn, self._copy_fn, self._traces = programs
 
         self._sched = Scheduler(config)
@@ -404,10 +451,14 @@ class Engine:
                     return
             try:
                 self.step()
-            except Exception as exc:  # a bug, not bad input: fail everything in flight, stop
-                log.exception("engine step failed")
-                self._fail(exc)
-                return
+            except Exception as exc:  # a bug, not bad input: fail the requests in flight, keep serving
+                log.exception("engine step failed; failing the requests in flight")
+                try:
+                    self._recover(exc)
+                except Exception:  # cannot serve on: fail everything, report unhealthy (the server exits)
+                    log.exception("engine could not recover from a failed step; stopping")
+                    self._fail(exc)
+                    return
 
     def _abort_all(self) -> None:
         """Finish every request still queued or running with finish_reason "abort"."""
@@ -418,6 +469,27 @@ class Engine:
         for seq in [*self._sched.waiting, *self._sched.running]:
             self._sched.abort(seq.request.request_id)
             self._deliver([seq])
+
+    def _recover(self, exc: BaseException) -> None:
+        """After a failed step: fail the requests the scheduler holds (the one that broke the
+        step cannot be told from the others of its batch) with ``exc``, start the scheduler over
+        (empty rows, no cached prefixes) and rebuild the KV cache if the failed call consumed it
+        (donation). Requests submitted since the step began stay queued."""
+        with self._lock:
+            queued = {seq.request.request_id for seq in self._inbox}
+            failed = {rid: f for rid, f in self._futures.items() if rid not in queued}
+            for rid in failed:
+                del self._futures[rid]
+            self._aborts.clear()
+        for f in failed.values():
+            if not f.done():
+                f.set_exception(RuntimeError(f"engine step failed: {exc!r}"))
+        stats = self._sched.stats
+        self._sched = Scheduler(self.config)
+        self._sched.stats = stats
+        old = (self._cache.k, self._cache.v)
+        if any(a.is_deleted() for a in old):
+            self._cache = KVCache(*(W.zeros_like_sharded(a.shape, a.dtype, a.sharding) for a in old))
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:
