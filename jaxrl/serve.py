@@ -32,37 +32,59 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
     from jaxrl.inference.engine import Engine
+    from jaxrl.inference.http_thread import check_port_free
     from jaxrl.inference.server import EngineServer
+    from jaxrl.models.chat import model_renderer
+    from jaxrl.models.hub import resolve_model_dir
 
     if cfg.model.name is None:
-        raise SystemExit("jaxrl.serve: set --model.name (or [model] name) to a Hugging Face model directory")
+        raise ValueError("model.name: set --model.name (or [model] name) to a Hugging Face model directory or hub id")
     if cfg.inference.backend != "embedded":
-        raise SystemExit(
-            f'jaxrl.serve runs the embedded engine; inference.backend = "{cfg.inference.backend}" names a server '
-            "that runs elsewhere"
+        raise ValueError(
+            f'inference.backend = "{cfg.inference.backend}": jaxrl.serve runs the embedded engine; that backend '
+            "names a server that runs elsewhere"
         )
-    engine = Engine.from_pretrained(cfg.model.name, cfg.inference, dtype=cfg.model.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.name)
+    check_port_free(cfg.inference.server.host, cfg.inference.server.port)  # before the model loads
+    model_dir = resolve_model_dir(cfg.model.name, cfg.model.revision)
+    engine = Engine.from_pretrained(model_dir, cfg.inference, dtype=cfg.model.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
     return EngineServer.from_config(
         engine,
         tokenizer,
         cfg.inference.server,
         model_name=cfg.model.name,
-        stop_token_ids=eos_token_ids(cfg.model.name, tokenizer),
+        stop_token_ids=eos_token_ids(model_dir, tokenizer),
+        renderer=model_renderer(cfg.model, json.loads((model_dir / "config.json").read_text()), tokenizer),
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    cfg, flags = load_config(sys.argv[1:] if argv is None else argv)
-    if flags.dry_run:
-        print(cfg.inference.model_dump_json(indent=2))
-        return
-    server = build_server(cfg)
-    server.serve_forever(
-        on_ready=lambda url: print(f"jaxrl.serve: serving {server.model_name} at {url}", flush=True)
-    )
+def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 after a clean stop, 2 for a config error (one message, before any work),
+    1 when the engine failed beyond recovery (a supervisor should restart the process)."""
+    try:
+        cfg, flags = load_config(argv, prog="python -m jaxrl.serve")
+        if flags.dry_run:
+            print(cfg.inference.model_dump_json(indent=2))
+            return 0
+        server = build_server(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        server.serve_forever(
+            on_ready=lambda url: print(f"jaxrl.serve: serving {server.model_name} at {url}", flush=True)
+        )
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print("jaxrl.serve: stopped", flush=True)
+    return 0
+
+
+def cli() -> None:
+    """The ``jaxrl-serve`` console script."""
+    sys.exit(main())
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -10,6 +10,12 @@ from jaxrl.config import DataConfig, RunConfig
 from jaxrl.data.sft import reference_conversations, sft_dataset
 from jaxrl.run_common import TrainingRun
 
+# Loss metrics of the RL and ref-KL components, always 0 in SFT: left out of SFT rows.
+RL_ONLY = (
+    "rl_loss", "rl_tokens", "ref_kl_loss", "ref_kl_tokens", "mismatch_kl", "mismatch_kl_masked",
+    "masked_high_frac", "masked_low_frac",
+)  # fmt: skip
+
 
 def run_sft(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     data_cfg = cfg.data or DataConfig()
@@ -17,14 +23,14 @@ def run_sft(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     conversations = reference_conversations(
         data_cfg.taskset, data_cfg.taskset_args, data_cfg.num_examples, data_cfg.seed
     )
-    batches = iter(sft_dataset(conversations, run.tokenizer_dir, data_cfg.batch_size, data_cfg.seed).to_iter_dataset())
+    batches = iter(sft_dataset(conversations, run.tokenizer_dir, run.renderer, data_cfg.batch_size, data_cfg.seed).to_iter_dataset())
     meta = run.maybe_resume(resume)
     if meta:
         batches.set_state(meta["data"])
     last: dict[str, Any] = {}
     with run.stop_request() as stop:
         for step in range(run.trainer.step + 1, cfg.trainer.steps + 1):
-            last = run.trainer.train_step(next(batches))
+            last = {k: v for k, v in run.trainer.train_step(next(batches)).items() if k not in RL_ONLY}
             run.logger.log(step, last)
             if run.should_checkpoint(step) or stop.requested:
                 run.save({"data": batches.get_state()})

@@ -205,7 +205,7 @@ def _engine_shapes(cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo
     from jaxrl.inference.engine import EngineLayout
     from jaxrl.kernel_dispatch import Kernels
 
-    icfg = cfg.inference.with_model_len(arch.max_position_embeddings)
+    icfg = cfg.inference.with_model_len(arch.max_position_embeddings)  # unset: the model's own context
     if icfg.max_model_len > arch.max_position_embeddings:
         raise ValueError(
             f"inference.max_model_len ({icfg.max_model_len}) exceeds the model's max_position_embeddings "
