@@ -62,9 +62,12 @@ def main(argv: list[str] | None = None) -> None:
         print(cfg.inference.model_dump_json(indent=2))
         return
     server = build_server(cfg)
-    server.serve_forever(
-        on_ready=lambda url: print(f"jaxrl.serve: serving {server.model_name} at {url}", flush=True)
-    )
+    def ready(url: str) -> None:
+        warm = server.engine.metrics()
+        took = "" if warm.warmup_s is None else f" (warm-up: {warm.compiles} programs in {warm.warmup_s:.1f} s)"
+        print(f"jaxrl.serve: serving {server.model_name} at {url}{took}", flush=True)
+
+    server.serve_forever(on_ready=ready)
     print("jaxrl.serve: stopped", flush=True)
 
 

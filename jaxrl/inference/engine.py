@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -37,7 +38,8 @@ from jax.sharding import Mesh
 
 from jaxrl.inference import weights as W
 from jaxrl.inference.config import InferenceConfig
-from jaxrl.inference.sampling import logits_f32, sample
+from jaxrl.inference.engine_metrics import EngineMetrics, RateWindow
+from jaxrl.inference.sampling import SamplingBatch, logits_f32, sample
 from jaxrl.inference.scheduler import (
     Completion,
     DecodePlan,
@@ -56,15 +58,15 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def _prefill(graphdef, state, cache, tokens, positions, rows, last, sampling, *, filtered):  # type: ignore[no-untyped-def]
+def _prefill(graphdef, state, cache, tokens, positions, rows, last, sampling):  # type: ignore[no-untyped-def]
     model = nnx.merge(graphdef, state)
     hidden, cache = model(tokens, positions, cache=cache, cache_rows=rows)
     h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-    next_tokens, logprobs = sample(logits_f32(h_last, model.lm_head_weight()), sampling, filtered=filtered)
+    next_tokens, logprobs = sample(logits_f32(h_last, model.lm_head_weight()), sampling)
     return cache, next_tokens, logprobs
 
 
-def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *, filtered, length, kernels):  # type: ignore[no-untyped-def]
+def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *, length, kernels):  # type: ignore[no-untyped-def]
     """``steps`` decode steps over a window of the cache: rows ``rows``, positions < ``length``;
     attention over the window by ``kernels`` (``inference.kernels``).
 
@@ -81,9 +83,7 @@ def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *,
     def body(carry, _):  # type: ignore[no-untyped-def]
         window, tok, pos, index = carry
         hidden, window = model(tok[:, None], pos[:, None], cache=window, kernels=kernels)
-        new, logp = sample(
-            logits_f32(hidden[:, 0], lm_head), replace(sampling, draw_position=index), filtered=filtered
-        )
+        new, logp = sample(logits_f32(hidden[:, 0], lm_head), replace(sampling, draw_position=index))
         return (window, new, pos + 1, index + 1), (new, logp)
 
     carry = (window, tokens, positions, sampling.draw_position)
@@ -130,11 +130,11 @@ def _programs(
     cache_out = KVCache(cache_sh, cache_sh)
     outs = (cache_out, inputs_sh, inputs_sh)
     prefill = jax.jit(
-        traces.wrap(partial(_prefill, graphdef)), static_argnames=("filtered",), donate_argnums=(1,), out_shardings=outs
+        traces.wrap(partial(_prefill, graphdef)), donate_argnums=(1,), out_shardings=outs
     )
     decode = jax.jit(
         traces.wrap(partial(_decode, graphdef, steps, kernels=kernels)),
-        static_argnames=("filtered", "length"),
+        static_argnames=("length",),
         donate_argnums=(1,),
         out_shardings=outs,
     )
@@ -199,6 +199,8 @@ class Engine:
         self._stopping = False
         self._exit_now = False
         self._error: BaseException | None = None
+        self._generated = RateWindow()
+        self._warmup_s: float | None = None
 
     @classmethod
     def from_pretrained(
@@ -248,6 +250,59 @@ class Engine:
     def compiled_programs(self) -> int:
         """Device programs compiled so far for this engine's layout (<= ``config.program_bound()``)."""
         return self._traces.count
+
+    def warmup(self) -> float:
+        """Compile every program of the configured buckets (``config.program_bound()`` of them)
+        before serving, so no request waits on a compile; returns the seconds it took.
+
+        Each program runs once on padding only (positions past the window, rows out of range),
+        which writes nothing to the KV cache.
+        """
+        if self._thread is not None:
+            raise RuntimeError("Engine.warmup: call it before start()")
+        t0 = time.perf_counter()
+        cfg = self.config
+        for batch, width in cfg.prefill_shapes():
+            positions = np.full((batch, width), cfg.max_model_len, np.int32)
+            rows, last = np.zeros(batch, np.int32), np.zeros(batch, np.int32)
+            args = self._put((np.zeros((batch, width), np.int32), positions, rows, last, self._idle_sampling(batch)))
+            self._cache, *_ = self._prefill_fn(self._state, self._cache, *args)
+        for batch, length in cfg.decode_shapes():
+            positions, rows = np.full(batch, length, np.int32), np.full(batch, cfg.max_seqs, np.int32)
+            args = self._put((np.zeros(batch, np.int32), positions, rows, self._idle_sampling(batch)))
+            self._cache, *_ = self._decode_fn(self._state, self._cache, *args, length=length)
+        self._cache = self._copy_fn(self._cache, *self._put((np.int32(0), np.int32(0))))  # row 0 onto itself
+        jax.block_until_ready(self._cache)
+        self._warmup_s = time.perf_counter() - t0
+        log.info("engine warm-up: %d programs compiled in %.1f s", self.compiled_programs(), self._warmup_s)
+        return self._warmup_s
+
+    @staticmethod
+    def _idle_sampling(batch: int) -> SamplingBatch:
+        """Sampling settings of ``batch`` padding rows (greedy)."""
+        return SamplingBatch.host([], [], [], batch)
+
+    def metrics(self) -> EngineMetrics:
+        """A snapshot of load, throughput, prefix reuse and compiles (safe from any thread)."""
+        stats = self._sched.stats
+        with self._lock:
+            waiting = len(self._inbox) + len(self._sched.waiting)
+            running = len(self._sched.running)
+        return EngineMetrics(
+            waiting=waiting,
+            running=running,
+            policy_version=self._version,
+            generated_tokens=stats.generated_tokens,
+            tokens_per_s=round(self._generated.rate(), 1),
+            prompt_tokens=stats.prompt_tokens,
+            cached_prompt_tokens=stats.cached_prompt_tokens,
+            prefix_hit_rate=stats.cached_prompt_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0,
+            prefill_calls=stats.prefill_calls,
+            decode_calls=stats.decode_calls,
+            compiles=self.compiled_programs(),
+            program_bound=self.config.program_bound(),
+            warmup_s=self._warmup_s,
+        )
 
     # -- requests --------------------------------------------------------------------------
 
@@ -445,6 +500,7 @@ class Engine:
         decode = self._sched.plan_decode(self.config.decode_steps)
         if decode is not None:
             self._run_decode(decode)
+        self._generated.add(self._sched.stats.generated_tokens)
 
     def _maybe_swap_weights(self) -> bool:
         """Apply a pending update when the policy allows; True while admission must pause."""
@@ -467,7 +523,7 @@ class Engine:
     def _run_prefill(self, plan: PrefillPlan) -> None:
         args = self._put((plan.tokens, plan.positions, plan.rows, plan.last, plan.sampling))
         self._cache, tokens, logprobs = self._prefill_fn(
-            self._state, self._cache, *args, filtered=plan.filtered
+            self._state, self._cache, *args
         )
         tokens, logprobs = jax.device_get((tokens, logprobs))
         self._deliver(self._sched.finish_prefill(plan, tokens, logprobs, self._version))
@@ -475,7 +531,7 @@ class Engine:
     def _run_decode(self, plan: DecodePlan) -> None:
         args = self._put((plan.tokens, plan.positions, plan.rows, plan.sampling))
         self._cache, tokens, logprobs = self._decode_fn(
-            self._state, self._cache, *args, filtered=plan.filtered, length=plan.length
+            self._state, self._cache, *args, length=plan.length
         )
         tokens, logprobs = jax.device_get((tokens, logprobs))
         self._deliver(self._sched.finish_decode(plan, tokens, logprobs, self._version))
