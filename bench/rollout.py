@@ -107,7 +107,10 @@ def run_driver(backend: str, base_url: str, tok_dir: Path, out: Path, args: argp
            "--tokenizer-dir", str(tok_dir), "--out", str(out / backend), "--envs", *args.envs,
            "--concurrency", str(args.concurrency), "--episodes", str(args.episodes),
            "--new-tokens", str(args.new_tokens)]
-    subprocess.run(cmd, check=True, preexec_fn=None if env_core is None else (lambda: pin(0, env_core)))
+    proc = subprocess.Popen(cmd)
+    pin(proc.pid, env_core)  # before it spawns its env servers (they inherit the affinity)
+    if proc.wait():
+        raise RuntimeError(f"the env-side process failed with exit code {proc.returncode}")
 
 
 def start_engine(model_dir: Path, tokenizer_dir: Path, args: argparse.Namespace) -> tuple[Any, Any]:

@@ -134,9 +134,16 @@ class InferenceConfig(BaseModel):
     sequence); long prompts are prefilled in chunks across steps."""
 
     decode_steps: int = Field(4, ge=1)
-    """Decode steps run on device per engine step. Requests join and leave between engine steps;
-    more steps amortise per-call overhead but a finished sequence may compute up to
-    ``decode_steps - 1`` discarded tokens."""
+    """Decode steps run on device per engine step while requests wait to join (queued, or
+    prefilling). Requests join and leave between engine steps; more steps amortise per-call
+    overhead but a finished sequence may compute up to ``decode_steps - 1`` discarded tokens."""
+
+    decode_steps_idle: int | None = Field(None, ge=1)
+    """Decode steps per engine step when no request waits to join and some running sequence
+    still needs that many tokens: nothing is delayed by a longer call, and each call's fixed
+    cost (KV window gather/scatter, dispatch, reading tokens back) is spread over more tokens.
+    Default: 4 x ``decode_steps``; equal to ``decode_steps`` compiles one set of decode programs
+    instead of two."""
 
     decode_batch_buckets: list[int] | None = None
     """Batch sizes decode is compiled for; default: 1, then powers of two from 8 up to
@@ -215,6 +222,10 @@ class InferenceConfig(BaseModel):
                 f"inference.decode_batch_buckets: largest bucket {self.decode_buckets()[-1]} < max_seqs "
                 f"{self.max_seqs}; add a bucket >= max_seqs"
             )
+        if self.decode_steps_idle is not None and self.decode_steps_idle < self.decode_steps:
+            raise ValueError(
+                f"inference.decode_steps_idle ({self.decode_steps_idle}) must be >= decode_steps ({self.decode_steps})"
+            )
         if self.prefill_lengths()[-1] > self.max_batched_tokens:
             raise ValueError(
                 f"inference.max_batched_tokens ({self.max_batched_tokens}) must be >= the largest prefill "
@@ -242,9 +253,14 @@ class InferenceConfig(BaseModel):
         """Device programs the engine compiles (its start-up warm-up compiles all of them)."""
         return len(self.decode_shapes()) + len(self.prefill_shapes()) + 1  # + the row copy of prefix reuse
 
-    def decode_shapes(self) -> list[tuple[int, int]]:
-        """(batch, KV length) of every decode program."""
-        return [(b, n) for b in self.decode_buckets() for n in self.decode_lengths()]
+    def decode_step_counts(self) -> list[int]:
+        """Decode steps per call the engine uses: ``decode_steps`` and ``decode_steps_idle``."""
+        idle = self.decode_steps_idle if self.decode_steps_idle is not None else 4 * self.decode_steps
+        return sorted({self.decode_steps, idle})
+
+    def decode_shapes(self) -> list[tuple[int, int, int]]:
+        """(steps, batch, KV length) of every decode program."""
+        return [(k, b, n) for k in self.decode_step_counts() for b in self.decode_buckets() for n in self.decode_lengths()]
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """(batch, chunk length) of every prefill program."""

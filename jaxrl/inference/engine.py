@@ -6,7 +6,8 @@ requests from any thread and get ``concurrent.futures.Future``s. Each step:
 1. takes new requests and aborts, and applies a pending weight update when allowed;
 2. admits waiting requests into free KV cache rows, reusing cached prefixes (``scheduler``);
 3. runs one prefill batch (prompt chunks; a prompt that completes samples its first token);
-4. runs ``decode_steps`` decode steps for every sequence past prefill, in one device call.
+4. runs ``decode_steps`` decode steps for every sequence past prefill, in one device call
+   (``decode_steps_idle`` when no request waits to join).
 
 Device programs are compiled per shape bucket (``InferenceConfig.program_bound``). Decode
 attention reads a window of the cache: the running rows, up to the length bucket covering the
@@ -121,7 +122,7 @@ class _TraceCounter:
 
 @functools.cache
 def _programs(
-    graphdef: nnx.GraphDef, steps: int, cache_sh: Any, inputs_sh: Any, layout: tuple, kernels: Kernels
+    graphdef: nnx.GraphDef, cache_sh: Any, inputs_sh: Any, layout: tuple, kernels: Kernels
 ) -> tuple[Any, Any, Any, _TraceCounter]:
     """The engine's jitted programs, shared by engines of the same model, shardings and shape
     layout (tests and benchmarks build several engines; each jit object has its own cache)."""
@@ -133,9 +134,10 @@ def _programs(
         traces.wrap(partial(_prefill, graphdef)), donate_argnums=(1,), out_shardings=outs
     )
     decode = jax.jit(
-        traces.wrap(partial(_decode, graphdef, steps, kernels=kernels)),
+        traces.wrap(partial(_decode, graphdef, kernels=kernels)),
+        static_argnums=(0,),  # steps
         static_argnames=("length",),
-        donate_argnums=(1,),
+        donate_argnums=(2,),
         out_shardings=outs,
     )
     copy = jax.jit(traces.wrap(_copy_row), donate_argnums=(0,), out_shardings=cache_out)
@@ -184,7 +186,8 @@ class Engine:
         layout = (shape, str(cache_dtype), *map(tuple, (config.decode_buckets(), config.decode_lengths())))
         layout += tuple(map(tuple, (config.prefill_lengths(), config.prefill_batches())))
         self.kernels = Kernels.create(config.kernels, field="inference.kernels", mesh=mesh)
-        programs = _programs(graphdef, config.decode_steps, cache_sh, self._inputs, layout, self.kernels)
+        layout += (tuple(config.decode_step_counts()),)
+        programs = _programs(graphdef, cache_sh, self._inputs, layout, self.kernels)
         self._prefill_fn, self._decode_fn, self._copy_fn, self._traces = programs
 
         self._sched = Scheduler(config)
@@ -267,10 +270,10 @@ class Engine:
             rows, last = np.zeros(batch, np.int32), np.zeros(batch, np.int32)
             args = self._put((np.zeros((batch, width), np.int32), positions, rows, last, self._idle_sampling(batch)))
             self._cache, *_ = self._prefill_fn(self._state, self._cache, *args)
-        for batch, length in cfg.decode_shapes():
+        for steps, batch, length in cfg.decode_shapes():
             positions, rows = np.full(batch, length, np.int32), np.full(batch, cfg.max_seqs, np.int32)
             args = self._put((np.zeros(batch, np.int32), positions, rows, self._idle_sampling(batch)))
-            self._cache, *_ = self._decode_fn(self._state, self._cache, *args, length=length)
+            self._cache, *_ = self._decode_fn(steps, self._state, self._cache, *args, length=length)
         self._cache = self._copy_fn(self._cache, *self._put((np.int32(0), np.int32(0))))  # row 0 onto itself
         jax.block_until_ready(self._cache)
         self._warmup_s = time.perf_counter() - t0
@@ -497,10 +500,21 @@ class Engine:
         prefill = self._sched.plan_prefill()
         if prefill is not None:
             self._run_prefill(prefill)
-        decode = self._sched.plan_decode(self.config.decode_steps)
+        decode = self._sched.plan_decode(self._decode_steps_now())
         if decode is not None:
             self._run_decode(decode)
         self._generated.add(self._sched.stats.generated_tokens)
+
+    def _decode_steps_now(self) -> int:
+        """``decode_steps_idle`` when no request waits to join (none queued, in the inbox or
+        prefilling) and a running sequence needs that many more tokens, else ``decode_steps``."""
+        short, idle = self.config.decode_step_counts()[0], self.config.decode_step_counts()[-1]
+        if idle == short or self._sched.waiting or self._inbox or self._pending:
+            return short
+        running = self._sched.running
+        if any(s.prefilling for s in running) or max((s.max_new - len(s.tokens) for s in running), default=0) < idle:
+            return short
+        return idle
 
     def _maybe_swap_weights(self) -> bool:
         """Apply a pending update when the policy allows; True while admission must pause."""
@@ -531,7 +545,7 @@ class Engine:
     def _run_decode(self, plan: DecodePlan) -> None:
         args = self._put((plan.tokens, plan.positions, plan.rows, plan.sampling))
         self._cache, tokens, logprobs = self._decode_fn(
-            self._state, self._cache, *args, length=plan.length
+            plan.steps, self._state, self._cache, *args, length=plan.length
         )
         tokens, logprobs = jax.device_get((tokens, logprobs))
         self._deliver(self._sched.finish_decode(plan, tokens, logprobs, self._version))

@@ -189,6 +189,7 @@ class DecodePlan:
     rows: np.ndarray  # i32[B]; padding rows = max_seqs (out of range: neither read nor written)
     sampling: SamplingBatch
     length: int  # KV length bucket decode attention reads
+    steps: int  # decode steps of this call
 
 
 @dataclass
@@ -361,7 +362,7 @@ class Scheduler:
         params = [s.params for s in seqs]
         draw_position = [len(s.prompt) + len(s.tokens) for s in seqs]
         sampling = SamplingBatch.host(params, [s.seed for s in seqs], draw_position, size)
-        return DecodePlan(seqs, tokens, positions, rows, sampling, length)
+        return DecodePlan(seqs, tokens, positions, rows, sampling, length, steps)
 
     def finish_decode(
         self, plan: DecodePlan, tokens: np.ndarray, logprobs: np.ndarray, version: int

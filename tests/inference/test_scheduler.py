@@ -184,7 +184,8 @@ def test_config_derives_buckets_and_names_bad_fields() -> None:
     assert cfg.decode_lengths() == [128, 256, 512, 1000]
     assert cfg.prefill_lengths() == [16, 64, 256, 512]
     assert cfg.prefill_batches() == [1, 2, 4, 8]
-    assert cfg.program_bound() == 4 * 4 + 4 * 4 + 1
+    assert cfg.decode_step_counts() == [4, 16]
+    assert cfg.program_bound() == 2 * 4 * 4 + 4 * 4 + 1
     assert InferenceConfig(max_seqs=1).decode_buckets() == [1]
     for bad, field in [
         ({"backend": "external"}, "base_url"),
