@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -258,24 +259,28 @@ class Engine:
         """Compile every program of the configured buckets (``config.program_bound()`` of them)
         before serving, so no request waits on a compile; returns the seconds it took.
 
-        Each program runs once on padding only (positions past the window, rows out of range),
-        which writes nothing to the KV cache.
+        Programs are lowered and compiled ahead of time (nothing runs; the compiled executables
+        land in jit's caches, so the first real call of each shape dispatches straight away),
+        several at once on hosts with more cores: XLA compiles outside the GIL.
         """
         if self._thread is not None:
             raise RuntimeError("Engine.warmup: call it before start()")
         t0 = time.perf_counter()
         cfg = self.config
+        jobs = []
         for batch, width in cfg.prefill_shapes():
             positions = np.full((batch, width), cfg.max_model_len, np.int32)
-            rows, last = np.zeros(batch, np.int32), np.zeros(batch, np.int32)
-            args = self._put((np.zeros((batch, width), np.int32), positions, rows, last, self._idle_sampling(batch)))
-            self._cache, *_ = self._prefill_fn(self._state, self._cache, *args)
+            args = (np.zeros((batch, width), np.int32), positions, *np.zeros((2, batch), np.int32))
+            args = self._put((*args, self._idle_sampling(batch)))
+            jobs.append(partial(self._prefill_fn.lower, self._state, self._cache, *args))
         for steps, batch, length in cfg.decode_shapes():
             positions, rows = np.full(batch, length, np.int32), np.full(batch, cfg.max_seqs, np.int32)
             args = self._put((np.zeros(batch, np.int32), positions, rows, self._idle_sampling(batch)))
-            self._cache, *_ = self._decode_fn(steps, self._state, self._cache, *args, length=length)
-        self._cache = self._copy_fn(self._cache, *self._put((np.int32(0), np.int32(0))))  # row 0 onto itself
-        jax.block_until_ready(self._cache)
+            jobs.append(partial(self._decode_fn.lower, steps, self._state, self._cache, *args, length=length))
+        jobs.append(partial(self._copy_fn.lower, self._cache, *self._put((np.int32(0), np.int32(0)))))
+        workers = max(1, min(len(os.sched_getaffinity(0)), 8))
+        with ThreadPoolExecutor(workers, thread_name_prefix="jaxrl-warmup") as pool:
+            list(pool.map(lambda lower: lower().compile(), jobs))
         self._warmup_s = time.perf_counter() - t0
         log.info("engine warm-up: %d programs compiled in %.1f s", self.compiled_programs(), self._warmup_s)
         return self._warmup_s

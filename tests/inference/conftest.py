@@ -65,7 +65,6 @@ def tiny_config(**overrides) -> InferenceConfig:
         "prefill_batch_buckets": [2],
         "min_prefix_reuse": 4,
     }
-    base["decode_steps_idle"] = overrides.get("decode_steps", base["decode_steps"])  # one decode step count
     return InferenceConfig(**{**base, **overrides})
 
 
