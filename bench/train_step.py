@@ -53,8 +53,7 @@ def jaxrl_step(a: argparse.Namespace, hf_config: dict, tokens: np.ndarray):  # t
 
     mesh = make_mesh(MeshConfig(fsdp=1, num_devices=1))
     model = init_decoder(hf_config, mesh, seed=0, param_dtype=jnp.float32, dtype=jnp.float32)
-    model.remat = False
-    cfg = TrainerConfig(seq_len=a.seq, seq_len_buckets=[a.seq], micro_batch_rows=a.rows, steps=a.steps + 1)
+    cfg = TrainerConfig(seq_len=a.seq, seq_len_buckets=[a.seq], micro_batch_rows=a.rows, steps=a.steps + 1, remat="none")
     trainer = Trainer(model, cfg, mesh)
     samples = [TrainingSample.sft(t, np.ones(len(t))) for t in tokens]
     return lambda: trainer.train_step(samples)["ce_loss"]

@@ -9,6 +9,7 @@ starts: a bad field fails with a message naming it.
 from __future__ import annotations
 
 import argparse
+import json
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -16,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
 
+from jaxrl import renamed
 from jaxrl.inference.config import InferenceConfig
 from jaxrl.orchestrator.config import OrchestratorConfig
 from jaxrl.parallel.distributed import DistributedConfig
@@ -113,23 +115,65 @@ class RunConfig(BaseModel):
     log: LogConfig = LogConfig()
     distributed: DistributedConfig = DistributedConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if found := renamed.find_renamed(data):
+            raise ValueError("prime-rl key(s): " + "; ".join(found))
+        return data
+
     @model_validator(mode="after")
     def _mode(self) -> "RunConfig":
         if self.model.name is None and self.model.scratch is None:
             raise ValueError("model: set `name` (a HF model directory) or `[model.scratch]`")
+        context = model_context_len(self.model)
+        if context is not None:
+            self.inference = self.inference.with_model_len(context)
+        elif self.inference.max_model_len is None and self.orchestrator is not None:
+            raise ValueError(
+                f"inference.max_model_len: unset, and model.name = {self.model.name!r} has no config.json to read "
+                "the model's context length from; set inference.max_model_len (needed when a warm start creates "
+                "the model) or fix model.name"
+            )
         if self.data is not None and self.orchestrator is not None:
             raise ValueError("set only one of `[data]` (SFT) and `[orchestrator]` (RL)")
+        if self.inference.max_model_len is None:
+            return self  # an SFT run whose model is not there yet: nothing below applies
         if self.orchestrator is not None and self.trainer.seq_len < self.inference.max_model_len:
             raise ValueError(
                 f"trainer.seq_len = {self.trainer.seq_len} < inference.max_model_len = "
                 f"{self.inference.max_model_len}: a full rollout would not fit one packed row"
             )
+        if self.orchestrator is not None:
+            orch = self.orchestrator
+            splits = [("train", orch.train.sampling)] + ([("eval", orch.eval.sampling)] if orch.eval else [])
+            for split, sampling in splits:
+                if sampling.max_completion_tokens >= self.inference.max_model_len:
+                    raise ValueError(
+                        f"orchestrator.{split}.sampling.max_completion_tokens = {sampling.max_completion_tokens} "
+                        f"must be < inference.max_model_len = {self.inference.max_model_len} (the prompt needs "
+                        "room too); lower it or raise max_model_len"
+                    )
         return self
 
     @property
     def mode(self) -> Literal["sft", "rl"]:
         """RL when `[orchestrator]` is set, else SFT (with `[data]` or its defaults)."""
         return "rl" if self.orchestrator is not None else "sft"
+
+
+def model_context_len(model: ModelConfig) -> int | None:
+    """The model's context length (``max_position_embeddings``), or None if its config is not there."""
+    if model.scratch is not None:
+        return model.scratch.max_position_embeddings
+    config = Path(model.name or "") / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        hf = json.loads(config.read_text())
+        return int(hf.get("max_position_embeddings", 4096))  # the default jaxrl.models.arch applies
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"model.name: {config} is not a valid model config: {e}") from None
 
 
 class _Cli(BaseSettings):

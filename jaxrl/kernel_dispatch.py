@@ -33,7 +33,7 @@ from typing import Literal
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxrl.parallel.mesh import LOGICAL_RULES, logical_to_spec
+from jaxrl.parallel.rules import logical_to_spec
 from kernels import select
 from kernels.attention import segment_attention, tpu_segment_attention
 from kernels.decode_attention import decode_attention
@@ -44,6 +44,8 @@ Impl = Literal["reference", "pallas", "pallas_interpret"]
 
 # Attention of (q, k, v) -> out with everything else (segments, lengths) already bound.
 Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+# Decode attention of (q, k cache, v cache, layer) -> out, reading the whole caches in place.
+CacheAttend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 # (hidden [N, D], lm_head [D, V], targets [N], temperature [N], *, block_size) -> (logp, entropy).
 LogprobsFn = Callable[..., tuple[jax.Array, jax.Array]]
 
@@ -96,8 +98,7 @@ class Kernels:
     def _axes(self, logical: str, *sizes: int) -> str | tuple[str, ...] | None:
         """Mesh axes for a dimension shared by arrays of these ``sizes`` (None unless all divide)."""
         assert self.mesh is not None
-        rules = {**LOGICAL_RULES, logical: tuple(a for a in LOGICAL_RULES[logical] if a in self.mesh.shape)}
-        entries = {logical_to_spec((logical,), (s,), self.mesh, rules)[0] for s in sizes}
+        entries = {logical_to_spec((logical,), (s,), self.mesh)[0] for s in sizes}
         return entries.pop() if len(entries) == 1 else None
 
     def _per_shard(self, fn: Callable, in_specs: tuple, out_specs: object) -> Callable:
@@ -151,23 +152,29 @@ class Kernels:
 
         return attend
 
-    def cached_attention(self, positions: jax.Array) -> Attend | None:
-        """Attention of one new token per row over the KV cache (q [B, 1, H, Dh], caches
-        [B, S, K, Dh]; the token at ``positions`` [B, 1] sees cache positions <= its own).
-        None (the decoder's own attention) for the references and for prefill chunks (T > 1)."""
+    def cached_attention(self, positions: jax.Array, rows: jax.Array) -> CacheAttend | None:
+        """Attention of one new token per query over the whole KV cache, read in place: query
+        ``b`` (q [B, 1, H, Dh]) at ``positions[b]`` sees positions <= its own of cache row
+        ``rows[b]`` in ``layer`` of the caches [layers, rows, K, S, Dh]. None (the decoder's own
+        attention) for the references and for prefill chunks (T > 1).
+
+        Under a mesh, heads split over "tensor" as in training; cache rows are never split (the
+        serving rules replicate them), as a query's row may be any row of the cache.
+        """
         if self.reference or positions.shape[1] != 1:
             return None
         lengths = positions[:, 0] + 1
-        inner = partial(decode_attention, interpret=self._interpret)
 
-        def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        def attend(q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array) -> jax.Array:
+            def inner(q, k, v, lengths, rows, layer):  # type: ignore[no-untyped-def]
+                return decode_attention(q, k, v, lengths, rows=rows, layer=layer, interpret=self._interpret)
+
             fn = inner
             if self.mesh is not None:
-                rows = self._axes("batch", q.shape[0])
                 heads = self._axes("q_heads", q.shape[2], k.shape[2])
-                specs = (PartitionSpec(rows, heads, None), PartitionSpec(rows, None, heads, None))
-                specs += (specs[1], PartitionSpec(rows))
-                fn = self._per_shard(inner, specs, specs[0])
-            return fn(q[:, 0], k, v, lengths)[:, None]
+                q_spec, cache_spec = PartitionSpec(None, heads, None), PartitionSpec(None, None, heads)
+                specs = (q_spec, cache_spec, cache_spec, PartitionSpec(), PartitionSpec(), PartitionSpec())
+                fn = self._per_shard(inner, specs, q_spec)
+            return fn(q[:, 0], k, v, lengths, rows, layer)[:, None]
 
         return attend

@@ -8,7 +8,14 @@ import math
 from pathlib import Path
 from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from jaxrl.parallel.distributed import is_main_process
 
@@ -20,7 +27,33 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def plot_metrics(rows: list[dict[str, Any]], keys: list[str], out: str | Path, title: str = "") -> Path | None:
+def truncate_jsonl(path: str | Path, max_step: int) -> int:
+    """Keep the records of ``path`` up to ``max_step`` (a resumed run's checkpoint step): a run
+    killed after its last checkpoint left later steps (and maybe half a line) that the resumed
+    run writes again. Rewritten atomically; returns the number of lines dropped."""
+    p = Path(path)
+    if not p.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in p.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by the kill
+            dropped += bool(line.strip())
+            continue
+        if isinstance(row, dict) and row.get("step", 0) <= max_step:
+            kept.append(line)
+        else:
+            dropped += 1
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(p)
+    return dropped
+
+
+def plot_metrics(
+    rows: list[dict[str, Any]], keys: list[str], out: str | Path, title: str = ""
+) -> Path | None:
     """One panel per key that has finite values; returns the PNG path (None if nothing to plot)."""
     import matplotlib
 
@@ -74,8 +107,12 @@ class MetricsLogger:
             self.path.write_text("")
         if progress:
             self._progress = Progress(
-                TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
-                TimeRemainingColumn(), TextColumn("{task.description}"),
+                TextColumn("[bold]step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.description}"),
             )
             self._progress.start()
             self._task = self._progress.add_task("", total=total_steps, completed=start_step)

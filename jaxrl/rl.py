@@ -62,14 +62,9 @@ def start_engine(run: TrainingRun) -> tuple[Any, Any, ModelEndpoint]:
         )
     engine = Engine(run.trainer.model(), cfg.inference)
     tokenizer = AutoTokenizer.from_pretrained(run.tokenizer_dir)
-    name = cfg.inference.server.served_model_name or cfg.model.name or "jaxrl"
-    server = EngineServer(
-        engine, tokenizer, cfg.inference.server.host, cfg.inference.server.port, model_name=name,
-        graceful_shutdown_s=cfg.inference.server.graceful_shutdown_s,
-        keep_alive_s=cfg.inference.server.keep_alive_s,
-    )
+    server = EngineServer.from_config(engine, tokenizer, cfg.inference.server, model_name=cfg.model.name or "jaxrl")
     server.start()
-    endpoint = ModelEndpoint(base_url=f"{server.url}/v1", model=name, tokenizer_dir=run.tokenizer_dir)
+    endpoint = ModelEndpoint(base_url=f"{server.url}/v1", model=server.model_name, tokenizer_dir=run.tokenizer_dir)
     return engine, server, endpoint
 
 

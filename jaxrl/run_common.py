@@ -10,7 +10,7 @@ from typing import Any
 import jax
 
 from jaxrl.config import RunConfig
-from jaxrl.metrics import MetricsLogger
+from jaxrl.metrics import MetricsLogger, truncate_jsonl
 from jaxrl.models.hf_io import export_hf
 from jaxrl.models.setup import prepare_model
 from jaxrl.parallel.distributed import barrier, initialize, is_main_process
@@ -31,7 +31,6 @@ class TrainingRun:
             (self.out / "config.json").write_text(cfg.model_dump_json(indent=2))
         self.mesh = make_mesh(cfg.trainer.mesh)
         model, self.tokenizer_dir, self.hf_config = prepare_model(cfg.model, self.mesh, self.out)
-        model.remat = cfg.trainer.remat
         peak = cfg.trainer.peak_tflops * 1e12 if cfg.trainer.peak_tflops else None
         if peak is None and jax.default_backend() == "cpu":
             peak = measure_matmul_peak()
@@ -50,6 +49,10 @@ class TrainingRun:
                 raise FileNotFoundError(f"--resume: no checkpoint in {self.ckpt.dir}")
             state, meta = self.ckpt.restore(step, self.trainer.state_for_checkpoint())
             self.trainer.restore(state, step)
+            if is_main_process():  # records past the checkpoint are written again by this run
+                for name in ("metrics.jsonl", "rollouts.jsonl"):
+                    if dropped := truncate_jsonl(self.out / name, step):
+                        print(f"[jaxrl] --resume from step {step}: dropped {dropped} later records of {name}")
         log = self.cfg.log
         self.logger = MetricsLogger(
             self.out, self.cfg.trainer.steps, start_step=self.trainer.step, progress=log.progress,

@@ -28,6 +28,10 @@ class TrainingSample:
     advantage: float = 0.0
     policy_version: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)  # env, group_id, reward, errors...
+    ref_kl_w: np.ndarray | None = None  # float32[L]: weight in the ref-KL component (OPD); None: zeros
+    logr: np.ndarray | None = None
+    """float32[L]: the reference (teacher) log-prob of each token at the sample's temperature,
+    0 where ref_kl_w is 0; None until a teacher scored the sample."""
 
     def __post_init__(self) -> None:
         self.token_ids = np.asarray(self.token_ids, dtype=np.int32)
@@ -36,7 +40,10 @@ class TrainingSample:
         self.logprobs = np.asarray(self.logprobs, dtype=np.float32)
         self.rl_w = np.asarray(self.rl_w, dtype=np.float32)
         self.ce_w = np.asarray(self.ce_w, dtype=np.float32)
-        for name in ("sampled_mask", "logprobs", "rl_w", "ce_w"):
+        self.ref_kl_w = np.zeros(n, np.float32) if self.ref_kl_w is None else np.asarray(self.ref_kl_w, np.float32)
+        if self.logr is not None:
+            self.logr = np.asarray(self.logr, dtype=np.float32)
+        for name in ("sampled_mask", "logprobs", "rl_w", "ce_w", "ref_kl_w", *(("logr",) if self.logr is not None else ())):
             arr = getattr(self, name)
             if arr.shape != (n,):
                 raise ValueError(f"TrainingSample.{name} has shape {arr.shape}; expected ({n},) like token_ids")
@@ -47,6 +54,11 @@ class TrainingSample:
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the sample trains the ref-KL component but no teacher has scored it yet."""
+        return self.logr is None and bool(self.ref_kl_w[1:].any())
 
     @classmethod
     def sft(cls, token_ids: np.ndarray, loss_mask: np.ndarray, **kw: Any) -> "TrainingSample":

@@ -43,16 +43,12 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
         )
     engine = Engine.from_pretrained(cfg.model.name, cfg.inference, dtype=cfg.model.dtype)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.name)
-    srv = cfg.inference.server
-    return EngineServer(
+    return EngineServer.from_config(
         engine,
         tokenizer,
-        srv.host,
-        srv.port,
-        model_name=srv.served_model_name or cfg.model.name,
+        cfg.inference.server,
+        model_name=cfg.model.name,
         stop_token_ids=eos_token_ids(cfg.model.name, tokenizer),
-        graceful_shutdown_s=srv.graceful_shutdown_s,
-        keep_alive_s=srv.keep_alive_s,
     )
 
 

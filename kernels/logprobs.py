@@ -16,6 +16,15 @@ So the logits are computed three times in all (as in flash attention's backward)
 for peak memory of one ``[block_n, block_v]`` tile. ``logprobs_reference`` is the naive
 full-softmax version with the same semantics as ``jaxrl.trainer.logprobs.token_logprobs``.
 
+Block sizes are chosen per kernel, at trace time, for the TPU being compiled for
+(``kernels.tpu_budget``): the largest tiles that fit its VMEM, ranked by a roofline estimate.
+The forward and ``d_hidden`` kernels re-read ``lm_head`` once per token block, so they want tall
+token blocks; the ``d_lm_head`` kernel re-reads ``hidden`` once per vocabulary block, so it wants
+wide vocabulary blocks. ``[D, block_v]`` and ``[block_n, D]`` tiles grow with the model width, so
+at Qwen3-8B/32B widths the blocks that fit a v5e differ from a v6e's, and every kernel asks
+Mosaic for the VMEM its blocks need (the default scoped limit is 16 MiB on v5e and v5p).
+Float32 gradients accumulate in their output block (no separate scratch).
+
 Partial edge blocks (``N`` or ``V`` not a multiple of the block) are masked inside the kernels,
 never padded outside them (a padded copy of ``lm_head`` would cost as much as the weights).
 Softmax arithmetic is float32. Matmuls take the inputs' own dtype with float32 accumulation;
@@ -26,6 +35,7 @@ dot at TPU default precision does anyway.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -34,10 +44,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels._util import cdiv, check_block, tpu_params
+from kernels._util import cdiv, check_block, round_up
+from kernels.tpu_budget import Chip, best_blocks, compiler_params, target_chip
 
-DEFAULT_BLOCK_N = 256
-DEFAULT_BLOCK_V = 1024
+BLOCK_N_CANDIDATES = (16, 32, 64, 128, 256, 512, 1024, 2048)
+BLOCK_V_CANDIDATES = (128, 256, 512, 1024, 2048, 4096)
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
@@ -61,8 +72,8 @@ def logprobs(
     targets: jax.Array,
     temperature: jax.Array,
     *,
-    block_n: int = DEFAULT_BLOCK_N,
-    block_v: int = DEFAULT_BLOCK_V,
+    block_n: int | None = None,
+    block_v: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-prob of ``targets`` and entropy under ``softmax(hidden @ lm_head / temperature)``.
@@ -72,16 +83,15 @@ def logprobs(
       lm_head: ``[D, V]`` output projection (any float dtype).
       targets: ``int32[N]`` token ids in ``[0, V)``.
       temperature: ``f32[N]`` per-token sampling temperature.
-      block_n, block_v: tile sizes (token rows, vocabulary columns); clipped to ``N`` / ``V``.
-        On TPU keep ``block_n`` a multiple of 8 and ``block_v`` a multiple of 128.
+      block_n, block_v: tile sizes (token rows, vocabulary columns) for all three kernels;
+        clipped to ``N`` / ``V``. Default (None): chosen per kernel for the target chip (see the
+        module docstring). On TPU keep ``block_n`` a multiple of 16 and ``block_v`` of 128.
       interpret: run the Pallas kernels in interpret mode (any backend; for tests).
 
     Returns:
       ``(logp, entropy)``, both ``float32[N]``, differentiable with respect to ``hidden``,
       ``lm_head`` and ``temperature``; gradients come back in the inputs' dtypes.
     """
-    check_block("block_n", block_n)
-    check_block("block_v", block_v)
     n, d = hidden.shape
     if lm_head.ndim != 2 or lm_head.shape[0] != d:
         raise ValueError(f"lm_head must be [D={d}, V], got {lm_head.shape}")
@@ -89,8 +99,75 @@ def logprobs(
         raise ValueError(
             f"targets and temperature must be [N={n}], got {targets.shape} and {temperature.shape}"
         )
-    blocks = (min(block_n, n), min(block_v, lm_head.shape[1]))
-    return _logprobs(hidden, lm_head, targets.astype(jnp.int32), temperature, blocks, interpret)
+    itemsize = jnp.promote_types(hidden.dtype, lm_head.dtype).itemsize
+    plan = plan_blocks(n, d, lm_head.shape[1], itemsize, target_chip(), block_n, block_v)
+    return _logprobs(hidden, lm_head, targets.astype(jnp.int32), temperature, plan, interpret)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block sizes per kernel and chip.
+
+KERNELS = ("forward", "d_hidden", "d_lm_head")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """(block_n, block_v) of each kernel and the chip they were sized for (static, hashable)."""
+
+    forward: tuple[int, int]
+    d_hidden: tuple[int, int]
+    d_lm_head: tuple[int, int]
+    chip: Chip
+
+
+def vmem_bytes(kernel: str, bn: int, bv: int, d: int, itemsize: int) -> int:
+    """Estimated VMEM of one kernel: double-buffered input/output blocks, scratch, and a few
+    ``[bn, bv]`` float32 temporaries. A ``[bn, 1]`` float32 column pads to 128 lanes."""
+    col, tile = round_up(bn, 8) * 128 * 4, bn * bv * 4
+    h, w = bn * d * itemsize, d * bv * itemsize
+    f32_acc = itemsize != 4  # a float32 gradient accumulates in its own output block
+    if kernel == "forward":  # in: h, w, 2 columns; out: 3 columns; scratch: 4 columns
+        return 2 * (h + w) + 14 * col + 6 * tile
+    if kernel == "d_hidden":  # in: h, w, 6 columns; out: dh, 1 column; scratch: dh (f32), 1 column
+        return 2 * (h + w + h) + f32_acc * bn * d * 4 + 15 * col + 8 * tile
+    # d_lm_head. in: h, w, 6 columns; out: dw; scratch: dw (f32)
+    return 2 * (h + w + w) + f32_acc * d * bv * 4 + 12 * col + 8 * tile
+
+
+def seconds(kernel: str, bn: int, bv: int, n: int, d: int, v: int, itemsize: int, chip: Chip) -> float:
+    """Roofline estimate: forward and d_hidden stream ``lm_head`` once per token block;
+    d_lm_head streams ``hidden`` once per vocabulary block."""
+    nb, vb = cdiv(n, bn), cdiv(v, bv)
+    matmuls = 1 if kernel == "forward" else 2
+    if kernel == "d_lm_head":
+        traffic = vb * n * d + 2 * d * v
+    else:
+        traffic = nb * d * v + (1 if kernel == "forward" else 2) * n * d
+    return chip.seconds(2 * matmuls * n * d * v, traffic * itemsize, nb * vb)
+
+
+def plan_blocks(
+    n: int, d: int, v: int, itemsize: int, chip: Chip, block_n: int | None = None, block_v: int | None = None
+) -> Plan:
+    """Each kernel's blocks for ``chip``: given ones (clipped to N / V) or the best that fit."""
+    for name, value in (("block_n", block_n), ("block_v", block_v)):
+        if value is not None:
+            check_block(name, value)
+    ns = [min(block_n, n)] if block_n else sorted({min(b, n) for b in BLOCK_N_CANDIDATES})
+    vs = [min(block_v, v)] if block_v else sorted({min(b, v) for b in BLOCK_V_CANDIDATES})
+
+    def pick(kernel: str) -> tuple[int, int]:
+        if block_n and block_v:
+            return ns[0], vs[0]
+        return best_blocks(
+            ns,
+            vs,
+            lambda bn, bv: vmem_bytes(kernel, bn, bv, d, itemsize),
+            lambda bn, bv: seconds(kernel, bn, bv, n, d, v, itemsize, chip),
+            chip.block_budget,
+        )
+
+    return Plan(*(pick(k) for k in KERNELS), chip)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,13 +235,16 @@ def _tile_grad_logits(in_refs, col0, vocab):
 
 
 def _bwd_hidden_kernel(*refs, vocab):
-    in_refs, (dh_ref, dt_ref, dh_sc, dt_sc) = refs[:8], refs[8:]
+    # Scratch: d_temperature's column, then d_hidden's float32 accumulator unless d_hidden is
+    # itself float32 (then it accumulates in its output block, resident across the vocab axis).
+    in_refs, (dh_ref, dt_ref, dt_sc, *dh_sc) = refs[:8], refs[8:]
+    acc = dh_sc[0] if dh_sc else dh_ref
     _, w_ref, _, invt_ref = in_refs[:4]
     j = pl.program_id(1)
 
     @pl.when(j == 0)
     def _init():
-        dh_sc[...] = jnp.zeros(dh_sc.shape, jnp.float32)
+        acc[...] = jnp.zeros(acc.shape, jnp.float32)
         dt_sc[...] = jnp.zeros(dt_sc.shape, jnp.float32)
 
     d_l, logits, valid = _tile_grad_logits(in_refs, j * w_ref.shape[1], vocab)
@@ -172,22 +252,24 @@ def _bwd_hidden_kernel(*refs, vocab):
     d_z = d_l * invt_ref[...]
     w = w_ref[...]
     w = jnp.where(valid, w, jnp.zeros_like(w))  # columns past V are unspecified memory (maybe NaN)
-    dh_sc[...] += lax.dot_general(d_z.astype(w.dtype), w, _NT, preferred_element_type=jnp.float32)
+    acc[...] += lax.dot_general(d_z.astype(w.dtype), w, _NT, preferred_element_type=jnp.float32)
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _finish():
-        dh_ref[...] = dh_sc[...].astype(dh_ref.dtype)
+        if dh_sc:
+            dh_ref[...] = acc[...].astype(dh_ref.dtype)
         dt_ref[...] = dt_sc[...] * invt_ref[...]
 
 
 def _bwd_head_kernel(*refs, vocab, n_rows):
-    in_refs, (dw_ref, dw_sc) = refs[:8], refs[8:]
+    in_refs, (dw_ref, *dw_sc) = refs[:8], refs[8:]
+    acc = dw_sc[0] if dw_sc else dw_ref  # as in _bwd_hidden_kernel
     h_ref, w_ref, _, invt_ref = in_refs[:4]
     j, i = pl.program_id(0), pl.program_id(1)
 
     @pl.when(i == 0)
     def _init():
-        dw_sc[...] = jnp.zeros(dw_sc.shape, jnp.float32)
+        acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
     bn = h_ref.shape[0]
     d_l, _, _ = _tile_grad_logits(in_refs, j * w_ref.shape[1], vocab)
@@ -196,11 +278,13 @@ def _bwd_head_kernel(*refs, vocab, n_rows):
     d_z = jnp.where(rows_ok, d_l * invt_ref[...], 0.0)
     h = h_ref[...]
     h = jnp.where(rows_ok, h, jnp.zeros_like(h))
-    dw_sc[...] += lax.dot_general(h, d_z.astype(h.dtype), _TN, preferred_element_type=jnp.float32)
+    acc[...] += lax.dot_general(h, d_z.astype(h.dtype), _TN, preferred_element_type=jnp.float32)
 
-    @pl.when(i == pl.num_programs(1) - 1)
-    def _finish():
-        dw_ref[...] = dw_sc[...].astype(dw_ref.dtype)
+    if dw_sc:
+
+        @pl.when(i == pl.num_programs(1) - 1)
+        def _finish():
+            dw_ref[...] = acc[...].astype(dw_ref.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,9 +296,14 @@ def _common_dot_dtype(hidden, lm_head):
     return hidden.astype(dt), lm_head.astype(dt)
 
 
-def _forward(hidden, lm_head, targets, inv_t, blocks, interpret):
+def _f32_scratch(shape, dtype):
+    """A float32 accumulator, unless the result is float32 and accumulates in place."""
+    return [] if dtype == jnp.float32 else [pltpu.VMEM(shape, jnp.float32)]
+
+
+def _forward(hidden, lm_head, targets, inv_t, plan, interpret):
     (n, d), vocab = hidden.shape, lm_head.shape[1]
-    bn, bv = blocks
+    bn, bv = plan.forward
     col = lambda: pl.BlockSpec((bn, 1), lambda i, j: (i, 0))
     f32col = jax.ShapeDtypeStruct((n, 1), jnp.float32)
     logp, ent, lse = pl.pallas_call(
@@ -229,67 +318,67 @@ def _forward(hidden, lm_head, targets, inv_t, blocks, interpret):
         out_specs=[col(), col(), col()],
         out_shape=[f32col, f32col, f32col],
         scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32)] * 4,
-        compiler_params=tpu_params("parallel", "arbitrary"),
+        compiler_params=compiler_params(plan.chip, "parallel", "arbitrary"),
         interpret=interpret,
     )(hidden, lm_head, targets[:, None], inv_t)
     return logp[:, 0], ent[:, 0], lse
 
 
-def _backward(hidden, lm_head, targets, inv_t, lse, mean, g_logp, g_ent, blocks, interpret):
+def _backward(hidden, lm_head, targets, inv_t, lse, mean, g_logp, g_ent, plan, interpret):
     (n, d), vocab = hidden.shape, lm_head.shape[1]
-    bn, bv = blocks
-    nb, vb = cdiv(n, bn), cdiv(vocab, bv)
     rows = (targets[:, None], inv_t, lse, mean, g_logp[:, None], g_ent[:, None])
 
     # d_hidden, d_temperature: grid (token block i, vocab block j), reduce over j.
+    bn, bv = plan.d_hidden
     col = lambda: pl.BlockSpec((bn, 1), lambda i, j: (i, 0))
     d_h, d_t = pl.pallas_call(
         partial(_bwd_hidden_kernel, vocab=vocab),
-        grid=(nb, vb),
+        grid=(cdiv(n, bn), cdiv(vocab, bv)),
         in_specs=[pl.BlockSpec((bn, d), lambda i, j: (i, 0)), pl.BlockSpec((d, bv), lambda i, j: (0, j))]
         + [col() for _ in rows],
         out_specs=[pl.BlockSpec((bn, d), lambda i, j: (i, 0)), col()],
         out_shape=[jax.ShapeDtypeStruct((n, d), hidden.dtype), jax.ShapeDtypeStruct((n, 1), jnp.float32)],
-        scratch_shapes=[pltpu.VMEM((bn, d), jnp.float32), pltpu.VMEM((bn, 1), jnp.float32)],
-        compiler_params=tpu_params("parallel", "arbitrary"),
+        scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32), *_f32_scratch((bn, d), hidden.dtype)],
+        compiler_params=compiler_params(plan.chip, "parallel", "arbitrary"),
         interpret=interpret,
     )(hidden, lm_head, *rows)
 
     # d_lm_head: grid (vocab block j, token block i), reduce over i.
+    bn, bv = plan.d_lm_head
     col = lambda: pl.BlockSpec((bn, 1), lambda j, i: (i, 0))
     d_w = pl.pallas_call(
         partial(_bwd_head_kernel, vocab=vocab, n_rows=n),
-        grid=(vb, nb),
+        grid=(cdiv(vocab, bv), cdiv(n, bn)),
         in_specs=[pl.BlockSpec((bn, d), lambda j, i: (i, 0)), pl.BlockSpec((d, bv), lambda j, i: (0, j))]
         + [col() for _ in rows],
         out_specs=pl.BlockSpec((d, bv), lambda j, i: (0, j)),
         out_shape=jax.ShapeDtypeStruct(lm_head.shape, lm_head.dtype),
-        scratch_shapes=[pltpu.VMEM((d, bv), jnp.float32)],
-        compiler_params=tpu_params("parallel", "arbitrary"),
+        scratch_shapes=_f32_scratch((d, bv), lm_head.dtype),
+        compiler_params=compiler_params(plan.chip, "parallel", "arbitrary"),
         interpret=interpret,
     )(hidden, lm_head, *rows)
     return d_h, d_w, d_t[:, 0]
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _logprobs(hidden, lm_head, targets, temperature, blocks, interpret):
-    return _fwd(hidden, lm_head, targets, temperature, blocks, interpret)[0]
+def _logprobs(hidden, lm_head, targets, temperature, plan, interpret):
+    return _fwd(hidden, lm_head, targets, temperature, plan, interpret)[0]
 
 
-def _fwd(hidden, lm_head, targets, temperature, blocks, interpret):
+def _fwd(hidden, lm_head, targets, temperature, plan, interpret):
     inv_t = 1.0 / temperature.astype(jnp.float32)[:, None]
     h, w = _common_dot_dtype(hidden, lm_head)
-    logp, ent, lse = _forward(h, w, targets, inv_t, blocks, interpret)
+    logp, ent, lse = _forward(h, w, targets, inv_t, plan, interpret)
     return (logp, ent), (hidden, lm_head, targets, temperature, lse, ent)
 
 
-def _bwd(blocks, interpret, res, cotangents):
+def _bwd(plan, interpret, res, cotangents):
     hidden, lm_head, targets, temperature, lse, ent = res
     g_logp, g_ent = (c.astype(jnp.float32) for c in cotangents)
     inv_t = 1.0 / temperature.astype(jnp.float32)[:, None]
     mean = lse - ent[:, None]  # E_p[logit]
     h, w = _common_dot_dtype(hidden, lm_head)
-    d_h, d_w, d_t = _backward(h, w, targets, inv_t, lse, mean, g_logp, g_ent, blocks, interpret)
+    d_h, d_w, d_t = _backward(h, w, targets, inv_t, lse, mean, g_logp, g_ent, plan, interpret)
     return d_h.astype(hidden.dtype), d_w.astype(lm_head.dtype), None, d_t.astype(temperature.dtype)
 
 

@@ -38,7 +38,7 @@ def test_cli_overrides_beat_toml(tmp_path) -> None:
         ("", ["--trainer.optim.lrr", "1"], "--trainer.optim.lrr"),
         ('[trainer.loss]\ncustom = "no_such_pkg.fn"\n', [], "loss.custom"),
         ('[model]\nname = "x"\n[model.scratch]\n', [], "model"),
-        ('[trainer.mesh]\ndata = -1\nfsdp = -1\n', [], None),
+        ("[trainer.mesh]\ndata = -1\nfsdp = -1\n", [], None),
     ],
 )
 def test_bad_fields_fail_before_work_naming_the_field(toml, overrides, needle, tmp_path) -> None:
@@ -61,3 +61,105 @@ def test_main_reports_bad_config_with_exit_2(tmp_path, capsys) -> None:
     f.write_text("[trainer]\nsteps = 'many'\n")
     assert main(["--config", str(f)]) == 2
     assert "trainer.steps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "override, value",
+    [
+        ("train.sampling.top_k", "2147483648"),  # once passed and killed the engine thread mid-run
+        ("train.sampling.top_k", "-2"),
+        ("train.sampling.temperature", "nan"),
+        ("train.sampling.temperature", "inf"),
+        ("train.sampling.top_p", "1e-46"),  # rounds to 0 in float32
+        ("train.sampling.max_completion_tokens", "0"),
+        ("train.sampling.max_completion_tokens", "256"),  # no room for a prompt in max_model_len 256
+        ("eval.sampling.top_k", "2147483648"),
+        ("eval.sampling.temperature", "-1"),
+    ],
+)
+def test_rl_sampling_values_are_range_checked(override, value, monkeypatch) -> None:
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ValueError) as e:
+        load_config(["--config", "configs/reverse_text/rl.toml", f"--orchestrator.{override}", value])
+    assert override.rsplit(".", 1)[-1] in str(e.value)
+
+
+PRIME_RL_TOML = """
+max_steps = 20
+[model]
+name = "x"
+[orchestrator]
+batch_size = 16
+rollouts_per_example = 4
+[orchestrator.sampling]
+max_tokens = 12
+[[orchestrator.env]]
+id = "reverse_text"
+num_workers = 2
+[orchestrator.eval]
+num_examples = 10
+[[orchestrator.eval.source]]
+id = "reverse_text"
+"""
+
+
+def test_prime_rl_keys_fail_naming_their_jaxrl_names() -> None:
+    import tomllib
+
+    with pytest.raises(ValueError) as e:
+        build_config(tomllib.loads(PRIME_RL_TOML), [])
+    message = str(e.value)
+    for needle in (
+        "`max_steps` was renamed to `trainer.steps`",
+        "`orchestrator.sampling` was renamed to `[orchestrator.train.sampling]`",
+        "`orchestrator.sampling.max_tokens` was renamed to `max_completion_tokens`",
+        "`orchestrator.env` was renamed to `[[orchestrator.train.env]]`",
+        "`orchestrator.env[0].num_workers` was renamed to `pool_size`",
+        "`orchestrator.rollouts_per_example` was renamed to `orchestrator.group_size`",
+        "`orchestrator.eval.num_examples` was renamed to `orchestrator.eval.num_tasks`",
+        "`orchestrator.eval.source` was renamed to `[[orchestrator.eval.env]]`",
+    ):
+        assert needle in message
+    assert "extra inputs" not in message.lower()
+
+
+def test_prime_rl_keys_fail_in_each_model_too() -> None:
+    import pydantic
+
+    from jaxrl.orchestrator.config import SamplingConfig
+    from jaxrl.orchestrator.env_server import EnvConfig
+
+    with pytest.raises(pydantic.ValidationError, match="`num_workers` was renamed to `pool_size`"):
+        EnvConfig(id="reverse_text", num_workers=2)
+    with pytest.raises(pydantic.ValidationError, match="`max_tokens` was renamed to `max_completion_tokens`"):
+        SamplingConfig(max_tokens=3)
+
+
+def test_per_env_sampling_inherits_unset_fields_and_ratio_is_checked() -> None:
+    import pydantic
+
+    from jaxrl.orchestrator.config import TrainSplitConfig
+
+    split = TrainSplitConfig(
+        sampling={"temperature": 0.9, "max_completion_tokens": 50, "top_p": 0.8},
+        env=[{"id": "reverse_text", "sampling": {"temperature": 0.3}}],
+    )
+    resolved = split.sampling_for(split.env[0])
+    assert (resolved.temperature, resolved.max_completion_tokens, resolved.top_p) == (0.3, 50, 0.8)
+    for bad, needle in (({"ratio": 0}, "ratio"), ({"ratio": float("nan")}, "ratio"),
+                        ({"sampling": {"max_completion_tokens": 0}}, "max_completion_tokens"),
+                        ({"sampling": {"max_tokens": 5}}, "renamed to `max_completion_tokens`")):
+        with pytest.raises(pydantic.ValidationError, match=needle):
+            TrainSplitConfig(env=[{"id": "reverse_text", **bad}])
+
+
+def test_max_model_len_defaults_to_the_models_context(tmp_path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    cfg, _ = load_config(["--model.name", str(model)])
+    assert cfg.inference.max_model_len == 512  # the README's serve command on a 512-token model
+    cfg, _ = load_config(["--model.name", str(model), "--inference.max_model_len", "128"])
+    assert cfg.inference.max_model_len == 128
+    cfg, _ = load_config([])  # scratch model
+    assert cfg.inference.max_model_len == cfg.model.scratch.max_position_embeddings

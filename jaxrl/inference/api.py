@@ -8,6 +8,11 @@ tokenizer's EOS from the stop tokens) and ``logprobs``; the rest (penalties, min
 ...) are accepted and have no effect. Only the sampled token's log-prob is returned
 (``top_logprobs`` lists are empty).
 
+Every value a request carries is range-checked here, so a bad value is a 400 naming the field
+and nothing out of range reaches the engine thread (a ``top_k`` of 2**31 once overflowed an
+int32 array there). The range types below are shared with the config layer
+(``[orchestrator.*.sampling]``), so a run cannot configure what the server would refuse.
+
 The generate response satisfies both parsers in the wild: every log-prob entry carries
 ``"token": "token_id:<id>"`` (renderers 0.1.12) and ``"token_id": <id>`` (vLLM "tokens" mode),
 so ``output_mode`` is accepted and needs no switch.
@@ -15,34 +20,106 @@ so ``output_mode`` is accepted and needs no switch.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import logging
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+import numpy as np
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
+
+log = logging.getLogger(__name__)
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs (and OpenAI's top_logprobs limit)
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024  # each stop string is searched for on the engine thread after every token
+
+
+def _positive_in_float32(v: float) -> float:
+    if not np.float32(v) > 0:
+        raise ValueError(f"{v!r} rounds to 0 in float32 (the sampler's precision); use at least 1e-38")
+    return v
+
+
+# Range types of the sampling values (vLLM's meanings); also used by the config layer.
+Temperature = Annotated[float, Field(ge=0, le=FLOAT32_MAX, allow_inf_nan=False)]
+"""0 = greedy; finite (a float32 on device)."""
+TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False), AfterValidator(_positive_in_float32)]
+"""Nucleus mass in (0, 1]; 1 = off. Must stay positive in float32, or filtering would silently stop."""
+TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]
+"""-1 or 0 = off; else the number of most likely tokens kept (an int32 on device)."""
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+"""Any int64 (as vLLM)."""
+MaxTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]
+LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+# Sampling fields that are range-checked and accepted but have no effect (real clients send
+# them, mostly at their neutral value); a non-neutral value is logged once per field.
+_NO_EFFECT = {
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_tokens": 0,
+}
+_warned: set[str] = set()
+
+
 class SamplingFields(_Body):
     """Sampling fields shared by every endpoint (vLLM names)."""
 
     n: int = Field(1, ge=1, le=128)
-    temperature: float | None = Field(None, ge=0)  # None: 1.0
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    temperature: Temperature | None = None  # None: 1.0
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[StrictInt], Field(max_length=1024)] | None = None
     ignore_eos: bool = False
+    min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0, le=FLOAT32_MAX, allow_inf_nan=False)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingFields:
+        if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
+            raise ValueError(
+                f"seed + n - 1 must fit in int64 (choice i samples with seed + i); got seed {self.seed}"
+            )
+        for name, neutral in _NO_EFFECT.items():
+            if getattr(self, name) != neutral and name not in _warned:
+                _warned.add(name)
+                log.warning(
+                    "sampling field %s = %r is accepted but not implemented (no effect)",
+                    name,
+                    getattr(self, name),
+                )
+        return self
 
 
 # -- POST /inference/v1/generate ----------------------------------------------------------------
 
 
 class GenerateSamplingParams(SamplingFields):
-    max_tokens: int | None = Field(None, ge=1)  # None: up to max_model_len
-    logprobs: int | None = Field(None, ge=0)  # None: no log-probs in the response
+    max_tokens: MaxTokens | None = None  # None: up to max_model_len
+    logprobs: LogprobCount | None = None  # None: no log-probs in the response
 
 
 class GenerateRequest(_Body):
@@ -89,11 +166,20 @@ class GenerateResponse(BaseModel):
 # -- POST /v1/chat/completions --------------------------------------------------------------------
 
 
+class ContentPart(BaseModel):
+    """An OpenAI content part; only text parts are served (the models are text-only)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text"] = "text"
+    text: StrictStr
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: StrictStr
+    content: StrictStr | list[ContentPart] | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
 
@@ -101,11 +187,14 @@ class ChatCompletionRequest(SamplingFields):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: LogprobCount | None = None
     stream: bool = False
+    chat_template: str | None = None
+    """A request-supplied template (vLLM's field; also read from ``chat_template_kwargs``):
+    refused unless the server allows them (``inference.server.allow_request_chat_template``)."""
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_ids: bool = False
 
@@ -140,9 +229,9 @@ class ChatCompletionResponse(BaseModel):
 
 class CompletionRequest(SamplingFields):
     model: str | None = None
-    prompt: str | list[StrictInt]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0)
+    prompt: StrictStr | Annotated[list[StrictInt], Field(min_length=1)]
+    max_tokens: MaxTokens | None = 16
+    logprobs: LogprobCount | None = None
     stream: bool = False
 
 
@@ -174,10 +263,23 @@ class CompletionResponse(BaseModel):
 
 
 class UpdateWeightsRequest(_Body):
-    path: str
+    path: StrictStr = Field(min_length=1)
     """A Hugging Face model directory (config.json + safetensors) with the served architecture."""
-    version: int | None = None
+    version: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
     """Policy version to assign (must increase); default: current + 1."""
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx / 5xx body (OpenAI's error shape)."""
+
+    error: ErrorBody
 
 
 class UpdateWeightsResponse(BaseModel):

@@ -31,6 +31,23 @@ class ServerConfig(BaseModel):
     graceful_shutdown_s: float = Field(30.0, ge=0)
     """On shutdown, how long in-flight requests may take to finish before they are cut off."""
 
+    api_key: str | None = Field(None, min_length=16)
+    """Shared secret that ``POST /update_weights`` requires as ``Authorization: Bearer <key>``
+    (it makes the server read a directory the caller names). Default: none on a loopback host;
+    on any other host a random key is generated at start and logged once."""
+
+    weights_root: str | None = None
+    """If set, ``/update_weights`` only loads model directories under this one."""
+
+    allow_request_chat_template: bool = False
+    """Accept a chat template in a chat request (``chat_template``, or in
+    ``chat_template_kwargs``), as vLLM's ``--trust-request-chat-template``. Off by default: a
+    template is code. When on, each renders in a separate process within
+    ``request_template_timeout_s`` and a memory cap (``jaxrl.inference.template_sandbox``)."""
+
+    request_template_timeout_s: float = Field(2.0, gt=0, le=60)
+    """Wall-clock budget of rendering one request-supplied chat template."""
+
     keep_alive_s: float = Field(600.0, gt=0)
     """How long an idle client connection stays open. Long on purpose: env servers pool their
     connections and do not retry, and uvicorn's 5 s default closes them while rollouts wait
@@ -122,8 +139,9 @@ class InferenceConfig(BaseModel):
     "external"``; with ``backend = "vllm"``, a running vLLM server to attach to instead of
     launching one."""
 
-    max_model_len: int = Field(2048, ge=2)
-    """Longest prompt + completion, in tokens. Also the KV cache row length."""
+    max_model_len: int | None = Field(None, ge=2)
+    """Longest prompt + completion, in tokens. Also the KV cache row length. Default: the model's
+    own context length (``max_position_embeddings``), as vLLM does; set it lower to save memory."""
 
     max_seqs: int = Field(32, ge=1)
     """Sequences decoded concurrently (KV cache rows). Finished rows stay cached for prefix reuse
@@ -228,12 +246,20 @@ class InferenceConfig(BaseModel):
             raise ValueError(
                 f"inference.decode_steps_idle ({self.decode_steps_idle}) must be >= decode_steps ({self.decode_steps})"
             )
+        if self.max_model_len is None and self.prefill_len_buckets is None:
+            return self  # the default prefill chunk depends on the model's length: checked once resolved
         if self.prefill_lengths()[-1] > self.max_batched_tokens:
             raise ValueError(
                 f"inference.max_batched_tokens ({self.max_batched_tokens}) must be >= the largest prefill "
                 f"chunk ({self.prefill_lengths()[-1]}); raise it or lower prefill_len_buckets"
             )
         return self
+
+    def with_model_len(self, context_len: int) -> InferenceConfig:
+        """This config with ``max_model_len`` defaulted to a model's context length (validated)."""
+        if self.max_model_len is not None:
+            return self
+        return InferenceConfig.model_validate({**self.model_dump(), "max_model_len": context_len})
 
     def decode_buckets(self) -> list[int]:
         if self.decode_batch_buckets:

@@ -10,8 +10,9 @@ requests from any thread and get ``concurrent.futures.Future``s. Each step:
    (``decode_steps_idle`` when no request waits to join).
 
 Device programs are compiled per shape bucket (``InferenceConfig.program_bound``). Decode
-attention reads a window of the cache: the running rows, up to the length bucket covering the
-longest of them, gathered once per call and written back once per call.
+attention by the references reads a window of the cache: the running rows, up to the length
+bucket covering the longest of them, gathered once per call and written back once per call; the
+decode kernel (TPU) reads the heads-major cache in place, with no copy.
 
 Weight updates take effect between steps only (``weight_update`` = "drain": requests in flight
 finish on the old weights first; "immediate": at the next step). The policy version counter
@@ -69,32 +70,39 @@ def _prefill(graphdef, state, cache, tokens, positions, rows, last, sampling):  
 
 
 def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *, length, kernels):  # type: ignore[no-untyped-def]
-    """``steps`` decode steps over a window of the cache: rows ``rows``, positions < ``length``;
-    attention over the window by ``kernels`` (``inference.kernels``).
+    """``steps`` decode steps; attention by ``kernels`` (``inference.kernels``).
 
-    Padding entries have a row index out of range (the window reads zeros there and writes
-    nothing back) and a position >= ``length`` (their keys/values are never written).
+    The references attend over a window of the cache, rows ``rows`` and positions < ``length``,
+    gathered once per call and written back once per call. The decode kernel reads the whole
+    cache in place instead (only each row's live blocks; ``length`` is unused), so the call
+    copies nothing. Padding entries have a row index out of range (the window reads zeros there
+    and writes nothing back; the kernel attends to nothing) and a position >= ``length``.
     """
     model = nnx.merge(graphdef, state)
     lm_head = model.lm_head_weight()
-    window = KVCache(
-        cache.k.at[:, rows, :length].get(mode="fill", fill_value=0),
-        cache.v.at[:, rows, :length].get(mode="fill", fill_value=0),
-    )
+    if kernels.reference:
+        window = KVCache(
+            cache.k.at[:, rows, :, :length].get(mode="fill", fill_value=0),
+            cache.v.at[:, rows, :, :length].get(mode="fill", fill_value=0),
+        )
+        window_rows = None  # the window's rows are the batch's
+    else:
+        window, window_rows = cache, rows
 
     def body(carry, _):  # type: ignore[no-untyped-def]
         window, tok, pos, index = carry
-        hidden, window = model(tok[:, None], pos[:, None], cache=window, kernels=kernels)
+        hidden, window = model(tok[:, None], pos[:, None], cache=window, cache_rows=window_rows, kernels=kernels)
         new, logp = sample(logits_f32(hidden[:, 0], lm_head), replace(sampling, draw_position=index))
         return (window, new, pos + 1, index + 1), (new, logp)
 
     carry = (window, tokens, positions, sampling.draw_position)
     (window, *_), (new_tokens, logprobs) = jax.lax.scan(body, carry, None, length=steps)
-    cache = KVCache(
-        cache.k.at[:, rows, :length].set(window.k, mode="drop"),
-        cache.v.at[:, rows, :length].set(window.v, mode="drop"),
-    )
-    return cache, new_tokens, logprobs
+    if kernels.reference:
+        window = KVCache(
+            cache.k.at[:, rows, :, :length].set(window.k, mode="drop"),
+            cache.v.at[:, rows, :, :length].set(window.v, mode="drop"),
+        )
+    return window, new_tokens, logprobs
 
 
 def _copy_row(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
@@ -121,14 +129,60 @@ class _TraceCounter:
         return traced
 
 
+@dataclass(frozen=True)
+class EngineLayout:
+    """Where and in what shapes the engine's state lives: the KV cache (``max_seqs`` rows of
+    ``max_model_len`` positions) and the host-fed inputs of each program, on ``mesh``.
+
+    Needs no weights, so ``jaxrl.aot`` describes the engine's programs from it alone.
+    """
+
+    mesh: Mesh | None
+    cache_shape: tuple[int, ...]
+    cache_dtype: Any
+    cache_sharding: Any
+    inputs: Any  # sharding of host-fed inputs (replicated)
+    key: tuple  # every shape the programs compile for (keys the program cache)
+
+    @classmethod
+    def create(cls, arch: Any, config: InferenceConfig, compute_dtype: Any, mesh: Mesh | None) -> EngineLayout:
+        cache_dtype = compute_dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
+        shape = KVCache.shape(arch, config.max_seqs, config.max_model_len)
+        key = (shape, str(jnp.dtype(cache_dtype)), *map(tuple, (config.decode_buckets(), config.decode_lengths())))
+        key += tuple(map(tuple, (config.prefill_lengths(), config.prefill_batches(), config.decode_step_counts())))
+        return cls(mesh, shape, cache_dtype, W.cache_sharding(mesh, shape), W.replicated(mesh), key)
+
+    def abstract_cache(self) -> KVCache:
+        one = jax.ShapeDtypeStruct(self.cache_shape, self.cache_dtype, sharding=self.cache_sharding)
+        return KVCache(one, one)
+
+    def _abstract(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.inputs)
+
+    def _sampling(self, batch: int) -> SamplingBatch:
+        f32, i32 = jnp.float32, jnp.int32
+        a = self._abstract
+        return SamplingBatch(a((batch,), f32), a((batch,), f32), a((batch,), i32), a((batch, 2), jnp.uint32), a((batch,), i32))
+
+    def prefill_inputs(self, batch: int, length: int) -> tuple[Any, ...]:
+        """Abstract (tokens, positions, rows, last, sampling) of a prefill call."""
+        i32 = jnp.int32
+        a = self._abstract
+        return a((batch, length), i32), a((batch, length), i32), a((batch,), i32), a((batch,), i32), self._sampling(batch)
+
+    def decode_inputs(self, batch: int) -> tuple[Any, ...]:
+        """Abstract (tokens, positions, rows, sampling) of a decode call."""
+        a = self._abstract
+        return a((batch,), jnp.int32), a((batch,), jnp.int32), a((batch,), jnp.int32), self._sampling(batch)
+
+
 @functools.cache
-def _programs(
-    graphdef: nnx.GraphDef, cache_sh: Any, inputs_sh: Any, layout: tuple, kernels: Kernels
-) -> tuple[Any, Any, Any, _TraceCounter]:
-    """The engine's jitted programs, shared by engines of the same model, shardings and shape
-    layout (tests and benchmarks build several engines; each jit object has its own cache)."""
-    del layout  # part of the cache key only: engines with other buckets get their own programs
+def engine_programs(graphdef: nnx.GraphDef, layout: EngineLayout, kernels: Kernels) -> tuple[Any, Any, Any, _TraceCounter]:
+    """The engine's jitted programs (prefill, decode, row copy), shared by engines of the same
+    model, shardings and shape layout (tests and benchmarks build several engines; each jit
+    object has its own cache). Decode takes its number of steps as its first (static) argument."""
     traces = _TraceCounter()
+    cache_sh, inputs_sh = layout.cache_sharding, layout.inputs
     cache_out = KVCache(cache_sh, cache_sh)
     outs = (cache_out, inputs_sh, inputs_sh)
     prefill = jax.jit(
@@ -163,6 +217,7 @@ class Engine:
 
     def __init__(self, model: Decoder, config: InferenceConfig, *, mesh: Mesh | None = None):
         arch = model.arch
+        config = config.with_model_len(arch.max_position_embeddings)
         if config.max_model_len > arch.max_position_embeddings:
             raise ValueError(
                 f"inference.max_model_len ({config.max_model_len}) exceeds the model's "
@@ -179,16 +234,14 @@ class Engine:
         self._state: nnx.State = W.place_state(state, state, self._param_shardings)
         self._param_dtype = jax.tree.leaves(state)[0].dtype
         self._compute_dtype = model.dtype
-        cache_dtype = model.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
-        shape = (arch.num_layers, config.max_seqs, config.max_model_len, arch.num_kv_heads, arch.head_dim)
-        cache_sh = W.cache_sharding(mesh, shape)
-        self._cache = KVCache(*(W.zeros_like_sharded(shape, cache_dtype, cache_sh) for _ in range(2)))
-        self._inputs = W.replicated(mesh)
-        layout = (shape, str(cache_dtype), *map(tuple, (config.decode_buckets(), config.decode_lengths())))
-        layout += tuple(map(tuple, (config.prefill_lengths(), config.prefill_batches())))
+        layout = EngineLayout.create(arch, config, model.dtype, mesh)
+        self._cache = KVCache(
+            *(W.zeros_like_sharded(layout.cache_shape, layout.cache_dtype, layout.cache_sharding) for _ in range(2))
+        )
+        self._inputs = layout.inputs
         self.kernels = Kernels.create(config.kernels, field="inference.kernels", mesh=mesh)
-        layout += (tuple(config.decode_step_counts()),)
-        programs = _programs(graphdef, cache_sh, self._inputs, layout, self.kernels)
+        self._layout = layout
+        programs = engine_programs(graphdef, layout, self.kernels)
         self._prefill_fn, self._decode_fn, self._copy_fn, self._traces = programs
 
         self._sched = Scheduler(config)
@@ -266,29 +319,24 @@ class Engine:
         if self._thread is not None:
             raise RuntimeError("Engine.warmup: call it before start()")
         t0 = time.perf_counter()
-        cfg = self.config
-        jobs = []
-        for batch, width in cfg.prefill_shapes():
-            positions = np.full((batch, width), cfg.max_model_len, np.int32)
-            args = (np.zeros((batch, width), np.int32), positions, *np.zeros((2, batch), np.int32))
-            args = self._put((*args, self._idle_sampling(batch)))
-            jobs.append(partial(self._prefill_fn.lower, self._state, self._cache, *args))
-        for steps, batch, length in cfg.decode_shapes():
-            positions, rows = np.full(batch, length, np.int32), np.full(batch, cfg.max_seqs, np.int32)
-            args = self._put((np.zeros(batch, np.int32), positions, rows, self._idle_sampling(batch)))
-            jobs.append(partial(self._decode_fn.lower, steps, self._state, self._cache, *args, length=length))
-        jobs.append(partial(self._copy_fn.lower, self._cache, *self._put((np.int32(0), np.int32(0)))))
+        cfg, layout = self.config, self._layout
+        jobs = [
+            partial(self._prefill_fn.lower, self._state, self._cache, *layout.prefill_inputs(batch, width))
+            for batch, width in cfg.prefill_shapes()
+        ]
+        decode = dict.fromkeys((k, b, self._decode_length(n)) for k, b, n in cfg.decode_shapes())
+        jobs += [
+            partial(self._decode_fn.lower, steps, self._state, self._cache, *layout.decode_inputs(batch), length=length)
+            for steps, batch, length in decode
+        ]
+        index = jax.ShapeDtypeStruct((), jnp.int32, sharding=layout.inputs)
+        jobs.append(partial(self._copy_fn.lower, self._cache, index, index))
         workers = max(1, min(len(os.sched_getaffinity(0)), 8))
         with ThreadPoolExecutor(workers, thread_name_prefix="jaxrl-warmup") as pool:
             list(pool.map(lambda lower: lower().compile(), jobs))
         self._warmup_s = time.perf_counter() - t0
         log.info("engine warm-up: %d programs compiled in %.1f s", self.compiled_programs(), self._warmup_s)
         return self._warmup_s
-
-    @staticmethod
-    def _idle_sampling(batch: int) -> SamplingBatch:
-        """Sampling settings of ``batch`` padding rows (greedy)."""
-        return SamplingBatch.host([], [], [], batch)
 
     def metrics(self) -> EngineMetrics:
         """A snapshot of load, throughput, prefix reuse and compiles (safe from any thread)."""
@@ -459,10 +507,14 @@ class Engine:
                     return
             try:
                 self.step()
-            except Exception as exc:  # a bug, not bad input: fail everything in flight, stop
-                log.exception("engine step failed")
-                self._fail(exc)
-                return
+            except Exception as exc:  # a bug, not bad input: fail the requests in flight, keep serving
+                log.exception("engine step failed; failing the requests in flight")
+                try:
+                    self._recover(exc)
+                except Exception:  # cannot serve on: fail everything, report unhealthy (the server exits)
+                    log.exception("engine could not recover from a failed step; stopping")
+                    self._fail(exc)
+                    return
 
     def _abort_all(self) -> None:
         """Finish every request still queued or running with finish_reason "abort"."""
@@ -473,6 +525,27 @@ class Engine:
         for seq in [*self._sched.waiting, *self._sched.running]:
             self._sched.abort(seq.request.request_id)
             self._deliver([seq])
+
+    def _recover(self, exc: BaseException) -> None:
+        """After a failed step: fail the requests the scheduler holds (the one that broke the
+        step cannot be told from the others of its batch) with ``exc``, start the scheduler over
+        (empty rows, no cached prefixes) and rebuild the KV cache if the failed call consumed it
+        (donation). Requests submitted since the step began stay queued."""
+        with self._lock:
+            queued = {seq.request.request_id for seq in self._inbox}
+            failed = {rid: f for rid, f in self._futures.items() if rid not in queued}
+            for rid in failed:
+                del self._futures[rid]
+            self._aborts.clear()
+        for f in failed.values():
+            if not f.done():
+                f.set_exception(RuntimeError(f"engine step failed: {exc!r}"))
+        stats = self._sched.stats
+        self._sched = Scheduler(self.config)
+        self._sched.stats = stats
+        old = (self._cache.k, self._cache.v)
+        if any(a.is_deleted() for a in old):
+            self._cache = KVCache(*(W.zeros_like_sharded(a.shape, a.dtype, a.sharding) for a in old))
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:
@@ -510,10 +583,15 @@ class Engine:
             self._run_decode(decode)
         self._generated.add(self._sched.stats.generated_tokens)
 
+    def _decode_length(self, bucket: int) -> int:
+        """The decode kernel reads the cache in place, whatever the length: one program per batch."""
+        return bucket if self.kernels.reference else self.config.max_model_len
+
     def _decode_steps_now(self) -> int:
         """``decode_steps_idle`` when no request waits to join (none queued, in the inbox or
         prefilling) and a running sequence needs that many more tokens, else ``decode_steps``."""
-        short, idle = self.config.decode_step_counts()[0], self.config.decode_step_counts()[-1]
+        counts = self.config.decode_step_counts()
+        short, idle = counts[0], counts[-1]
         if idle == short or self._sched.waiting or self._inbox or self._pending:
             return short
         running = self._sched.running
@@ -549,8 +627,9 @@ class Engine:
 
     def _run_decode(self, plan: DecodePlan) -> None:
         args = self._put((plan.tokens, plan.positions, plan.rows, plan.sampling))
+        # The decode kernel reads the cache in place, whatever the length: one program per batch.
         self._cache, tokens, logprobs = self._decode_fn(
-            plan.steps, self._state, self._cache, *args, length=plan.length
+            plan.steps, self._state, self._cache, *args, length=self._decode_length(plan.length)
         )
         tokens, logprobs = jax.device_get((tokens, logprobs))
         self._deliver(self._sched.finish_decode(plan, tokens, logprobs, self._version))

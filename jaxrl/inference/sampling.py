@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as in vLLM)
+_F32_MAX = float(np.finfo(np.float32).max)
+_I32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -46,14 +48,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        # Device arrays are float32 / int32: a value that does not fit must fail here, in the
+        # caller's thread, never on the engine thread.
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or a positive int, got {self.top_k}")
+        if not 0 <= self.temperature <= _F32_MAX:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1 and np.float32(self.top_p) > 0):
+            raise ValueError(f"top_p must be in (0, 1] and positive in float32, got {self.top_p}")
+        if not -1 <= self.top_k <= _I32_MAX:
+            raise ValueError(f"top_k must be -1 or 0 (off) or a positive int32, got {self.top_k}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property

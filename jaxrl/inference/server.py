@@ -12,29 +12,43 @@ Shutdown is graceful: the socket closes, in-flight requests finish (up to
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
+import logging
 import re
+import secrets
 import signal
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxrl.inference import api
+from jaxrl.inference.config import ServerConfig
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.http_thread import BackgroundServer
 from jaxrl.inference.sampling import SamplingParams
 from jaxrl.inference.scheduler import Completion
 from jaxrl.inference.scheduler import Request as EngineRequest
+from jaxrl.inference.template_sandbox import TemplateBudgetError, render_in_sandbox
 
 SESSION_HEADER = "x-session-id"
+MAX_TEMPLATE_CHARS = 64 * 1024  # a request-supplied chat template (real ones are a few KB)
+PROMPT_CHARS_PER_TOKEN = 64  # rendered prompts longer than this x max_model_len cannot fit anyway
+SANDBOX_SLOTS = 2  # request-supplied templates rendering at once (each in its own process)
+log = logging.getLogger(__name__)
 
 
 class BadRequest(Exception):
@@ -103,6 +117,60 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     return text[: text.index("<tool_call>")].strip(), calls
 
 
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach ("localhost", 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, with the 400 this server answers for invalid bodies documented in place
+    of FastAPI's default 422 (clients and fuzzers check responses against it)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        error = {
+            "description": "Bad request: the message names the field and the problem",
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+        }
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        error_schema = api.ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(error_schema.pop("$defs", {}), ErrorResponse=error_schema)
+        for methods in schema.get("paths", {}).values():
+            for op in methods.values():
+                responses = op.setdefault("responses", {})
+                if responses.pop("422", None) is not None or op.get("requestBody"):
+                    responses["400"] = error
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(unused, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+class _GuardedRoute(APIRoute):
+    """A route whose unexpected errors become a 500 response here, not in Starlette's
+    ServerErrorMiddleware, which re-raises them and makes uvicorn close the keep-alive
+    connection; env servers pool connections and do not retry, so a closed one would fail the
+    next rollout on it too."""
+
+    def get_route_handler(self) -> Callable[[Request], Any]:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (StarletteHTTPException, RequestValidationError, BadRequest, Unavailable):
+                raise  # answered by the app's exception handlers
+            except Exception as exc:  # a bug: answer 500 and keep serving
+                log.exception("%s %s failed", request.method, request.url.path)
+                return _error(500, f"internal error: {exc!r}")
+
+        return guarded
+
+
 class EngineServer:
     """The HTTP API of ``engine``: ``start()`` / ``stop()`` in a background thread, ``url``."""
 
@@ -117,8 +185,26 @@ class EngineServer:
         stop_token_ids: Sequence[int] | None = None,
         graceful_shutdown_s: float = 30.0,
         keep_alive_s: float = 600.0,
+        api_key: str | None = None,
+        weights_root: str | Path | None = None,
+        allow_request_chat_template: bool = False,
+        request_template_timeout_s: float = 2.0,
     ):
         self.engine = engine
+        if api_key is None and not is_loopback(host):  # never an open control route on a network
+            api_key = secrets.token_urlsafe(24)
+            log.warning(
+                "inference server binds %s without inference.server.api_key: /update_weights requires "
+                "'Authorization: Bearer %s' (a key generated for this process)",
+                host,
+                api_key,
+            )
+        self.api_key = api_key
+        self.allow_request_chat_template = allow_request_chat_template
+        self.request_template_timeout_s = request_template_timeout_s
+        self._sandbox_slots = asyncio.Semaphore(SANDBOX_SLOTS)
+        self._max_prompt_chars = PROMPT_CHARS_PER_TOKEN * engine.max_model_len
+        self.weights_root = Path(weights_root).resolve() if weights_root is not None else None
         self.tokenizer = tokenizer
         self.host = host
         self.model_name = model_name
@@ -130,9 +216,40 @@ class EngineServer:
         self.created = int(time.time())
         self.app = self._build_app()
         self._http = BackgroundServer(
-            self.app, host, port, name="jaxrl-http", keep_alive_s=keep_alive_s, graceful_shutdown_s=graceful_shutdown_s
+            self.app,
+            host,
+            port,
+            name="jaxrl-http",
+            keep_alive_s=keep_alive_s,
+            graceful_shutdown_s=graceful_shutdown_s,
         )
         self._owns_engine = False
+
+    @classmethod
+    def from_config(
+        cls,
+        engine: Engine,
+        tokenizer: Any,
+        config: ServerConfig,
+        *,
+        model_name: str,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> EngineServer:
+        """The server ``[inference.server]`` describes (not started)."""
+        return cls(
+            engine,
+            tokenizer,
+            config.host,
+            config.port,
+            model_name=config.served_model_name or model_name,
+            stop_token_ids=stop_token_ids,
+            graceful_shutdown_s=config.graceful_shutdown_s,
+            keep_alive_s=config.keep_alive_s,
+            api_key=config.api_key,
+            weights_root=config.weights_root,
+            allow_request_chat_template=config.allow_request_chat_template,
+            request_template_timeout_s=config.request_template_timeout_s,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -166,6 +283,8 @@ class EngineServer:
             while not stop.wait(0.5):
                 if not self._http.alive:
                     raise RuntimeError("inference server stopped unexpectedly")
+                if not self.engine.healthy:  # exit non-zero: a supervisor restarts a fresh process
+                    raise RuntimeError("inference engine failed and cannot serve; see the log above")
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -183,13 +302,26 @@ class EngineServer:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _params(self, body: api.SamplingFields, max_tokens: int | None) -> list[SamplingParams]:
+    def _params(
+        self, body: api.SamplingFields, prompt_len: int, max_tokens: int | None
+    ) -> list[SamplingParams]:
+        """Engine sampling settings of a request's ``n`` choices. Like vLLM, a prompt plus
+        ``max_tokens`` beyond ``max_model_len`` is refused rather than silently cut short."""
+        limit = self.engine.max_model_len
+        if max_tokens is None:
+            max_tokens = max(limit - prompt_len, 1)  # a too-long prompt is refused by the engine
+        elif prompt_len + max_tokens > limit:
+            raise BadRequest(
+                f"max_tokens: this model's maximum context length is {limit} tokens; the request asks for "
+                f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} for the completion): "
+                f"lower max_tokens to at most {max(limit - prompt_len, 0)} or shorten the prompt"
+            )
         stop_ids = list(body.stop_token_ids or []) + ([] if body.ignore_eos else self.default_stop_ids)
         seeds = [None] * body.n if body.seed is None else [body.seed + i for i in range(body.n)]
         try:
             return [
                 SamplingParams(
-                    max_tokens=max_tokens or self.engine.max_model_len,
+                    max_tokens=max_tokens,
                     temperature=1.0 if body.temperature is None else body.temperature,
                     top_p=1.0 if body.top_p is None else body.top_p,
                     top_k=body.top_k or 0,
@@ -203,7 +335,7 @@ class EngineServer:
 
     @staticmethod
     def _stops(body: api.SamplingFields) -> list[str]:
-        return [body.stop] if isinstance(body.stop, str) else [s for s in body.stop or [] if s]
+        return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
 
     async def _complete(
         self, prompt: list[int], params: list[SamplingParams], session: str | None, stops: list[str]
@@ -253,6 +385,7 @@ class EngineServer:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="jaxrl inference", docs_url=None, redoc_url=None)
+        app.router.route_class = _GuardedRoute
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -268,7 +401,9 @@ class EngineServer:
 
         @app.exception_handler(StarletteHTTPException)
         async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-            return _error(exc.status_code, str(exc.detail))
+            response = _error(exc.status_code, str(exc.detail))
+            response.headers.update(exc.headers or {})  # e.g. Allow on a 405, WWW-Authenticate on a 401
+            return response
 
         @app.exception_handler(Exception)
         async def _crash(request: Request, exc: Exception) -> JSONResponse:
@@ -297,7 +432,7 @@ class EngineServer:
         @app.post("/inference/v1/generate")
         async def generate(body: api.GenerateRequest, request: Request) -> JSONResponse:
             sp = body.sampling_params
-            params = self._params(sp, sp.max_tokens)
+            params = self._params(sp, len(body.token_ids), sp.max_tokens)
             completions = await self._complete(
                 body.token_ids, params, request.headers.get(SESSION_HEADER), self._stops(sp)
             )
@@ -333,19 +468,8 @@ class EngineServer:
         async def chat(body: api.ChatCompletionRequest, request: Request) -> JSONResponse:
             if body.stream:
                 raise BadRequest("stream: streaming is not supported; send stream=false")
-            messages = [self._message(m) for m in body.messages]
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    messages,
-                    tools=body.tools,
-                    add_generation_prompt=True,
-                    tokenize=False,
-                    **(body.chat_template_kwargs or {}),
-                )
-            except (TemplateError, TypeError, KeyError, ValueError) as e:  # the template rejects it
-                raise BadRequest(f"messages: the chat template failed: {e}") from None
-            prompt = self.tokenizer.encode(text, add_special_tokens=False)
-            params = self._params(body, body.max_completion_tokens or body.max_tokens)
+            prompt = await self._render_chat(body)
+            params = self._params(body, len(prompt), body.max_completion_tokens or body.max_tokens)
             stops = self._stops(body)
             completions = await self._complete(prompt, params, request.headers.get(SESSION_HEADER), stops)
             choices = [self._chat_choice(i, c, stops, body) for i, c in enumerate(completions)]
@@ -366,7 +490,7 @@ class EngineServer:
             if body.stream:
                 raise BadRequest("stream: streaming is not supported; send stream=false")
             prompt = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
-            params = self._params(body, body.max_tokens)
+            params = self._params(body, len(prompt), body.max_tokens)
             stops = self._stops(body)
             done = await self._complete(prompt, params, request.headers.get(SESSION_HEADER), stops)
             choices = []
@@ -403,22 +527,106 @@ class EngineServer:
             )
 
         @app.post("/update_weights")
-        async def update_weights(body: api.UpdateWeightsRequest) -> dict[str, int]:
+        async def update_weights(body: api.UpdateWeightsRequest, request: Request) -> dict[str, int]:
+            self._authorize(request)
+            path = self._weights_dir(body.path)
             try:
                 version = await asyncio.to_thread(
-                    self.engine.update_weights_from_path, body.path, version=body.version
+                    self.engine.update_weights_from_path, path, version=body.version
                 )
-            except (FileNotFoundError, KeyError, ValueError) as e:
-                raise BadRequest(f"update_weights: {e}") from None
+            except RuntimeError as e:  # the engine failed or stops
+                raise Unavailable(f"update_weights: {e}") from None
+            except Exception as e:  # noqa: BLE001 - the client's directory does not load: the old weights stay
+                raise BadRequest(
+                    f"update_weights: cannot load {body.path}: {type(e).__name__}: {e}"
+                ) from None
             return api.UpdateWeightsResponse(policy_version=version).model_dump()
 
+        app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
         return app
+
+    def _authorize(self, request: Request) -> None:
+        """Control routes need ``Authorization: Bearer <api_key>`` when the server has a key."""
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise StarletteHTTPException(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <inference.server.api_key>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    def _weights_dir(self, path: str) -> Path:
+        """The model directory an update names, checked before anything is read from it."""
+        p = Path(path).resolve()
+        if self.weights_root is not None and not p.is_relative_to(self.weights_root):
+            raise BadRequest(f"path: {path} is outside the allowed weights directory {self.weights_root}")
+        if not (p / "config.json").is_file():
+            raise BadRequest(f"path: {path} is not a model directory (no config.json)")
+        return p
+
+    async def _render_chat(self, body: api.ChatCompletionRequest) -> list[int]:
+        """Prompt token ids of a chat request, rendered off the event loop: with the server's own
+        template in a worker thread, or with a request-supplied template (only when allowed) in a
+        budgeted child process (``template_sandbox``)."""
+        messages = [self._message(m) for m in body.messages]
+        kwargs = dict(body.chat_template_kwargs or {})
+        template = kwargs.pop("chat_template", None) or body.chat_template
+        for reserved in ("tokenize", "add_generation_prompt", "tools", "conversation", "messages"):
+            if reserved in kwargs:
+                raise BadRequest(f"chat_template_kwargs.{reserved}: set by the server, not the request")
+        if template is not None:
+            text = await self._render_request_template(template, messages, body.tools, kwargs)
+        else:
+            render = partial(
+                self.tokenizer.apply_chat_template,
+                messages,
+                tools=body.tools,
+                add_generation_prompt=True,
+                tokenize=False,
+                **kwargs,
+            )
+            try:
+                text = await asyncio.to_thread(render)
+            except (TemplateError, TypeError, KeyError, ValueError) as e:  # the template rejects it
+                raise BadRequest(f"messages: the chat template failed: {e}") from None
+        if len(text) > self._max_prompt_chars:
+            raise BadRequest(f"messages: the rendered prompt has over {self._max_prompt_chars} characters")
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+
+    async def _render_request_template(
+        self, template: Any, messages: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any]
+    ) -> str:
+        if not self.allow_request_chat_template:
+            raise BadRequest(
+                "chat_template: request-supplied chat templates are off on this server (they run code); "
+                "start it with inference.server.allow_request_chat_template = true to accept them"
+            )
+        if not isinstance(template, str) or len(template) > MAX_TEMPLATE_CHARS:
+            raise BadRequest(f"chat_template: must be a string of at most {MAX_TEMPLATE_CHARS} characters")
+        specials = {k: v for k, v in self.tokenizer.special_tokens_map.items() if isinstance(v, str)}
+        context = {**specials, **kwargs, "messages": messages, "tools": tools, "add_generation_prompt": True}
+        try:
+            json.dumps(context)
+        except (TypeError, ValueError) as e:
+            raise BadRequest(f"chat_template_kwargs: not JSON data: {e}") from None
+        async with self._sandbox_slots:
+            try:
+                return await render_in_sandbox(
+                    template,
+                    context,
+                    timeout_s=self.request_template_timeout_s,
+                    max_chars=self._max_prompt_chars,
+                )
+            except TemplateBudgetError as e:
+                raise BadRequest(f"chat_template: {e}") from None
 
     @staticmethod
     def _message(m: api.ChatMessage) -> dict[str, Any]:
         msg = m.model_dump(exclude_none=True)
-        if isinstance(m.content, list):  # OpenAI content parts: the text parts, concatenated
-            msg["content"] = "".join(p.get("text", "") for p in m.content if p.get("type", "text") == "text")
+        if isinstance(m.content, list):  # OpenAI content parts (text only), concatenated
+            msg["content"] = "".join(p.text for p in m.content)
         msg.setdefault("content", "")
         return msg
 

@@ -1,9 +1,9 @@
 """Where the engine's weights and KV cache live, and how new weights are handed over.
 
-The engine shards by the decoder's logical axis names (``PARAM_LOGICAL_AXES``,
-``CACHE_LOGICAL_AXES``) with one rules table: tensor parallelism over heads, MLP and
-vocabulary on a mesh axis named "tensor" (a dimension not divisible by the axis size stays
-replicated). Without a mesh everything sits on one device.
+The engine shards by the decoder's logical axis names with the trainer's rules table
+(``jaxrl.parallel.rules``, applied by ``jaxrl.models.sharding``): on the serving mesh, whose
+only axis is "tensor", that is tensor parallelism over heads, MLP and vocabulary (a dimension
+not divisible by the axis size stays replicated). Without a mesh everything sits on one device.
 
 A weight update from the trainer is one batched ``jax.device_put`` of the whole parameter
 pytree to the engine's shardings (whatever the trainer's sharding or mesh), always into fresh
@@ -23,25 +23,18 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from jaxrl.models.decoder import CACHE_LOGICAL_AXES, PARAM_LOGICAL_AXES, Decoder
+from jaxrl.models import sharding
+from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import param_name
 
 ShardingFn = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]
 
-# Logical axis -> mesh axis for serving (tensor parallel).
-SERVING_RULES: dict[str, str] = {
-    "vocab": "tensor",
-    "q_heads": "tensor",
-    "kv_heads": "tensor",
-    "mlp": "tensor",
-}
-
-
-def serving_mesh(tensor_parallel: int) -> Mesh | None:
-    """A 1-D "tensor" mesh over the first ``tensor_parallel`` devices (None for one device)."""
+def serving_mesh(tensor_parallel: int, devices: list[Any] | None = None) -> Mesh | None:
+    """A 1-D "tensor" mesh over the first ``tensor_parallel`` of ``devices`` (default: JAX's),
+    None for one device."""
     if tensor_parallel == 1:
         return None
-    devices = jax.devices()
+    devices = jax.devices() if devices is None else devices
     if tensor_parallel > len(devices):
         raise ValueError(
             f"inference.tensor_parallel = {tensor_parallel} but only {len(devices)} devices are visible"
@@ -49,38 +42,18 @@ def serving_mesh(tensor_parallel: int) -> Mesh | None:
     return Mesh(np.array(devices[:tensor_parallel]), ("tensor",))
 
 
-def partition_spec(
-    axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, rules: dict[str, str]
-) -> PartitionSpec:
-    """Map logical axes to mesh axes; dimensions that do not divide evenly stay replicated."""
-    used: set[str] = set()
-    spec: list[str | None] = []
-    for name, dim in zip(axes, shape):
-        axis = rules.get(name)
-        if axis in mesh.shape and axis not in used and dim % mesh.shape[axis] == 0:
-            spec.append(axis)
-            used.add(axis)
-        else:
-            spec.append(None)
-    return PartitionSpec(*spec)
-
-
-def param_sharding_fn(mesh: Mesh | None, rules: dict[str, str] = SERVING_RULES) -> ShardingFn:
+def param_sharding_fn(mesh: Mesh | None) -> ShardingFn:
     """``(weight name, shape) -> sharding`` for ``load_decoder(sharding_fn=...)``."""
     if mesh is None:
         single = SingleDeviceSharding(jax.devices()[0])
         return lambda name, shape: single
-    return lambda name, shape: NamedSharding(
-        mesh, partition_spec(PARAM_LOGICAL_AXES[name], shape, mesh, rules)
-    )
+    return sharding.param_sharding_fn(mesh)
 
 
-def cache_sharding(
-    mesh: Mesh | None, shape: tuple[int, ...], rules: dict[str, str] = SERVING_RULES
-) -> jax.sharding.Sharding:
+def cache_sharding(mesh: Mesh | None, shape: tuple[int, ...]) -> jax.sharding.Sharding:
     if mesh is None:
         return SingleDeviceSharding(jax.devices()[0])
-    return NamedSharding(mesh, partition_spec(CACHE_LOGICAL_AXES, shape, mesh, rules))
+    return sharding.cache_sharding(mesh, shape)
 
 
 def replicated(mesh: Mesh | None) -> jax.sharding.Sharding:

@@ -12,7 +12,7 @@ sampler log-probs come from one implementation of the math.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +44,18 @@ PARAM_LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "w_down": ("layers", "mlp", "embed"),
 }
 
+# What the backward pass keeps of each layer's forward (``jax.checkpoint`` on the scanned layer):
+# "none" keeps every activation (fastest, most memory: at Qwen3-0.6B x 4 rows x 4096 tokens about
+# 53 GB per chip), "full" keeps only the layer inputs and recomputes the rest (~1/3 more FLOPs),
+# "save_dots" keeps the projections' matmul outputs and recomputes norms, RoPE, attention and
+# activations (between the two).
+RematPolicy = Literal["none", "full", "save_dots"]
+REMAT_POLICIES: dict[str, Any] = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
 def param_name(path: tuple[Any, ...]) -> str:
     """The weight's attribute name (a ``PARAM_LOGICAL_AXES`` key) from a state tree path."""
     return [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
@@ -53,8 +65,8 @@ def param_name(path: tuple[Any, ...]) -> str:
 # measured fastest among 64 / 128 / 256 / whole rows at sequence length 512.
 CAUSAL_BLOCK = 128
 
-# Logical axes of the KV cache arrays [layers, rows, max_len, kv_heads, head_dim].
-CACHE_LOGICAL_AXES = ("layers", "cache_rows", "cache_len", "kv_heads", "head_dim")
+# Logical axes of the KV cache arrays [layers, rows, kv_heads, max_len, head_dim].
+CACHE_LOGICAL_AXES = ("layers", "cache_rows", "kv_heads", "cache_len", "head_dim")
 
 
 @jax.tree_util.register_dataclass
@@ -62,21 +74,28 @@ CACHE_LOGICAL_AXES = ("layers", "cache_rows", "cache_len", "kv_heads", "head_dim
 class KVCache:
     """Keys and values for ``rows`` sequences, written at each token's absolute position.
 
-    A token whose position is >= ``max_len`` is not written (scatter mode "drop"): the engine
-    gives padding tokens such a position.
+    Heads-major, ``[layers, rows, kv_heads, max_len, head_dim]``: one (layer, row, kv head) is a
+    contiguous ``[max_len, head_dim]`` matrix, the tile TPU's layout and the decode kernel
+    (``kernels.decode_attention``) read in place; a positions-major layout would need a relayout
+    copy of the whole cache per decode step there. A token whose position is >= ``max_len`` is
+    not written (scatter mode "drop"): the engine gives padding tokens such a position.
     """
 
-    k: jax.Array  # [layers, rows, max_len, kv_heads, head_dim]
+    k: jax.Array  # [layers, rows, kv_heads, max_len, head_dim]
     v: jax.Array
+
+    @staticmethod
+    def shape(arch: ModelArch, rows: int, max_len: int) -> tuple[int, int, int, int, int]:
+        return (arch.num_layers, rows, arch.num_kv_heads, max_len, arch.head_dim)
 
     @classmethod
     def zeros(cls, arch: ModelArch, rows: int, max_len: int, dtype: Any = jnp.float32) -> "KVCache":
-        shape = (arch.num_layers, rows, max_len, arch.num_kv_heads, arch.head_dim)
+        shape = cls.shape(arch, rows, max_len)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -130,9 +149,16 @@ dense.defvjp(_dense_fwd, _dense_bwd)
 
 
 def attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, causal_block: int | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    *,
+    causal_block: int | None = None,
+    heads_major: bool = False,
 ) -> jax.Array:
-    """Grouped-query attention. q: [B,T,H,D]; k, v: [B,S,K,D]; mask: bool [B,T,S].
+    """Grouped-query attention. q: [B,T,H,D]; k, v: [B,S,K,D] ([B,K,S,D] when ``heads_major``,
+    as read from the KV cache); mask: bool [B,T,S].
 
     ``causal_block`` (training, where key s is query s and ``mask`` is causal): queries are
     taken in blocks of that many rows, each against only the keys up to its last row. The keys
@@ -140,33 +166,37 @@ def attention(
     (almost half of them) are never computed, in the forward pass or the backward.
     """
     b, t, h, d = q.shape
-    kv_heads = k.shape[2]
+    kv_heads = k.shape[1 if heads_major else 2]
+    kv = "bksd" if heads_major else "bskd"
     qg = q.reshape(b, t, kv_heads, h // kv_heads, d)
     if causal_block is None or causal_block >= t:
-        out = _attend(qg, k, v, mask)
+        out = _attend(qg, k, v, mask, kv)
     else:
+        assert not heads_major, "causal blocks are for training's [B, T, K, D] keys"
         ends = list(range(causal_block, t, causal_block)) + [t]
         starts = [0] + ends[:-1]
         out = jnp.concatenate(
-            [_attend(qg[:, s:e], k[:, :e], v[:, :e], mask[:, s:e, :e]) for s, e in zip(starts, ends)], axis=1
+            [_attend(qg[:, s:e], k[:, :e], v[:, :e], mask[:, s:e, :e], kv) for s, e in zip(starts, ends)],
+            axis=1,
         )
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
-def _attend(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Softmax attention of qg [B,T,K,G,D] over k, v [B,S,K,D]; float32 [B,T,K,G,D] out.
+def _attend(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, kv: str) -> jax.Array:
+    """Softmax attention of qg [B,T,K,G,D] over k, v (``kv``: "bskd" or "bksd"); float32
+    [B,T,K,G,D] out.
 
     The softmax is left unnormalised until after the value product, so the division runs over
     [T, D] rather than [T, S]; the max is a constant shift of the softmax, so no gradient flows
     through it.
     """
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum(f"btkgd,{kv}->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (qg.shape[-1] ** -0.5)
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     shift = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
     p = jnp.exp(scores - shift)
     denom = jnp.sum(p, axis=-1)  # [B,K,G,T]
-    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum(f"bkgts,{kv}->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out / jnp.transpose(denom, (0, 3, 1, 2))[..., None]
 
 
@@ -192,7 +222,7 @@ class Decoder(nnx.Module):
         rngs: nnx.Rngs,
         param_dtype: Any = jnp.float32,
         dtype: Any = jnp.float32,
-        remat: bool = False,
+        remat: RematPolicy = "none",
     ):
         self.arch = arch
         self.dtype = dtype
@@ -268,39 +298,48 @@ class Decoder(nnx.Module):
         if cache is None:
             seg = jnp.ones_like(tokens) if segment_ids is None else segment_ids
             mask = packed_causal_mask(seg)
-            attend = kernels.training_attention(seg) if kernels is not None else None
+            kernel = kernels.training_attention(seg) if kernels is not None else None
+
+            def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+                if kernel is not None:  # a kernel with the same semantics (jaxrl.kernel_dispatch)
+                    return kernel(q, k, v)
+                return attention(q, k, v, mask, causal_block=CAUSAL_BLOCK)
 
             def body(h: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, None]:
-                kv_fn = lambda k, v: (k, v, mask)  # noqa: E731
-                return self._block(h, w, cos, sin, kv_fn, CAUSAL_BLOCK, attend), None
+                return self._block(h, w, cos, sin, attend), None
 
-            if self.remat:
-                body = jax.checkpoint(body, prevent_cse=False)
+            if self.remat != "none":
+                body = jax.checkpoint(body, prevent_cse=False, policy=REMAT_POLICIES[self.remat])
             h, _ = jax.lax.scan(body, x, weights)
         else:
             rows = jnp.arange(tokens.shape[0]) if cache_rows is None else cache_rows
             key_pos = jnp.arange(cache.max_len)
             mask = key_pos[None, None, :] <= positions[:, :, None]
-            attend = kernels.cached_attention(positions) if kernels is not None else None
+            kernel = kernels.cached_attention(positions, rows) if kernels is not None else None
 
             def body(carry, w):  # type: ignore[no-untyped-def]
                 h, kc, vc, layer = carry
 
-                def kv_fn(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
                     nonlocal kc, vc
-                    idx = (layer, rows[:, None], positions)
+                    # Advanced indices around a slice: the update is [B, T, kv_heads, head_dim].
+                    idx = (layer, rows[:, None], slice(None), positions)
                     kc = kc.at[idx].set(k.astype(kc.dtype), mode="drop")
                     vc = vc.at[idx].set(v.astype(vc.dtype), mode="drop")
-                    return kc[layer][rows].astype(k.dtype), vc[layer][rows].astype(v.dtype), mask
+                    if kernel is not None:  # reads the whole cache in place (one-token steps)
+                        return kernel(q, kc, vc, layer)
+                    k_rows, v_rows = kc[layer][rows].astype(k.dtype), vc[layer][rows].astype(v.dtype)
+                    return attention(q, k_rows, v_rows, mask, heads_major=True)
 
-                h = self._block(h, w, cos, sin, kv_fn, attend=attend)
+                h = self._block(h, w, cos, sin, attend)
                 return (h, kc, vc, layer + 1), None
 
             (h, kc, vc, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), weights)
             cache = KVCache(kc, vc)
         return rms_norm(h, self.final_norm[...], arch.rms_norm_eps), cache
 
-    def _block(self, x, w, cos, sin, kv_fn, causal_block=None, attend=None):  # type: ignore[no-untyped-def]
+    def _block(self, x, w, cos, sin, attend):  # type: ignore[no-untyped-def]
+        """One layer; ``attend(q, k, v)`` is the attention (and, with a cache, its writes)."""
         arch, dt = self.arch, self.dtype
         eps = arch.rms_norm_eps
         b, t, d = x.shape
@@ -315,11 +354,7 @@ class Decoder(nnx.Module):
         if arch.qk_norm:
             q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_all, v_all, mask = kv_fn(k, v)
-        if attend is None:
-            attn = attention(q, k_all, v_all, mask, causal_block=causal_block)
-        else:  # a kernel with the same semantics (jaxrl.kernel_dispatch)
-            attn = attend(q, k_all, v_all)
+        attn = attend(q, k, v)
         x = x + dense(attn.reshape(b, t, H * Dh), w["wo"].astype(dt).reshape(H * Dh, d))
         h = rms_norm(x, w["mlp_norm"], eps)
         gate = dense(h, w["w_gate"].astype(dt))

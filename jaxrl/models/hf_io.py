@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxrl.models.arch import ModelArch, load_arch
-from jaxrl.models.decoder import Decoder, param_name
+from jaxrl.models.decoder import Decoder, RematPolicy, param_name
 
 ShardingFn = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]
 
@@ -133,7 +133,7 @@ def load_decoder(
     *,
     param_dtype: Any = jnp.float32,
     dtype: Any = jnp.float32,
-    remat: bool = False,
+    remat: RematPolicy = "none",
     sharding_fn: ShardingFn | None = None,
 ) -> Decoder:
     """Load a HF checkpoint directory into a ``Decoder``, each weight placed by ``sharding_fn``."""

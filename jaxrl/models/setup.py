@@ -22,7 +22,7 @@ from jaxrl.models.arch import arch_from_hf_config
 from jaxrl.models.decoder import Decoder, param_name
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.models.tokenizer import build_tokenizer
-from jaxrl.parallel.mesh import param_sharding_fn
+from jaxrl.models.sharding import param_sharding_fn
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -49,6 +49,13 @@ def scratch_hf_config(scratch: Any, vocab_size: int) -> dict[str, Any]:
     return cfg.to_dict()
 
 
+def padded_vocab(tok_dir: str | Path) -> int:
+    """A new model's vocabulary: the tokenizer's, rounded up to a multiple of 64."""
+    from transformers import AutoTokenizer
+
+    return -(-len(AutoTokenizer.from_pretrained(tok_dir)) // 64) * 64
+
+
 def init_decoder(hf_config: dict[str, Any], mesh: Mesh, *, seed: int, param_dtype: Any, dtype: Any) -> Decoder:
     """Random weights created directly in their shardings (never a full copy on one device)."""
     arch = arch_from_hf_config(hf_config)
@@ -69,10 +76,7 @@ def prepare_model(model_cfg: Any, mesh: Mesh, output_dir: str | Path) -> tuple[D
         main = jax.process_index() == 0
         base = Path(output_dir) / "base" if main else Path(tempfile.mkdtemp(prefix="jaxrl-tokenizer-"))
         tok_dir = model_cfg.tokenizer or str(build_tokenizer(base))
-        from transformers import AutoTokenizer
-
-        vocab = len(AutoTokenizer.from_pretrained(tok_dir))
-        hf_config = scratch_hf_config(model_cfg.scratch, vocab_size=-(-vocab // 64) * 64)
+        hf_config = scratch_hf_config(model_cfg.scratch, vocab_size=padded_vocab(tok_dir))
         (base / "config.json").write_text(json.dumps(hf_config, indent=2))
         model = init_decoder(hf_config, mesh, seed=model_cfg.scratch.seed, param_dtype=param_dtype, dtype=dtype)
         return model, tok_dir, hf_config

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# The HTTP API's own range types: a run cannot configure what the server would refuse.
+from jaxrl.inference.api import MaxTokens, Temperature, TopK, TopP
+from jaxrl import renamed
 from jaxrl.orchestrator.env_server import EnvConfig
 
 
@@ -11,20 +16,39 @@ class SamplingConfig(BaseModel):
     """Sampling parameters sent with every rollout request of a split."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-    max_completion_tokens: int = Field(128, ge=1)
+    max_completion_tokens: MaxTokens = 128
     """Tokens the model may generate per turn."""
-    temperature: float = Field(1.0, ge=0)
-    """Sampling temperature; the trainer scores sampled tokens at the same temperature."""
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
-    """-1: no top-k filtering."""
+    temperature: Temperature = 1.0
+    """Sampling temperature (finite, >= 0; 0 = greedy); the trainer scores sampled tokens at the
+    same temperature."""
+    top_p: TopP = 1.0
+    """Nucleus mass in (0, 1]; 1: no top-p filtering."""
+    top_k: TopK = -1
+    """-1 (or 0): no top-k filtering; else 1 .. 2**31 - 1 (values above the vocabulary keep all)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        return renamed.reject_renamed(data, renamed.SAMPLING)
 
 
 class TrainSplitConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     sampling: SamplingConfig = SamplingConfig()
     env: list[EnvConfig] = Field(default_factory=list)
-    """`[[orchestrator.train.env]]` entries; tasks are drawn from each in turn."""
+    """`[[orchestrator.train.env]]` entries; groups are drawn from them in proportion to their
+    `ratio` (equal ratios: in turn)."""
+
+    def sampling_for(self, env: EnvConfig) -> SamplingConfig:
+        """This split's sampling with `env`'s `[...env.sampling]` fields over it."""
+        if env.sampling is None:
+            return self.sampling
+        return SamplingConfig.model_validate(self.sampling.model_dump() | env.sampling.model_dump(exclude_none=True))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        return renamed.reject_renamed(data, renamed.TRAIN_SPLIT)
 
     @model_validator(mode="after")
     def _unique(self) -> "TrainSplitConfig":
@@ -44,6 +68,11 @@ class EvalConfig(TrainSplitConfig):
     pass_threshold: float = 1.0
     """A sample with at least this reward counts as a pass."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        return renamed.reject_renamed(data, renamed.TRAIN_SPLIT | renamed.EVAL)
+
 
 class OrchestratorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
@@ -60,6 +89,11 @@ class OrchestratorConfig(BaseModel):
     """Rollouts in flight at once (across envs)."""
     train: TrainSplitConfig = TrainSplitConfig()
     eval: EvalConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        return renamed.reject_renamed(data, renamed.ORCHESTRATOR)
 
     @model_validator(mode="after")
     def _check(self) -> "OrchestratorConfig":

@@ -42,8 +42,10 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from jaxrl import renamed
 from jaxrl.envs import check_env_id, plugin_id, register_plugin
 from jaxrl.orchestrator.algo import AlgoConfig, GRPOConfig
+from jaxrl.orchestrator.sampling import SamplingOverride
 from jaxrl.orchestrator.traces import Rollout, episode_error
 
 if TYPE_CHECKING:
@@ -81,11 +83,23 @@ class EnvConfig(BaseModel):
     group_size: int | None = Field(None, ge=1)
     """Rollouts per task for this env (None: the orchestrator's `group_size`)."""
     algo: AlgoConfig = Field(default_factory=GRPOConfig)
-    """How this env's groups become samples: `grpo`, `echo` or `sft`."""
+    """How this env's groups become samples: `grpo`, `max_rl`, `echo` or `sft`."""
+    sampling: SamplingOverride | None = None
+    """`[orchestrator.train.env.sampling]`: this env's temperature, max tokens, top-p/k; unset
+    fields inherit the split's `[orchestrator.train.sampling]`."""
+    ratio: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """Relative share of this env's groups in every batch (e.g. 3 and 1: three quarters and one
+    quarter); the schedule is deterministic and keeps every prefix of draws within one group of
+    the exact shares."""
     startup_timeout: float = Field(300.0, gt=0)
     """Seconds a spawned server may take to come up and answer health."""
     rollout_timeout: float | None = Field(None, gt=0)
     """Seconds one rollout may take before it is cancelled and recorded as failed (None: no limit)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        return renamed.reject_renamed(data, renamed.ENV)
 
     @field_validator("id")
     @classmethod

@@ -104,6 +104,7 @@ class Orchestrator:
         self.groups_per_step = cfg.batch_size // cfg.group_size
         self.algorithms: dict[str, Algorithm] = {e.name: make_algorithm(e.algo) for e in cfg.train.env}
         self.group_sizes = {e.name: e.group_size or cfg.group_size for e in cfg.train.env}
+        self.train_sampling = {e.name: sampling_params(cfg.train.sampling_for(e)) for e in cfg.train.env}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="jaxrl-orchestrator", daemon=True)
         self._cond = threading.Condition()
@@ -125,7 +126,7 @@ class Orchestrator:
         self._thread.start()
         self.train_servers = self._run(start_env_servers(self.cfg.train.env, output_dir=self.output_dir, kind="train"))
         tasks = {s.name: [task_data(t) for t in s.taskset()] for s in self.train_servers}
-        self.sampler = TaskSampler(tasks, self.seed)
+        self.sampler = TaskSampler(tasks, self.seed, {e.name: e.ratio for e in self.cfg.train.env})
         if sampler_state:
             self.sampler.load_state_dict(sampler_state)
         if self.cfg.eval is not None:
@@ -196,7 +197,7 @@ class Orchestrator:
         n = self.group_sizes[env]
         t0 = time.perf_counter()
         rollouts = await server.run_group(
-            data, self.endpoint, sampling_params(self.cfg.train.sampling), n, policy_version=version,
+            data, self.endpoint, self.train_sampling[env], n, policy_version=version,
             seeds=rollout_seeds(self.seed, "train", draw, n=n),
         )
         group = Group(env, step, rollouts, version, time.perf_counter() - t0)
@@ -237,12 +238,13 @@ class Orchestrator:
         return self._run(self._evaluate(self.cfg.eval))
 
     async def _evaluate(self, cfg: EvalConfig) -> tuple[dict[str, float], list[Rollout]]:
-        params = sampling_params(cfg.sampling)
+        configs = {c.name: c for c in eval_env_configs(self.cfg)[0]}
         version = self.policy_version()
         metrics: dict[str, float] = {}
         everything: list[Rollout] = []
         for server in self.eval_servers:
             tasks = self.eval_tasks[server.name]
+            params = sampling_params(cfg.sampling_for(configs[server.name]))
             groups = await asyncio.gather(
                 *(
                     server.run_group(

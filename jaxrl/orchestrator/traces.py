@@ -5,7 +5,11 @@ tokens that message adds (`token_ids`, `mask` = sampled by the policy, `logprobs
 sampled token, `is_content` = the renderer's body-vs-scaffold attribution, possibly empty)
 plus a `parent` link. A branch is one root-to-leaf path; concatenating its nodes' tokens
 gives exactly the sequence the model saw, so each trainable branch becomes one
-`TrainingSample` (DESIGN contract 4).
+`TrainingSample` (DESIGN contract 4). Branches share nodes (the prompt, and everything before a
+fork): each node is *owned* by the first trainable branch that contains it (leaf order, as
+prime-rl), and only its owner trains its tokens; later branches carry it as context. So a
+shared node counts once in every loss component and its token counts, however many branches
+pass through it, and a branch with no sampled token of its own yields no sample.
 
 Everything here works on plain dicts — `Episode.model_dump(mode="python")`, the msgpack wire
 form with full-precision log-probs (the JSON record form rounds them) — so it is tested with
@@ -51,7 +55,11 @@ class Branch:
     is_content: np.ndarray  # bool[L]; True over a whole node span that has no attribution
     spans: list[NodeSpan]
     trainable: bool
-    """verifiers' trainable flag (a dangling compaction attempt is not) and any sampled token."""
+    """verifiers' trainable flag (a dangling compaction attempt is not) and a sampled token in a
+    node this branch owns."""
+    owned: np.ndarray
+    """bool[L]: tokens of the nodes this branch owns (it is the first trainable branch holding
+    them); weights elsewhere are zeroed so a shared node trains once."""
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -156,9 +164,28 @@ def trace_branches(trace: Mapping[str, Any]) -> list[Branch]:
                 is_content=np.asarray(content, dtype=bool),
                 spans=spans,
                 trainable=bool(sampled.any()) and (not compaction_attempt or leaf in accepted_compactions),
+                owned=np.zeros(len(ids), dtype=bool),
             )
         )
+    _assign_ownership(branches)
     return branches
+
+
+def _assign_ownership(branches: list[Branch]) -> None:
+    """Give each node to the first trainable branch holding it; a branch left with no sampled
+    token of its own is not trainable (its sampled nodes were all trained by earlier branches)."""
+    owned_nodes: set[int] = set()
+    for branch in branches:
+        if not branch.trainable:
+            continue
+        for span in branch.spans:
+            if span.node not in owned_nodes:
+                branch.owned[span.start : span.end] = True
+        if not (branch.owned & branch.sampled_mask).any():
+            branch.trainable = False
+            branch.owned[:] = False
+            continue
+        owned_nodes.update(span.node for span in branch.spans)
 
 
 def trace_reward(trace: Mapping[str, Any]) -> float:
@@ -265,16 +292,21 @@ def branch_sample(
     advantage: float,
     rl_w: np.ndarray | None = None,
     ce_w: np.ndarray | None = None,
+    ref_kl_w: np.ndarray | None = None,
     metadata: dict | None = None,
 ) -> TrainingSample:
-    """The training sample of one branch: rl_w defaults to the sampled mask, ce_w to 0."""
+    """The training sample of one branch: rl_w defaults to the sampled mask, ce_w and ref_kl_w to
+    0; all are zeroed outside the tokens the branch owns (a shared node trains once)."""
     n = len(branch)
+    rl_w = branch.sampled_mask.astype(np.float32) if rl_w is None else rl_w
+    ce_w = np.zeros(n, np.float32) if ce_w is None else ce_w
     return TrainingSample(
         token_ids=branch.token_ids,
         sampled_mask=branch.sampled_mask,
         logprobs=branch.logprobs,
-        rl_w=branch.sampled_mask.astype(np.float32) if rl_w is None else rl_w,
-        ce_w=np.zeros(n, np.float32) if ce_w is None else ce_w,
+        rl_w=np.where(branch.owned, rl_w, 0.0).astype(np.float32),
+        ce_w=np.where(branch.owned, ce_w, 0.0).astype(np.float32),
+        ref_kl_w=None if ref_kl_w is None else np.where(branch.owned, ref_kl_w, 0.0).astype(np.float32),
         temperature=rollout.temperature,
         advantage=float(advantage),
         policy_version=rollout.policy_version,

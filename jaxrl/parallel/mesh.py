@@ -1,15 +1,11 @@
-"""Device mesh (data, fsdp, tensor) and the one table mapping logical axes to mesh axes.
+"""The training device mesh (data, fsdp, tensor) and the shardings of its host-fed inputs.
 
-Layers name their axes (``jaxrl.models.decoder.PARAM_LOGICAL_AXES``); this module alone decides
-where those names live on the mesh, as MaxText and Levanter do. An axis whose size does not
-divide by its mesh axes is replicated instead (e.g. 2 KV heads on a tensor axis of 4), so any
-mesh shape is valid for any model; the cost is memory, never correctness.
+Where each logical axis lives on it is ``jaxrl.parallel.rules`` (shared with the serving mesh).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -17,26 +13,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxrl.models.decoder import PARAM_LOGICAL_AXES, param_name
-
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
-
-# Logical axis -> mesh axes. Parameters are sharded FSDP-style on ``embed`` and
-# Megatron-style on heads / mlp / vocab; activations' batch goes over data and fsdp.
-LOGICAL_RULES: dict[str, tuple[str, ...]] = {
-    "vocab": ("tensor",),
-    "embed": ("fsdp",),
-    "q_heads": ("tensor",),
-    "kv_heads": ("tensor",),
-    "mlp": ("tensor",),
-    "head_dim": (),
-    "layers": (),
-    "norm": (),
-    "batch": BATCH_AXES,
-    "cache_rows": BATCH_AXES,
-    "cache_len": (),
-}
+from jaxrl.parallel.rules import BATCH_AXES, MESH_AXES
 
 
 class MeshConfig(BaseModel):
@@ -80,35 +57,6 @@ def make_mesh(cfg: MeshConfig, devices: list[Any] | None = None) -> Mesh:
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
-def logical_to_spec(
-    axes: tuple[str, ...],
-    shape: tuple[int, ...],
-    mesh: Mesh,
-    rules: Mapping[str, tuple[str, ...]] = LOGICAL_RULES,
-) -> PartitionSpec:
-    """PartitionSpec for an array with logical ``axes``; non-dividing axes are replicated."""
-    used: set[str] = set()
-    spec: list[Any] = []
-    for name, size in zip(axes, shape, strict=True):
-        mesh_axes = tuple(a for a in rules[name] if a not in used and mesh.shape[a] > 1)
-        n = math.prod(mesh.shape[a] for a in mesh_axes)
-        if not mesh_axes or size % n:
-            spec.append(None)
-            continue
-        used.update(mesh_axes)
-        spec.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
-    return PartitionSpec(*spec)
-
-
-def param_sharding_fn(mesh: Mesh) -> Callable[[str, tuple[int, ...]], NamedSharding]:
-    """(weight name, shape) -> NamedSharding, for ``load_decoder`` and ``shard_params``."""
-
-    def fn(name: str, shape: tuple[int, ...]) -> NamedSharding:
-        return NamedSharding(mesh, logical_to_spec(PARAM_LOGICAL_AXES[name], shape, mesh))
-
-    return fn
-
-
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Rows over (data, fsdp), everything else replicated."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
@@ -116,10 +64,3 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
-
-
-def shard_params(params: Any, mesh: Mesh) -> Any:
-    """Place a parameter state on ``mesh`` by the logical-axis rules (one batched device_put)."""
-    fn = param_sharding_fn(mesh)
-    shardings = jax.tree_util.tree_map_with_path(lambda p, x: fn(param_name(p), x.shape), params)
-    return jax.device_put(params, shardings)

@@ -163,7 +163,9 @@ def loss_sums(
     and ``{c}_count`` for c in rl / ce / ref_kl, ``kl_kept_sum`` / ``kl_masked_sum`` (mismatch
     KL on rl tokens whose pg term was kept / dropped) with ``kept_count`` / ``masked_count``,
     ``masked_high_count``, ``masked_low_count``, ``ce_nll_sum``, ``ce_nll_max``, and with
-    ``entropy`` given, ``entropy_sum`` / ``entropy_count`` over tokens in any component.
+    ``entropy`` given, ``entropy_sum`` / ``entropy_count`` over the policy's own tokens (the rl
+    and ref_kl components; never echo/CE targets, which the policy did not sample) and
+    ``ce_entropy_sum`` over the CE tokens (SFT targets, echo observations).
     Combine micro-batches with ``add_sums``.
     """
     if (ref_kl_w is None) != (logr is None):
@@ -184,17 +186,19 @@ def loss_sums(
         "ce_nll_sum": jax.lax.stop_gradient(ce_nll.sum()),
         "ce_nll_max": jax.lax.stop_gradient(jnp.max(ce_nll, initial=0.0)),
     }
-    trained = rl_on | ce_on
+    trained = rl_on
     if ref_kl_w is not None:
         ref_on = _active(ref_kl_w, loss_mask)
         zero = lambda x: jnp.where(ref_on, x, 0.0)
         out["ref_kl_loss_sum"] = _ref_kl_token_loss(
             zero(logp), zero(logq), zero(logr), zero(ref_kl_w), cfg
         ).sum()
+        out["teacher_kl_sum"] = jax.lax.stop_gradient(zero(logp - logr).sum())
         trained = trained | ref_on
     if entropy is not None:
         out["entropy_sum"] = jax.lax.stop_gradient(jnp.where(trained, entropy, 0.0).sum())
         out["entropy_count"] = trained.sum().astype(jnp.float32)
+        out["ce_entropy_sum"] = jax.lax.stop_gradient(jnp.where(ce_on, entropy, 0.0).sum())
     return out
 
 
@@ -250,8 +254,12 @@ def metrics(total: dict[str, jax.Array]) -> dict[str, jax.Array]:
         "ce_nll_mean": _safe_div(total["ce_nll_sum"], total["ce_count"]),
         "ce_nll_max": total["ce_nll_max"],
     }
+    if "teacher_kl_sum" in total:
+        # mean of logp - logr over sampled ref-KL tokens: an estimate of KL(policy || teacher)
+        out["teacher_kl"] = _safe_div(total["teacher_kl_sum"], total["ref_kl_count"])
     if "entropy_sum" in total:
         out["entropy"] = _safe_div(total["entropy_sum"], total["entropy_count"])
+        out["ce_entropy"] = _safe_div(total["ce_entropy_sum"], total["ce_count"])
     return out
 
 

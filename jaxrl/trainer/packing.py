@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from jaxrl.samples import TrainingSample
+from jaxrl.trainer.loss import loss_counts
 
 
 @dataclass
@@ -30,6 +31,8 @@ class PackedBatch:
     temperature: np.ndarray  # float32, 1.0 on padding
     rl_w: np.ndarray  # float32
     ce_w: np.ndarray  # float32
+    ref_kl_w: np.ndarray  # float32
+    logr: np.ndarray  # float32 reference (teacher) logprobs, 0 where unscored
 
     @property
     def num_rows(self) -> int:
@@ -92,6 +95,8 @@ def pack(samples: Sequence[TrainingSample], seq_len: int, rows_multiple: int = 1
         temperature=np.ones(shape, np.float32),
         rl_w=np.zeros(shape, np.float32),
         ce_w=np.zeros(shape, np.float32),
+        ref_kl_w=np.zeros(shape, np.float32),
+        logr=np.zeros(shape, np.float32),
     )
     for r, members in enumerate(rows):
         offset = 0
@@ -108,15 +113,17 @@ def pack(samples: Sequence[TrainingSample], seq_len: int, rows_multiple: int = 1
             out.temperature[r, sl] = s.temperature
             out.rl_w[r, sl] = s.rl_w
             out.ce_w[r, sl] = s.ce_w
+            out.ref_kl_w[r, sl] = s.ref_kl_w
+            if s.logr is not None:
+                out.logr[r, sl] = s.logr
             offset += n
     return out
 
 
 def component_counts(batch: PackedBatch) -> dict[str, float]:
-    """Global token counts per loss component (they do not depend on parameters, so the
-    host computes them once per optimizer step before any micro-batch runs)."""
-    m = batch.loss_mask
-    return {
-        "rl": float(np.sum(m & (batch.rl_w != 0))),
-        "ce": float(np.sum(m & (batch.ce_w != 0))),
-    }
+    """Global token counts per loss component of a whole optimizer step's batch (they do not
+    depend on parameters, so the host computes them once before any micro-batch runs), by
+    the loss's own definition (`loss.loss_counts`: the one place a component's tokens are
+    defined)."""
+    counts = loss_counts(batch.rl_w, batch.ce_w, batch.loss_mask, batch.ref_kl_w)
+    return {k: float(v) for k, v in counts.items()}

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.decoder import Decoder
+from jaxrl.models.sharding import state_shardings
 from jaxrl.parallel.mesh import batch_sharding, replicated
 from jaxrl.samples import TrainingSample
 from jaxrl.trainer import loss as L
@@ -30,8 +33,21 @@ from jaxrl.trainer.logprobs import token_logprobs
 from jaxrl.trainer.optim import make_optimizer
 from jaxrl.trainer.packing import PackedBatch, choose_bucket, component_counts, pack
 
-# Arrays of a micro-batch the loss reads, in PackedBatch field names.
-_MB_FIELDS = ("tokens", "positions", "segment_ids", "loss_mask", "logq", "advantages", "temperature", "rl_w", "ce_w")
+# Arrays of a micro-batch the loss reads, in PackedBatch field names, and their dtypes.
+_MB_DTYPES = {
+    "tokens": jnp.int32,
+    "positions": jnp.int32,
+    "segment_ids": jnp.int32,
+    "loss_mask": jnp.bool_,
+    "logq": jnp.float32,
+    "advantages": jnp.float32,
+    "temperature": jnp.float32,
+    "rl_w": jnp.float32,
+    "ce_w": jnp.float32,
+    "ref_kl_w": jnp.float32,
+    "logr": jnp.float32,
+}
+_MB_FIELDS = tuple(_MB_DTYPES)
 
 
 def micro_batch_loss(
@@ -70,8 +86,105 @@ def micro_batch_loss(
         mb["loss_mask"][:, 1:],
         cfg.loss,
         entropy=entropy.reshape(shape),
+        ref_kl_w=mb["ref_kl_w"][:, 1:],
+        logr=mb["logr"][:, 1:],
     )
     return L.normalized_loss(sums, counts), sums
+
+
+def _micro_step_impl(params, grad_acc, sums_acc, mb, counts, *, graphdef, cfg, kernels):  # type: ignore[no-untyped-def]
+    grad_fn = jax.grad(micro_batch_loss, has_aux=True)
+    grads, sums = grad_fn(params, graphdef, mb, counts, cfg, kernels)
+    return jax.tree.map(jnp.add, grad_acc, grads), L.add_sums(sums_acc, sums)
+
+
+def _apply_impl(params, opt_state, grads, total, *, tx):  # type: ignore[no-untyped-def]
+    """The update, and the step's metrics from its summed micro-batch sums: reduced here, in
+    the compiled program, because ~30 eager scalar ops per micro-batch cost seconds per
+    step on a busy CPU host (measured: 3-4 s of a 4 s SFT step)."""
+    updates, opt_state = tx.update(grads, opt_state, params)
+    metrics = L.metrics(total) | {"grad_norm": optax.tree.norm(grads)}
+    return optax.apply_updates(params, updates), opt_state, metrics
+
+
+def micro_batch_shapes(mesh: Mesh, rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """Abstract micro-batch (the arrays ``micro_batch_loss`` reads), sharded as the trainer
+    feeds it: rows over (data, fsdp)."""
+    sharding = batch_sharding(mesh)
+    return {
+        k: jax.ShapeDtypeStruct((rows, seq_len), _MB_DTYPES[k], sharding=sharding) for k in _MB_FIELDS
+    }
+
+
+@dataclass(frozen=True)
+class TrainPrograms:
+    """The trainer's jitted programs and the shardings of the state they run on.
+
+    Built from a model whose parameters may be abstract (``nnx.eval_shape``): the trainer
+    builds it from real weights, ``jaxrl.aot`` from shapes only, and both compile the same
+    programs. The micro-step is jitted once per row-length bucket (by its input shapes) with
+    the gradient accumulator donated; the update once, with parameters and optimizer state
+    donated. Outputs are pinned to the inputs' shardings: left to the compiler, parameters and
+    optimizer state drift to other layouts after an update (recompiling the next step).
+    """
+
+    graphdef: nnx.GraphDef
+    kernels: Kernels
+    param_shardings: Any
+    opt_shardings: Any
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    micro_step: Any
+    apply: Any
+
+    @classmethod
+    def build(cls, model: Decoder, cfg: TrainerConfig, mesh: Mesh) -> TrainPrograms:
+        """Programs for ``model`` on ``mesh``; sets ``model.remat`` from ``cfg.remat`` (resolved for
+        the mesh's platform)."""
+        dp = mesh.shape["data"] * mesh.shape["fsdp"]
+        if cfg.micro_batch_rows % dp:
+            raise ValueError(
+                f"trainer.micro_batch_rows = {cfg.micro_batch_rows} must be a multiple of "
+                f"data*fsdp = {dp} (each data-parallel shard gets whole rows)"
+            )
+        platform = mesh.devices.flat[0].platform
+        model.remat = cfg.remat_policy(platform)
+        kernels = Kernels.create(cfg.kernels, field="trainer.kernels", mesh=mesh)
+        graphdef, params = nnx.split(model)
+        param_shardings = state_shardings(params, mesh)
+        tx, schedule = make_optimizer(cfg.optim, cfg.steps)
+        # Moments are sharded as their parameters (fsdp: never a full copy per chip); the
+        # step counts and other scalars are replicated explicitly: left uncommitted they would
+        # restore from a checkpoint onto a single device.
+        abstract_opt = jax.eval_shape(tx.init, params)
+        opt_shardings = optax.tree_map_params(
+            tx, lambda _, sh: sh, abstract_opt, param_shardings, transform_non_params=lambda _: replicated(mesh)
+        )
+        micro_step = jax.jit(
+            partial(_micro_step_impl, graphdef=graphdef, cfg=cfg, kernels=kernels),
+            donate_argnums=(1, 2),
+            out_shardings=(param_shardings, replicated(mesh)),
+        )
+        apply = jax.jit(
+            partial(_apply_impl, tx=tx),
+            donate_argnums=(0, 1),  # the gradients have no output to alias: donating them only warns
+            out_shardings=(param_shardings, opt_shardings, replicated(mesh)),
+        )
+        return cls(graphdef, kernels, param_shardings, opt_shardings, tx, schedule, micro_step, apply)
+
+    def abstract_state(self, params: Any) -> tuple[Any, Any]:
+        """(parameters, optimizer state) as sharded ``ShapeDtypeStruct``s (nothing allocated)."""
+        p = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), params, self.param_shardings)
+        opt = jax.eval_shape(self.tx.init, params)
+        o = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), opt, self.opt_shardings)
+        return p, o
+
+    def sums_shapes(self, params: Any, mb: dict[str, Any], cfg: TrainerConfig) -> dict[str, jax.ShapeDtypeStruct]:
+        """Shapes of the micro-step's loss-sum accumulator (traced, not run)."""
+        counts = {c: jax.ShapeDtypeStruct((), jnp.float32) for c in L.COMPONENTS}
+        return jax.eval_shape(
+            lambda p, m, c: micro_batch_loss(p, self.graphdef, m, c, cfg, self.kernels)[1], params, mb, counts
+        )
 
 
 class Trainer:
@@ -80,56 +193,17 @@ class Trainer:
     def __init__(self, model: Decoder, cfg: TrainerConfig, mesh: Mesh, *, peak_flops: float | None = None):
         self.cfg = cfg
         self.mesh = mesh
-        self.kernels = Kernels.create(cfg.kernels, field="trainer.kernels", mesh=mesh)
         self.arch = model.arch
-        self.graphdef, self.params = nnx.split(model)
-        self.param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
-        self.tx, self.schedule = make_optimizer(cfg.optim, cfg.steps)
-        # Scalars of the optimizer state (step counts) are replicated on the mesh explicitly:
-        # left uncommitted they would restore from a checkpoint onto a single device.
-        self.opt_state = jax.tree.map(
-            lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated(mesh)),
-            jax.jit(self.tx.init)(self.params),
-        )
+        self.programs = TrainPrograms.build(model, cfg, mesh)
+        self.kernels = self.programs.kernels
+        self.graphdef, self.params = self.programs.graphdef, nnx.state(model)
+        self.param_shardings = self.programs.param_shardings
+        self.tx, self.schedule = self.programs.tx, self.programs.schedule
+        self.opt_state = jax.jit(self.tx.init, out_shardings=self.programs.opt_shardings)(self.params)
         self.step = 0
         self.peak_flops = peak_flops
-        dp = mesh.shape["data"] * mesh.shape["fsdp"]
-        if cfg.micro_batch_rows % dp:
-            raise ValueError(
-                f"trainer.micro_batch_rows = {cfg.micro_batch_rows} must be a multiple of "
-                f"data*fsdp = {dp} (each data-parallel shard gets whole rows)"
-            )
-        # Outputs are pinned to the inputs' shardings: left to the compiler, parameters and
-        # optimizer state drift to other layouts after an update (recompiling the next step).
-        self._micro_step = jax.jit(
-            partial(self._micro_step_impl, graphdef=self.graphdef, cfg=cfg, kernels=self.kernels),
-            donate_argnums=(1, 2),
-            out_shardings=(self.param_shardings, replicated(mesh)),
-        )
+        self._micro_step, self._apply = self.programs.micro_step, self.programs.apply
         self._zeros: Any = None  # compiled on first use: makes the zeroed accumulators
-        opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
-        self._apply = jax.jit(
-            self._apply_impl,
-            donate_argnums=(0, 1),  # the gradients have no output to alias: donating them only warns
-            out_shardings=(self.param_shardings, opt_shardings, replicated(mesh)),
-        )
-
-    # -- jitted bodies ---------------------------------------------------------------------
-    @staticmethod
-    def _micro_step_impl(params, grad_acc, sums_acc, mb, counts, *, graphdef, cfg, kernels):  # type: ignore[no-untyped-def]
-        grad_fn = jax.grad(micro_batch_loss, has_aux=True)
-        grads, sums = grad_fn(params, graphdef, mb, counts, cfg, kernels)
-        return jax.tree.map(jnp.add, grad_acc, grads), L.add_sums(sums_acc, sums)
-
-    def _apply_impl(self, params, opt_state, grads, total):  # type: ignore[no-untyped-def]
-        """The update, and the step's metrics from its summed micro-batch sums: reduced here, in
-        the compiled program, because ~30 eager scalar ops per micro-batch cost seconds per
-        step on a busy CPU host (measured: 3-4 s of a 4 s SFT step)."""
-        import optax
-
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        metrics = L.metrics(total) | {"grad_norm": optax.tree.norm(grads)}
-        return optax.apply_updates(params, updates), opt_state, metrics
 
     # -- host side -------------------------------------------------------------------------
     def _device_batch(self, batch: PackedBatch) -> dict[str, jax.Array]:
@@ -149,7 +223,9 @@ class Trainer:
         """One optimizer step over ``samples``; returns this step's metrics (host floats)."""
         t0 = time.perf_counter()
         batch = self.pack(samples)
-        counts = jax.device_put({**{k: np.float32(v) for k, v in component_counts(batch).items()}, "ref_kl": np.float32(0.0)}, replicated(self.mesh))
+        if unscored := sum(s.needs_reference for s in samples):
+            raise ValueError(f"{unscored} sample(s) train the ref-KL component but carry no teacher log-probs (logr)")
+        counts = jax.device_put({k: np.float32(v) for k, v in component_counts(batch).items()}, replicated(self.mesh))
         grads, total = self._zeroed_accumulators(batch)
         rows = self.cfg.micro_batch_rows
         for start in range(0, batch.num_rows, rows):
@@ -177,11 +253,7 @@ class Trainer:
         """Zeroed gradient and loss-sum accumulators, made by one compiled program (0 is also
         right for the ``*_max`` sums: NLLs are >= 0). The sums' structure is traced once."""
         if self._zeros is None:
-            mb = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self._device_batch(batch.rows(0, self.cfg.micro_batch_rows)).items()}
-            counts = {c: jax.ShapeDtypeStruct((), jnp.float32) for c in L.COMPONENTS}
-            sums = jax.eval_shape(
-                lambda p, m, c: micro_batch_loss(p, self.graphdef, m, c, self.cfg, self.kernels)[1], self.params, mb, counts
-            )
+            sums = self.programs.sums_shapes(self.params, micro_batch_shapes(self.mesh, self.cfg.micro_batch_rows, batch.tokens.shape[1]), self.cfg)
             self._zeros = jax.jit(
                 lambda params: (jax.tree.map(jnp.zeros_like, params), {k: jnp.zeros(v.shape, v.dtype) for k, v in sums.items()}),
                 out_shardings=(self.param_shardings, replicated(self.mesh)),

@@ -59,6 +59,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path) -> None:
     full = read_metrics(tmp_path / "full" / "metrics.jsonl")
     half = {"trainer": {"steps": 2, "optim": optim, "mesh": mesh}, "ckpt": {"interval": 2}, "data": data}
     run_sft(tiny_cfg(tmp_path / "part", **half))
+    with (tmp_path / "part" / "metrics.jsonl").open("a") as f:  # what a hard kill after step 3 leaves
+        f.write(json.dumps({"step": 3, "ce_loss": 0.0}) + '\n{"step": 4, "ce_lo')
     run_sft(tiny_cfg(tmp_path / "part", **over), resume=True)
     part = read_metrics(tmp_path / "part" / "metrics.jsonl")
     assert [r["step"] for r in part] == list(range(1, 5))

@@ -192,7 +192,7 @@ def test_config_derives_buckets_and_names_bad_fields() -> None:
         ({"backend": "external"}, "base_url"),
         ({"max_seqs": 64, "decode_batch_buckets": [8, 32]}, "decode_batch_buckets"),
         ({"prefill_len_buckets": [64, 32]}, "prefill_len_buckets"),
-        ({"max_batched_tokens": 100}, "max_batched_tokens"),
+        ({"max_model_len": 2048, "max_batched_tokens": 100}, "max_batched_tokens"),
         ({"decode_steps": 8, "decode_steps_idle": 4}, "decode_steps_idle"),
         ({"surprise": 1}, "surprise"),
     ]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -15,6 +16,8 @@ from transformers import AutoTokenizer
 
 from jaxrl.inference import api
 from jaxrl.inference.engine import Engine
+from jaxrl.inference.sampling import SamplingParams
+from jaxrl.inference.scheduler import Request as EngineRequest
 from jaxrl.inference.server import EngineServer, parse_tool_calls
 from jaxrl.models.hf_io import load_decoder
 
@@ -205,6 +208,41 @@ def test_parse_tool_calls() -> None:
     assert parse_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
 
 
+OUT_OF_RANGE = [
+    ({"top_k": 2**31}, "top_k"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_p": 1e-46}, "top_p"),  # positive, but 0 in float32
+    ({"top_p": 0}, "top_p"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": 1e39}, "temperature"),  # inf in float32
+    ({"seed": 2**63}, "seed"),
+    ({"stop": ""}, "stop"),
+    ({"stop": ["ok", ""]}, "stop"),
+    ({"min_p": 2}, "min_p"),
+    ({"max_tokens": 2**31}, "max_tokens"),
+    ({"n": 0}, "n"),
+]
+
+
+def sampling_cases() -> list[tuple[str, dict, str]]:
+    """Each out-of-range sampling value on each generating endpoint."""
+    cases = []
+    for sampling, field in OUT_OF_RANGE:
+        cases.append(
+            (
+                "/inference/v1/generate",
+                {"token_ids": [1, 2], "sampling_params": sampling},
+                f"sampling_params.{field}",
+            )
+        )
+        cases.append(
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], **sampling}, field)
+        )
+        cases.append(("/v1/completions", {"prompt": "x", **sampling}, field))
+    return cases
+
+
 BAD = [
     ("/inference/v1/generate", '{"token_ids": [1, 2', "malformed JSON"),
     ("/inference/v1/generate", {"token_ids": [1, 10_000]}, "token_ids[1] = 10000 is outside the vocabulary"),
@@ -227,17 +265,54 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream"),
     ("/v1/completions", {"prompt": [1, -3]}, "vocabulary"),
     ("/update_weights", {}, "path: Field required"),
+    # Every sampling value is range-checked before it reaches the engine thread (a top_k of 2**31
+    # once overflowed an int32 array there and left the server answering 503 for good).
+    *sampling_cases(),
+    (
+        "/inference/v1/generate",
+        {"token_ids": [1], "sampling_params": {"logprobs": 21}},
+        "sampling_params.logprobs",
+    ),
+    (
+        "/inference/v1/generate",
+        {"token_ids": [1], "sampling_params": {"seed": 2**63 - 1, "n": 2}},
+        "seed + n - 1",
+    ),
+    # prompt + max_tokens over max_model_len: refused as vLLM does, not silently cut short
+    (
+        "/inference/v1/generate",
+        {"token_ids": [1] * 10, "sampling_params": {"max_tokens": MAX_LEN - 9}},
+        "maximum context length is 1024",
+    ),
+    ("/v1/completions", {"prompt": [1] * (MAX_LEN - 8)}, "max_tokens: this model's maximum context length"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+        "text",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+        "text",
+    ),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "type"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21},
+        "top_logprobs",
+    ),
+    ("/update_weights", {"path": "x", "version": 2**70}, "version"),
 ]
 
 
 @pytest.mark.parametrize(("path", "body", "message"), BAD)
 def test_bad_requests_get_400_naming_the_problem(server, path, body, message) -> None:
-    kw = (
-        {"content": body, "headers": {"content-type": "application/json"}}
-        if isinstance(body, str)
-        else {"json": body}
+    content = (
+        body if isinstance(body, str) else json.dumps(body)
+    )  # NaN / Infinity as Python clients send them
+    r = httpx.post(
+        server.url + path, content=content, headers={"content-type": "application/json"}, timeout=60
     )
-    r = httpx.post(server.url + path, timeout=60, **kw)
     assert r.status_code == 400, r.text
     assert message in r.json()["error"]["message"]
 
@@ -265,6 +340,46 @@ def test_unknown_fields_are_ignored_and_server_stays_healthy(server) -> None:
     assert out["choices"][0]["logprobs"] is None and out["choices"][0]["finish_reason"] == "length"
     assert httpx.get(server.url + "/nope").status_code == 404
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def _local_port(r: httpx.Response) -> int:
+    return r.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+def test_engine_step_failure_fails_its_batch_and_keeps_serving(server) -> None:
+    """A request that breaks an engine step (here: a top_k that overflows the int32 sampling
+    array, smuggled past validation) fails with the requests of its batch; the engine thread
+    lives on, /health stays ok, the 500 keeps the keep-alive connection open, and the next
+    request on that connection succeeds."""
+    engine = server.engine
+    params = SamplingParams(max_tokens=4)
+    object.__setattr__(params, "top_k", 2**31)  # what the API and SamplingParams now refuse
+    killer = EngineRequest([1, 2, 3], params)
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        result: dict[str, httpx.Response] = {}
+        body = {"token_ids": [4, 5, 6], "sampling_params": {"max_tokens": 600, "ignore_eos": True}}
+
+        def call() -> None:
+            result["r"] = client.post("/inference/v1/generate", json=body)
+
+        before = engine.stats.generated_tokens
+        thread = threading.Thread(target=call)
+        thread.start()
+        _wait_for_tokens(engine, before)
+        failed = engine.submit(killer)
+        with pytest.raises(RuntimeError, match="engine step failed.*OverflowError"):
+            failed.result(timeout=120)
+        thread.join()
+        in_batch = result["r"]
+        assert in_batch.status_code == 500 and "engine step failed" in in_batch.json()["error"]["message"]
+        assert in_batch.headers.get("connection") != "close"
+        assert engine.healthy and engine.running
+        assert client.get("/health").json()["status"] == "ok"
+        after = client.post(
+            "/inference/v1/generate", json={"token_ids": [1, 2], "sampling_params": {"max_tokens": 3}}
+        )
+        assert after.status_code == 200 and len(after.json()["choices"][0]["token_ids"]) == 3
+        assert _local_port(after) == _local_port(in_batch)  # the same pooled connection
 
 
 def test_shutdown_lets_requests_in_flight_finish(server, tokenizer) -> None:
@@ -323,5 +438,133 @@ def test_update_weights_over_http_loses_no_request(server, other_model_dir) -> N
         versions.append(choice["policy_version"])
     assert 0 in versions  # some were in flight during the update, and finished on the old weights
     assert after.json()["choices"][0]["policy_version"] == 1
-    assert bad.status_code == 400 and "update_weights" in bad.json()["error"]["message"]
+    assert bad.status_code == 400 and "not a model directory" in bad.json()["error"]["message"]
     assert httpx.get(server.url + "/health").json()["policy_version"] == 1
+
+
+def test_update_weights_refuses_a_broken_directory_with_400(server, model_dir, tmp_path) -> None:
+    """A directory that does not load is the client's error: 400, the old weights keep serving,
+    and the connection stays open."""
+    import shutil
+
+    not_a_config = tmp_path / "list_config"
+    not_a_config.mkdir()
+    (not_a_config / "config.json").write_text("[]")
+    truncated = tmp_path / "truncated"
+    shutil.copytree(model_dir, truncated)
+    shard = next(truncated.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    version = server.engine.policy_version
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        for path, needle in (
+            (not_a_config, "cannot load"),
+            (truncated, "cannot load"),
+            (tmp_path / "missing", "not a model directory"),
+            (model_dir / "config.json", "not a model directory"),
+        ):
+            r = client.post("/update_weights", json={"path": str(path)})
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+            assert r.headers.get("connection") != "close"
+        assert client.get("/health").json()["policy_version"] == version
+
+
+def test_405_names_the_allowed_methods_and_openapi_documents_400(server) -> None:
+    r = httpx.get(server.url + "/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    r = httpx.post(server.url + "/health")
+    assert r.status_code == 405 and r.headers["allow"] == "GET"
+    schema = httpx.get(server.url + "/openapi.json").json()
+    for path in ("/inference/v1/generate", "/v1/chat/completions", "/v1/completions", "/update_weights"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert "422" not in responses and "400" in responses
+    assert "ErrorResponse" in schema["components"]["schemas"]
+
+
+def test_update_weights_needs_the_api_key(model_dir, tokenizer, make_config, tmp_path) -> None:
+    engine = Engine.from_pretrained(model_dir, make_config(max_model_len=64))
+    srv = EngineServer(engine, tokenizer, api_key="k" * 20, weights_root=tmp_path)
+    srv.start()
+    try:
+        body = {"path": str(model_dir)}
+        assert httpx.post(srv.url + "/update_weights", json=body).status_code == 401
+        wrong = {"authorization": "Bearer " + "x" * 20}
+        r = httpx.post(srv.url + "/update_weights", json=body, headers=wrong)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        right = {"authorization": "Bearer " + "k" * 20}
+        r = httpx.post(srv.url + "/update_weights", json=body, headers=right)
+        assert (
+            r.status_code == 400 and "outside the allowed weights directory" in r.json()["error"]["message"]
+        )
+        generate = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}}
+        assert httpx.post(srv.url + "/inference/v1/generate", json=generate, timeout=120).status_code == 200
+    finally:
+        srv.stop()
+    # Bound to a non-loopback address with no key configured: a key is generated, never an open route.
+    assert EngineServer(engine, tokenizer, host="0.0.0.0").api_key
+    assert EngineServer(engine, tokenizer, host="127.0.0.1").api_key is None
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+SLOW_TEMPLATE = "{% for a in range(500) %}{% for b in range(500) %}{% for c in range(500) %}{% endfor %}{% endfor %}{% endfor %}"
+
+
+def test_request_chat_templates_are_off_by_default(server) -> None:
+    for body in (
+        {**CHAT, "chat_template": "{{ 'x' }}"},
+        {**CHAT, "chat_template_kwargs": {"chat_template": SLOW_TEMPLATE}},
+    ):
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and "allow_request_chat_template" in r.json()["error"]["message"]
+
+
+def test_allowed_request_templates_render_in_a_budgeted_sandbox(server, tokenizer) -> None:
+    srv = EngineServer(
+        server.engine, tokenizer, allow_request_chat_template=True, request_template_timeout_s=1.0
+    )
+    srv.start()  # the engine runs already: this server only adds the HTTP front
+    try:
+        plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ eos_token }}{{ greeting }}"
+        body = {
+            **CHAT,
+            "chat_template_kwargs": {"chat_template": plain, "greeting": "!"},
+            "return_token_ids": True,
+        }
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["prompt_token_ids"] == tokenizer.encode(
+            "hi" + tokenizer.eos_token + "!", add_special_tokens=False
+        )
+
+        async def slow_render_and_health():  # type: ignore[no-untyped-def]
+            done: list[str] = []
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+
+                async def call(name: str, coro):  # type: ignore[no-untyped-def]
+                    response = await coro
+                    done.append(name)
+                    return response
+
+                slow = asyncio.create_task(
+                    call(
+                        "slow", c.post("/v1/chat/completions", json={**CHAT, "chat_template": SLOW_TEMPLATE})
+                    )
+                )
+                await asyncio.sleep(0.2)
+                health = await call("health", c.get("/health"))
+                return await slow, health, done
+
+        slow, health, done = asyncio.run(slow_render_and_health())
+        assert health.status_code == 200 and done == ["health", "slow"]  # the event loop never stalled
+        assert slow.status_code == 400 and "longer than 1 s" in slow.json()["error"]["message"]
+        for template, needle in (
+            ("{{ 'a' * 1000000000 }}", "memory"),  # grows the child, never the server
+            ("{% for i in range(100000) %}{{ 'abcdefgh' * 100 }}{% endfor %}", "exceeds"),
+            ("{{ raise_exception('no system prompt') }}", "no system prompt"),
+            ("{% for %}", "TemplateSyntaxError"),
+        ):
+            r = httpx.post(
+                srv.url + "/v1/chat/completions", json={**CHAT, "chat_template": template}, timeout=60
+            )
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    finally:
+        srv.stop()

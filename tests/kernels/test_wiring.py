@@ -22,7 +22,8 @@ from jaxrl.inference.sampling import SamplingParams
 from jaxrl.inference.scheduler import Request
 from jaxrl.kernel_dispatch import Kernels, resolve
 from jaxrl.models.decoder import KVCache
-from jaxrl.parallel.mesh import MeshConfig, batch_sharding, make_mesh, shard_params
+from jaxrl.models.sharding import shard_params
+from jaxrl.parallel.mesh import MeshConfig, batch_sharding, make_mesh
 from jaxrl.trainer.config import TrainerConfig
 from jaxrl.trainer.packing import component_counts, pack
 from jaxrl.trainer.step import Trainer, micro_batch_loss
@@ -38,7 +39,7 @@ def _batch():
     batch = pack(samples, SEQ_LEN, rows_multiple=8)
     segments = batch.segment_ids.max(axis=1)
     assert batch.num_rows == 8 and (segments >= 2).all(), "every row must pack several samples"
-    counts = {k: jnp.float32(v) for k, v in component_counts(batch).items()} | {"ref_kl": jnp.float32(0)}
+    counts = {k: jnp.float32(v) for k, v in component_counts(batch).items()}
     return {k: jnp.asarray(v) for k, v in batch.as_dict().items()}, counts
 
 

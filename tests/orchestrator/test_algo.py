@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pydantic
 import pytest
-from trace_builders import rollout, single_turn_trace, tool_trace
+from trace_builders import forked_trace, rollout, single_turn_trace, tool_trace
 
-from jaxrl.orchestrator.algo import EchoConfig, GRPOConfig, SFTConfig, make_algorithm
+from jaxrl.orchestrator.algo import EchoConfig, GRPOConfig, MaxRLConfig, SFTConfig, make_algorithm
 from jaxrl.orchestrator.env_server import EnvConfig
+from jaxrl.trainer.packing import component_counts, pack
 
 TOOL_CE = {14: 0.1, 15: 0.1}  # tool node 3 spans 13..17; content at 14, 15
 USER_CE = {17: 0.2, 18: 0.2, 19: 0.2}  # user node 4 spans 17..20, no attribution: whole span
@@ -33,11 +34,59 @@ def test_grpo_advantage_is_reward_minus_group_mean():
         assert s.temperature == pytest.approx(0.7) and s.policy_version == 3
 
 
-def test_grpo_linear_length_penalty():
-    group = [rollout(single_turn_trace(n, reward=r)) for n, r in ((2, 1.0), (4, 1.0), (3, 0.0))]
-    advantages = make_algorithm(GRPOConfig(length_penalty=0.1)).advantages(group)
-    shaped = np.array([1.0 - 0.2, 1.0 - 0.4, 0.0 - 0.3])
-    assert advantages == pytest.approx((shaped - shaped.mean()).tolist())
+def test_grpo_length_penalty_is_prime_rl_linear_form():
+    # prime-rl's own case (tests/unit/orchestrator/test_advantage.py): equal rewards, output
+    # lengths 10/20/30, only the output term: penalty = 1 * 0.25 * [1/3, 2/3, 1].
+    out_only = {"num_output_tokens_weight": 0.25, "num_input_tokens_weight": 0.0, "num_turns_weight": 0.0}
+    algo = make_algorithm(GRPOConfig(length_penalty=out_only))
+    group = [rollout(single_turn_trace(n, reward=1.0)) for n in (10, 20, 30)]
+    assert algo.advantages(group) == pytest.approx([1 / 12, 0.0, -1 / 12], abs=1e-12)
+    # Rewards [1, 1, 0]: the cut is scaled by the pass rate 2/3: shaped = r - 2/3 * 0.25 * [1/3, 2/3, 1].
+    group = [rollout(single_turn_trace(n, reward=r)) for n, r in ((10, 1.0), (20, 1.0), (30, 0.0))]
+    shaped = np.array([1.0, 1.0, 0.0]) - (2 / 3) * 0.25 * np.array([1 / 3, 2 / 3, 1.0])
+    assert algo.advantages(group) == pytest.approx((shaped - shaped.mean()).tolist(), abs=1e-12)
+    assert algo.advantages(group) == pytest.approx([7 / 18, 1 / 3, -13 / 18], abs=1e-12)
+
+
+def test_grpo_length_penalty_input_and_turn_terms():
+    # Input tokens = everything not sampled (4 prompt tokens + 1 scaffold in single_turn_trace);
+    # a two-turn trace (tool_trace) has more of both. Terms normalise by the group max.
+    lp = {"num_output_tokens_weight": 0.0, "num_input_tokens_weight": 0.5, "num_turns_weight": 0.0}
+    group = [rollout(single_turn_trace(5, reward=1.0)), rollout(tool_trace(), reward=1.0)]
+    # tool_trace: 7 nodes, 25 tokens, 6 sampled -> 19 input tokens; single_turn: 5 input tokens.
+    adv = make_algorithm(GRPOConfig(length_penalty=lp)).advantages(group)
+    shaped = 1.0 - 0.5 * np.array([5 / 19, 1.0])
+    assert adv == pytest.approx((shaped - shaped.mean()).tolist(), abs=1e-12)
+    turns = {"num_output_tokens_weight": 0.0, "num_input_tokens_weight": 0.0, "num_turns_weight": 0.3}
+    adv = make_algorithm(GRPOConfig(length_penalty=turns)).advantages(group)  # 1 turn vs 3
+    shaped = 1.0 - 0.3 * np.array([1 / 3, 1.0])
+    assert adv == pytest.approx((shaped - shaped.mean()).tolist(), abs=1e-12)
+
+
+def test_grpo_length_penalty_defaults_and_migration():
+    lp = GRPOConfig.model_validate({"length_penalty": {}}).length_penalty
+    assert (lp.num_output_tokens_weight, lp.num_input_tokens_weight, lp.num_turns_weight) == (0.25, 0.1, 0.1)
+    with pytest.raises(pydantic.ValidationError, match=r"num_output_tokens_weight"):
+        GRPOConfig.model_validate({"length_penalty": 0.01})
+    with pytest.raises(pydantic.ValidationError, match="finite"):
+        GRPOConfig.model_validate({"length_penalty": {"num_turns_weight": float("inf")}})
+    with pytest.raises(pydantic.ValidationError, match="greater than or equal"):
+        GRPOConfig.model_validate({"length_penalty": {"num_output_tokens_weight": -0.1}})
+
+
+def test_max_rl_normalises_by_the_group_mean():
+    algo = make_algorithm(MaxRLConfig())
+    one_of_four = [rollout(single_turn_trace(2, reward=r)) for r in (1.0, 0.0, 0.0, 0.0)]
+    assert algo.advantages(one_of_four) == pytest.approx([3.0, -1.0, -1.0, -1.0], abs=1e-12)
+    assert [s.advantage for s in algo.samples(one_of_four)] == pytest.approx([3.0, -1.0, -1.0, -1.0])
+    two_of_four = [rollout(single_turn_trace(2, reward=r)) for r in (1.0, 1.0, 0.0, 0.0)]
+    assert algo.advantages(two_of_four) == pytest.approx([1.0, 1.0, -1.0, -1.0], abs=1e-12)
+    # No success: no signal (not a division by zero); all successes centre to zero.
+    assert algo.advantages([rollout(single_turn_trace(2, reward=0.0))] * 2) == [0.0, 0.0]
+    assert algo.samples([rollout(single_turn_trace(2, reward=1.0))] * 2) == []
+    # A failed rollout stays out of the mean: mean of (1, 0, 0) is 1/3.
+    failed = [*one_of_four[:3], rollout(None, error="ProviderError: 500")]
+    assert algo.advantages(failed) == pytest.approx([2.0, -1.0, -1.0, 0.0], abs=1e-12)
 
 
 def test_grpo_group_with_equal_rewards_trains_no_rl_tokens():
@@ -63,6 +112,19 @@ def test_grpo_makes_one_sample_per_trainable_branch():
     samples = make_algorithm(GRPOConfig()).samples(tool_group())
     assert [len(s) for s in samples] == [23, 10, 23, 10]
     assert [s.metadata["branch"] for s in samples] == [0, 1, 0, 1]
+
+
+def test_a_shared_branch_node_is_trained_once():
+    """forked_trace: both branches hold sampled node 1 (positions 4, 5); only branch 0 trains it.
+    Per rollout: 4 RL tokens (4, 5, 9 | 9), not 6; the trainer's counts agree."""
+    group = [rollout(forked_trace(), reward=r) for r in (1.0, 0.0)]
+    samples = make_algorithm(EchoConfig(roles={"tool": {"alpha": 0.1}})).samples(group)
+    assert [np.flatnonzero(s.rl_w).tolist() for s in samples] == [[4, 5, 9], [9], [4, 5, 9], [9]]
+    assert [ce_of(s) for s in samples] == [{6: 0.1, 7: 0.1}] * 4  # each branch's own tool node
+    batch = pack(samples, seq_len=32)
+    assert component_counts(batch) == {"rl": 8.0, "ce": 8.0, "ref_kl": 0.0}  # was rl 12 with the node in both samples
+    sft = make_algorithm(SFTConfig()).samples(group)
+    assert [np.flatnonzero(s.ce_w).tolist() for s in sft] == [[4, 5, 9], [9], [4, 5, 9], [9]]
 
 
 def test_echo_selects_content_of_enabled_roles_after_the_first_response():
@@ -106,6 +168,25 @@ def wrong_length(trace, branches):
     return [[True] * (len(b) - 1) for b in branches]
 
 
+def raises(trace, branches):
+    raise RuntimeError("boom")
+
+
+def raises_on_a_win(trace, branches):
+    if trace["rewards"]["r"]["score"] == 1.0:
+        raise RuntimeError("boom")
+    return [[True] * len(b) for b in branches]
+
+
+def three_args(trace, branches, extra):
+    return []
+
+
+def prime_rl_form(trace, drop=14):
+    """prime-rl's filter signature: fn(trace) with the verifiers Trace, masks per trainable branch."""
+    return [[t != drop for t in branch.token_ids] for branch in trace.branches]
+
+
 def test_echo_filter_narrows_the_selection():
     config = EchoConfig(
         roles={"tool": {"alpha": 0.1}}, filter={"import_path": f"{__name__}:keep_first_content_token"}
@@ -118,24 +199,75 @@ def test_echo_filter_narrows_the_selection():
     assert ce_of(make_algorithm(widen).samples(tool_group())[0]) == TOOL_CE  # token 16 was never selected
 
 
+def test_echo_filter_in_prime_rl_form_gets_the_verifiers_trace():
+    # Token id 14 sits at position 13... tool content is ids 15, 16 at positions 14, 15: drop id 15.
+    config = EchoConfig(
+        roles={"tool": {"alpha": 0.1}},
+        filter={"import_path": f"{__name__}:prime_rl_form", "kwargs": {"drop": 15}},
+    )
+    assert ce_of(make_algorithm(config).samples(tool_group())[0]) == {15: 0.1}
+
+
 @pytest.mark.parametrize(
     ("fn", "message"),
     [
         ("wrong_count", "must return one mask per trainable branch: got 1, expected 2"),
         ("wrong_length", "mask 0 must be 23 bools"),
+        ("raises", "RuntimeError: boom"),
     ],
 )
-def test_echo_filter_shape_is_validated(fn, message):
+def test_echo_filter_failure_fails_the_rollout_not_the_step(fn, message):
     config = EchoConfig(roles={"tool": {"alpha": 0.1}}, filter={"import_path": f"{__name__}:{fn}"})
-    with pytest.raises(ValueError, match=message):
-        make_algorithm(config).samples(tool_group())
+    group = tool_group()
+    assert make_algorithm(config).samples(group) == []  # no exception
+    assert [r.error.startswith("echo: ") and message in r.error for r in group] == [True, True]
+
+
+def test_a_raising_filter_fails_only_its_rollout():
+    config = EchoConfig(roles={"tool": {"alpha": 0.1}}, filter={"import_path": f"{__name__}:raises_on_a_win"})
+    group = tool_group((1.0, 0.0, 0.5))
+    samples = make_algorithm(config).samples(group)
+    assert group[0].error == "echo: RuntimeError: boom" and group[1].ok and group[2].ok
+    # the failed rollout leaves the baseline: mean of (0.0, 0.5)
+    assert [s.advantage for s in samples] == pytest.approx([-0.25, -0.25, 0.25, 0.25])
+    assert all(ce_of(s) == TOOL_CE for s in samples[::2])
+
+
+def test_echo_filter_signature_is_checked_at_config_time():
+    with pytest.raises(pydantic.ValidationError, match="must take"):
+        EchoConfig(roles={"tool": {}}, filter={"import_path": f"{__name__}:three_args"})
+    with pytest.raises(pydantic.ValidationError, match="cannot import"):
+        EchoConfig(roles={"tool": {}}, filter={"import_path": "no_such_pkg:fn"})
+
+
+def test_echo_role_options():
+    config = EchoConfig(roles={"tool": {}})
+    assert config.roles.tool.alpha == 1.0  # default alpha 1.0
+    for bad, needle in (
+        ({"tool": {"tool_names": []}}, "at least 1 item"),
+        ({"tool": {"alpha": float("nan")}}, "finite"),
+        ({"user": {"alpha": float("inf")}}, "finite"),
+        ({"user": {"alpha": -0.1}}, "greater than or equal"),
+    ):
+        with pytest.raises(pydantic.ValidationError, match=needle):
+            EchoConfig(roles=bad)
+
+
+def test_echo_assistant_alpha_zero_removes_rl_on_assistant_tokens():
+    # tool echo at 0.1 plus assistant at alpha 0: the policy's sampled tokens leave RL entirely.
+    config = EchoConfig(roles={"tool": {"alpha": 0.1}, "assistant": {"alpha": 0.0}})
+    b0, *_ = make_algorithm(config).samples(tool_group())
+    assert not b0.rl_w.any() and ce_of(b0) == TOOL_CE
+    # assistant alpha 0.5: the sampled tokens train by CE at 0.5 instead of RL.
+    config = EchoConfig(roles={"assistant": {"alpha": 0.5}})
+    b0, b1, *_ = make_algorithm(config).samples(tool_group())
+    assert not b0.rl_w.any() and ce_of(b0) == {i: 0.5 for i in (10, 11, 12, 21, 22)}
+    assert ce_of(b1) == {9: 0.5}
 
 
 def test_echo_config_needs_a_role():
     with pytest.raises(pydantic.ValidationError, match="no role is enabled"):
         EchoConfig()
-    with pytest.raises(pydantic.ValidationError):
-        EchoConfig(roles={"tool": {"alpha": 0.0}})
 
 
 def test_sft_trains_ce_on_sampled_tokens():

@@ -53,3 +53,31 @@ def test_rollouts_are_seeded_by_draw_and_evals_reuse_their_seeds(engine, endpoin
     assert rollout_seeds(4, "train", 0, n=2) != rollout_seeds(3, "train", 0, n=2)
     sent = {req["body"]["sampling_params"].get("seed") for req in engine.requests}
     assert expected_train | {r.seed for r in first} <= sent  # the seed reaches the engine
+
+
+def test_per_env_sampling_and_ratio_mixing(engine, endpoint, output_dir) -> None:
+    """Env `a` samples at its own temperature and max tokens; `b` inherits the split's. Ratio 3:1
+    gives three groups of `a` to one of `b` in a batch of four groups."""
+    cfg = OrchestratorConfig(
+        batch_size=8, group_size=2, max_async_level=0,
+        train={
+            "sampling": {"temperature": 1.0, "max_completion_tokens": 20},
+            "env": [
+                {"id": "reverse_text", "name": "a", "ratio": 3.0,
+                 "sampling": {"temperature": 0.5, "max_completion_tokens": 7}},
+                {"id": "reverse_text", "name": "b"},
+            ],
+        },
+    )
+    start = len(engine.requests)
+    orch = Orchestrator(cfg, endpoint, output_dir=output_dir, seed=0, policy_version=lambda: 0)
+    try:
+        orch.start()
+        groups = orch.next_batch(1, timeout=120)
+    finally:
+        orch.close()
+    assert sorted(g.env for g in groups) == ["a", "a", "a", "b"]
+    assert {(g.env, r.temperature) for g in groups for r in g.rollouts} == {("a", 0.5), ("b", 1.0)}
+    sent = {(q["body"]["sampling_params"]["temperature"], q["body"]["sampling_params"]["max_tokens"])
+            for q in engine.requests[start:]}
+    assert sent == {(0.5, 7), (1.0, 20)}

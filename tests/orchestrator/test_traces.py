@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from trace_builders import node, rollout, single_turn_trace, tool_trace
+from trace_builders import forked_trace, node, rollout, single_turn_trace, tool_trace
 
 from jaxrl.orchestrator.traces import branch_sample, episode_error, trace_branches, trace_reward
 
@@ -117,3 +117,18 @@ def test_rollout_record_drops_raw_tensors():
     record = r.to_record()
     assert record["episode"]["traces"][0]["nodes"][2]["routed_experts"] is None
     assert record["reward"] == 1.0 and record["error"] is None and record["policy_version"] == 3
+
+
+def test_a_node_is_owned_by_the_first_trainable_branch_holding_it():
+    b0, b1 = trace_branches(forked_trace())
+    assert b0.owned.all()  # every node of branch 0 is first seen there
+    # branch 1 shares nodes 0 (user) and 1 (sampled assistant): it owns only nodes 4 and 5
+    assert np.flatnonzero(b1.owned).tolist() == [6, 7, 8, 9]
+    assert b1.trainable and np.flatnonzero(b1.sampled_mask).tolist() == [4, 5, 9]
+
+
+def test_a_branch_whose_sampled_nodes_are_all_shared_is_not_trainable():
+    trace = forked_trace()
+    del trace["nodes"][5]  # branch 1 now ends at the tool node 4: nodes 0, 1, 4
+    b0, b1 = trace_branches(trace)
+    assert b0.trainable and not b1.trainable and not b1.owned.any()

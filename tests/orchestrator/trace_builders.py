@@ -5,6 +5,10 @@ from __future__ import annotations
 from jaxrl.orchestrator.traces import Rollout
 
 
+WIRE = {"task": {"type": "Task", "data": {"idx": 0}}, "agent": {"trainable": True, "config": {}}}
+"""Fields a verifiers `WireTrace` needs beside the nodes (so prime-rl-form filters get one)."""
+
+
 def node(role, tokens, *, parent, sampled=False, mask=None, logprobs=(), is_content=(), **message) -> dict:
     return {
         "parent": parent,
@@ -60,7 +64,26 @@ def tool_trace() -> dict:
             content="fork",
         ),
     ]
-    return {"id": "t-tool", "ok": True, "errors": [], "agent": {"trainable": True}, "nodes": nodes}
+    return {"id": "t-tool", "ok": True, "errors": [], **WIRE, "nodes": nodes}
+
+
+def forked_trace() -> dict:
+    """A fork *after* a sampled node: both branches contain assistant node 2 (sampled).
+
+    nodes: 0 user [1,2,3] | 1 assistant [4,5,6] sampled (mask F,T,T) | 2 tool [7,8] (content 7,8)
+    | 3 assistant [9,10] sampled (F,T) ; fork from node 1: 4 tool [11,12] | 5 assistant [13,14] (F,T).
+    Branch 0 = nodes 0,1,2,3 (10 tokens); branch 1 = nodes 0,1,4,5 (10 tokens).
+    """
+    F, T = False, True
+    nodes = [
+        node("user", [1, 2, 3], parent=None, content="q"),
+        node("assistant", [4, 5, 6], parent=0, sampled=True, mask=[F, T, T], logprobs=[-0.1, -0.2], content="a"),
+        node("tool", [7, 8], parent=1, content="t1", tool_call_id="c1"),
+        node("assistant", [9, 10], parent=2, sampled=True, mask=[F, T], logprobs=[-0.3], content="b"),
+        node("tool", [11, 12], parent=1, content="t2", tool_call_id="c2"),
+        node("assistant", [13, 14], parent=4, sampled=True, mask=[F, T], logprobs=[-0.4], content="c"),
+    ]
+    return {"id": "t-fork", "ok": True, "errors": [], **WIRE, "nodes": nodes}
 
 
 def single_turn_trace(n_sampled: int, *, reward: float, trace_id: str = "t") -> dict:
@@ -82,7 +105,7 @@ def single_turn_trace(n_sampled: int, *, reward: float, trace_id: str = "t") -> 
         "id": trace_id,
         "ok": True,
         "errors": [],
-        "agent": {"trainable": True},
+        **WIRE,
         "nodes": nodes,
         "rewards": {"r": {"score": reward, "weight": 1.0}},
     }

@@ -127,6 +127,17 @@ def test_components_are_normalised_separately():
     assert [float(m[k]) for k in ("rl_tokens", "ce_tokens", "ref_kl_tokens", "entropy")] == [1, 2, 0, 2.0]
 
 
+def test_entropy_metrics_exclude_echo_tokens():
+    """entropy: the rl token only (1.0); ce_entropy: the two CE (echo) tokens, mean of 3 and 5."""
+    logp, logq, adv, rl_w, ce_w = _arrays(
+        [0.0, L(0.5), -2.0, -4.0], [0.0, L(0.4), 0.0, 0.0], [0.0, 1.0, 0.0, 0.0], [0, 1, 0, 0], [0, 0, 1, 1]
+    )
+    mask = jnp.asarray([[False, True, True, True]])
+    entropy = jnp.asarray([[7.0, 1.0, 3.0, 5.0]])
+    _, m = combine(loss_sums(logp, logq, adv, rl_w, ce_w, mask, CFG, entropy=entropy))
+    assert (float(m["entropy"]), float(m["ce_entropy"])) == (1.0, 4.0)
+
+
 def test_ref_kl_component_by_hand():
     """-keep * sg(logr - logp) * ratio + 1e-3 * log_ratio**2; the stop-gradient shapes the grad."""
     logp, logq, logr, w = _arrays(

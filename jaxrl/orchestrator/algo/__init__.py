@@ -1,7 +1,7 @@
 """Algorithms, selected per env by `type` (a pydantic discriminated union).
 
 [orchestrator.train.env.algo]
-type = "echo"        # "grpo" (default) | "echo" | "sft"
+type = "echo"        # "grpo" (default) | "max_rl" | "echo" | "sft"
 """
 
 from __future__ import annotations
@@ -12,19 +12,24 @@ from pydantic import Field
 
 from jaxrl.orchestrator.algo.base import Algorithm
 from jaxrl.orchestrator.algo.echo import Echo, EchoConfig, EchoFilter, EchoRoles, RoleEcho, ToolEcho
-from jaxrl.orchestrator.algo.grpo import GRPO, GRPOConfig
+from jaxrl.orchestrator.algo.grpo import GRPO, GRPOConfig, LinearLengthPenalty
+from jaxrl.orchestrator.algo.max_rl import MaxRL, MaxRLConfig
 from jaxrl.orchestrator.algo.sft import SFT, SFTConfig
 
-AlgoConfig = Annotated[GRPOConfig | EchoConfig | SFTConfig, Field(discriminator="type")]
+AlgoConfig = Annotated[GRPOConfig | MaxRLConfig | EchoConfig | SFTConfig, Field(discriminator="type")]
 
 
-def make_algorithm(config: GRPOConfig | EchoConfig | SFTConfig) -> Algorithm:
+_ALGORITHMS: dict[type, type[Algorithm]] = {
+    GRPOConfig: GRPO,
+    MaxRLConfig: MaxRL,
+    EchoConfig: Echo,
+    SFTConfig: SFT,
+}
+
+
+def make_algorithm(config: GRPOConfig | MaxRLConfig | EchoConfig | SFTConfig) -> Algorithm:
     """The algorithm a config names."""
-    if isinstance(config, EchoConfig):
-        return Echo(config)
-    if isinstance(config, GRPOConfig):
-        return GRPO(config)
-    return SFT(config)
+    return _ALGORITHMS[type(config)](config)
 
 
 __all__ = [
@@ -37,6 +42,9 @@ __all__ = [
     "EchoFilter",
     "EchoRoles",
     "GRPOConfig",
+    "LinearLengthPenalty",
+    "MaxRL",
+    "MaxRLConfig",
     "RoleEcho",
     "SFTConfig",
     "ToolEcho",

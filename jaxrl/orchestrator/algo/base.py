@@ -1,7 +1,7 @@
 """The algorithm interface: score one group of rollouts of the same task into samples.
 
 An algorithm sees a whole group (the `group_size` rollouts of one task), so group-relative
-credit (GRPO) is local to it. It decides the advantage of every rollout and the two
+credit (GRPO, MaxRL) is local to it. It decides the advantage of every rollout and the
 per-token weight streams of every sample (DESIGN contracts 3-4); the trainer never sees a
 trace. Failed rollouts (`Rollout.error`) take no part: not in a baseline, no sample.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
 
@@ -35,11 +36,31 @@ def trainable_branches(rollout: Rollout) -> Iterator[tuple[dict, list[Branch]]]:
         yield trace, [b for b in trace_branches(trace) if b.trainable]
 
 
-def sampled_tokens(rollout: Rollout) -> int:
-    """Tokens the policy sampled across the rollout's trainable branches."""
-    return sum(b.num_sampled for _, branches in trainable_branches(rollout) for b in branches)
+@dataclass(frozen=True)
+class RolloutLengths:
+    """Size of a rollout's trainable traces, each message node counted once (a node shared by
+    several branches is one node): what prime-rl's length penalty calls `num_output_tokens`,
+    `num_input_tokens` (`num_total_tokens - num_output_tokens`) and `num_turns`."""
+
+    output_tokens: int
+    """Tokens the policy sampled (mask True)."""
+    input_tokens: int
+    """Every other token: prompts, tool outputs, feedback, chat-template scaffold."""
+    turns: int
+    """Model calls (sampled message nodes)."""
+
+
+def rollout_lengths(rollout: Rollout) -> RolloutLengths:
+    output = inputs = turns = 0
+    for trace in rollout.trainable_traces:
+        for node in trace.get("nodes") or []:
+            n_sampled = sum(bool(m) for m in node.get("mask") or [])
+            output += n_sampled
+            inputs += len(node.get("token_ids") or []) - n_sampled
+            turns += bool(node.get("sampled", False))
+    return RolloutLengths(output, inputs, turns)
 
 
 def has_weight(sample: TrainingSample) -> bool:
     """Whether any token of the sample (past the first, which is never predicted) is trained."""
-    return bool(sample.rl_w[1:].any() or sample.ce_w[1:].any())
+    return bool(sample.rl_w[1:].any() or sample.ce_w[1:].any() or sample.ref_kl_w[1:].any())

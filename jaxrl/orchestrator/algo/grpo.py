@@ -1,4 +1,4 @@
-"""GRPO: advantage = reward - group mean, optionally with a linear length penalty.
+"""GRPO: advantage = reward - group mean, optionally length-shaped as prime-rl does.
 
 Only the policy's own (sampled) tokens train, in the RL component. A group whose
 advantages are all zero (every rollout scored the same) carries no signal: its samples get
@@ -7,16 +7,18 @@ rl_w = 0, so they add no RL tokens (nor their KL term) to the step.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Literal
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from jaxrl.orchestrator.algo.base import (
     AlgoConfigBase,
     Algorithm,
+    RolloutLengths,
     has_weight,
-    sampled_tokens,
+    rollout_lengths,
     trainable_branches,
 )
 from jaxrl.orchestrator.traces import Branch, Rollout, branch_sample
@@ -25,43 +27,95 @@ from jaxrl.samples import TrainingSample
 ZERO_ADVANTAGE = 1e-8
 """Advantages within this of zero count as zero (float noise of equal rewards)."""
 
+Selection = tuple[np.ndarray, np.ndarray]
+"""Echo selection of one branch: (ce_w float32[L], selected bool[L]); selected tokens leave RL."""
+
+
+class LinearLengthPenalty(AlgoConfigBase):
+    """prime-rl's linear length penalty: a pass-rate-scaled cut subtracted from each reward
+    before the group baseline,
+    `penalty_i = mean(r) * (w_out * out_i / max(out) + w_in * in_i / max(in) + w_turns * turns_i / max(turns))`,
+    each quantity normalised by the group's own maximum (so the penalty is at most
+    `mean(r) * (w_out + w_in + w_turns)` whatever the lengths). A term with weight 0 is off."""
+
+    type: Literal["linear"] = "linear"
+    num_output_tokens_weight: float = Field(0.25, ge=0, allow_inf_nan=False)
+    """Weight of the output-token term (tokens the policy sampled)."""
+    num_input_tokens_weight: float = Field(0.1, ge=0, allow_inf_nan=False)
+    """Weight of the input-token term (tokens the model read but did not sample: prompts,
+    tool outputs, template scaffold)."""
+    num_turns_weight: float = Field(0.1, ge=0, allow_inf_nan=False)
+    """Weight of the turns term (model calls)."""
+
+    def penalties(self, rewards: np.ndarray, lengths: list[RolloutLengths]) -> np.ndarray:
+        """The penalty of each rollout of a group (float64)."""
+
+        def term(values: list[int]) -> np.ndarray:
+            v = np.asarray(values, np.float64)
+            return v / max(v.max(), 1.0)
+
+        frac = (
+            self.num_output_tokens_weight * term([x.output_tokens for x in lengths])
+            + self.num_input_tokens_weight * term([x.input_tokens for x in lengths])
+            + self.num_turns_weight * term([x.turns for x in lengths])
+        )
+        return rewards.mean() * frac
+
 
 class GRPOConfig(AlgoConfigBase):
     type: Literal["grpo"] = "grpo"
-    length_penalty: float = Field(0.0, ge=0.0)
-    """Reward subtracted per sampled token before the group baseline:
-    `shaped = reward - length_penalty * sampled_tokens` (0 = off)."""
+    length_penalty: LinearLengthPenalty | None = None
+    """`[...algo.length_penalty]`: prime-rl's linear length penalty (None: off)."""
+
+    @field_validator("length_penalty", mode="before")
+    @classmethod
+    def _migrate_number(cls, value: object) -> object:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            raise ValueError(
+                f"length_penalty = {value} (a reward cut per sampled token) was replaced by prime-rl's "
+                "linear penalty: set the table [orchestrator.train.env.algo.length_penalty] with "
+                "num_output_tokens_weight (e.g. 0.25), num_input_tokens_weight and num_turns_weight "
+                "(each term is normalised by the group's maximum and scaled by the group's mean reward)"
+            )
+        return value
 
 
-class GRPO(Algorithm):
-    def __init__(self, config: GRPOConfig) -> None:
-        self.config = config
+class GroupRelative(Algorithm):
+    """One scalar advantage per rollout (`advantages`), broadcast over its sampled tokens in
+    the RL component; subclasses may select tokens for CE instead (`echo`)."""
 
+    @abstractmethod
     def advantages(self, group: list[Rollout]) -> list[float]:
-        """One advantage per rollout; failed rollouts get 0 and stay out of the baseline."""
-        ok = [r for r in group if r.ok]
-        if not ok:
-            return [0.0] * len(group)
-        shaped = {id(r): r.reward - self.config.length_penalty * sampled_tokens(r) for r in ok}
-        baseline = sum(shaped.values()) / len(shaped)
-        return [shaped[id(r)] - baseline if r.ok else 0.0 for r in group]
+        """One advantage per rollout; failed rollouts get 0 and stay out of any baseline."""
 
-    def ce_weights(self, trace: dict, branches: list[Branch]) -> list[np.ndarray | None]:
-        """Per-branch CE weight streams (None = none); GRPO trains no CE tokens."""
+    def echo(self, trace: dict, branches: list[Branch]) -> list[Selection | None]:
+        """Per-branch echo selections (None = none); plain RL selects nothing. May raise: the
+        rollout then fails (a record with the error), not the step."""
         return [None] * len(branches)
 
+    def _selections(self, rollout: Rollout) -> list[list[Selection | None]]:
+        """Echo selections per trainable trace; a raising hook marks the rollout failed."""
+        try:
+            return [self.echo(trace, branches) for trace, branches in trainable_branches(rollout)]
+        except Exception as e:  # noqa: BLE001 - user filter code: one failed rollout, not a failed step
+            rollout.error = f"echo: {type(e).__name__}: {e}"
+            return []
+
     def samples(self, group: list[Rollout]) -> list[TrainingSample]:
+        selections = [self._selections(r) if r.ok else [] for r in group]
         advantages = self.advantages(group)
         rl_on = any(abs(a) > ZERO_ADVANTAGE for a in advantages)
         out = []
-        for rollout, advantage in zip(group, advantages):
+        for rollout, advantage, per_trace in zip(group, advantages, selections):
             if not rollout.ok:
                 continue
-            for trace, branches in trainable_branches(rollout):
-                for branch, ce_w in zip(branches, self.ce_weights(trace, branches)):
+            for (trace, branches), chosen in zip(trainable_branches(rollout), per_trace):
+                for branch, selection in zip(branches, chosen):
                     rl_w = branch.sampled_mask.astype(np.float32) * float(rl_on)
-                    if ce_w is not None:
-                        rl_w = np.where(ce_w != 0, 0.0, rl_w).astype(np.float32)
+                    ce_w = None
+                    if selection is not None:
+                        ce_w, selected = selection
+                        rl_w = np.where(selected, 0.0, rl_w).astype(np.float32)
                     sample = branch_sample(
                         branch,
                         rollout,
@@ -73,3 +127,29 @@ class GRPO(Algorithm):
                     if has_weight(sample):
                         out.append(sample)
         return out
+
+
+def ok_rewards(group: list[Rollout]) -> np.ndarray:
+    """Rewards of the group's successful rollouts (float64)."""
+    return np.array([r.reward for r in group if r.ok], np.float64)
+
+
+def scatter(group: list[Rollout], values: np.ndarray) -> list[float]:
+    """Per-rollout list from values over the successful rollouts (0 for failed ones)."""
+    it = iter(values.tolist())
+    return [next(it) if r.ok else 0.0 for r in group]
+
+
+class GRPO(GroupRelative):
+    def __init__(self, config: GRPOConfig) -> None:
+        self.config = config
+
+    def advantages(self, group: list[Rollout]) -> list[float]:
+        rewards = ok_rewards(group)
+        if not rewards.size:
+            return [0.0] * len(group)
+        shaped = rewards
+        if self.config.length_penalty is not None:
+            lengths = [rollout_lengths(r) for r in group if r.ok]
+            shaped = rewards - self.config.length_penalty.penalties(rewards, lengths)
+        return scatter(group, shaped - shaped.mean())

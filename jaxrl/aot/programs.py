@@ -1,0 +1,275 @@
+"""The run's device programs, compiled from abstract shapes for a topology, and whether they fit.
+
+What is compiled is what the run executes, built by the run's own code: the trainer's
+``TrainPrograms`` (the micro-step once per ``trainer.seq_len_buckets`` entry, and the update)
+and, for RL configs with the embedded engine, ``engine_programs`` at the largest decode and
+prefill buckets (``max_seqs`` rows x ``max_model_len`` positions; smaller buckets need less).
+Model and optimizer state are ``nnx.eval_shape`` / ``jax.eval_shape`` shapes with the run's
+shardings, so nothing is allocated.
+
+Per chip, a program needs its compiled footprint (arguments + outputs not aliased to donated
+arguments + temporaries, from ``memory_analysis``) plus whatever else stays resident while it
+runs: the optimizer state during the micro-step; the engine's weights and KV cache during
+training steps (the embedded engine shares the trainer's chips); the trainer's parameters and
+optimizer state during rollouts. That total is compared with the chip's HBM.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxrl.aot.topology import Topology
+from jaxrl.config import ModelConfig, RunConfig
+from jaxrl.models.arch import ModelArch, arch_from_hf_config
+from jaxrl.models.decoder import Decoder
+from jaxrl.models.presets import PRESETS, preset_hf_config
+from jaxrl.models.setup import DTYPES, padded_vocab, scratch_hf_config
+from jaxrl.parallel.mesh import make_mesh, replicated
+from jaxrl.trainer import loss as L
+from jaxrl.trainer.step import TrainPrograms, micro_batch_shapes
+
+TRAINER_KNOBS = (
+    "trainer.mesh (fsdp/tensor shard parameters, optimizer state and activations)",
+    "trainer.micro_batch_rows (activations grow with rows x seq_len)",
+    'trainer.remat ("full" keeps only each layer\'s input)',
+    "trainer.seq_len / seq_len_buckets",
+)
+ENGINE_KNOBS = (
+    "inference.max_seqs and inference.max_model_len (KV cache = max_seqs x max_model_len positions)",
+    "inference.tensor_parallel (shards weights and KV cache heads)",
+    'inference.kv_cache_dtype = "bfloat16"',
+)
+
+
+@dataclass
+class ProgramFit:
+    """One compiled program's per-chip memory (bytes) and whether it fits the chip's HBM."""
+
+    program: str
+    topology: str
+    mesh: dict[str, int]
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0
+    temp_bytes: int = 0
+    resident_other_bytes: int = 0  # state outside this program's arguments that stays in HBM
+    total_bytes: int = 0
+    hbm_bytes: int = 0
+    fits: bool = False
+    compile_s: float = 0.0
+    estimated_flops: float | None = None  # XLA cost model: an estimate (custom calls, scans)
+    estimated_bytes_accessed: float | None = None
+    error: str | None = None
+    oom: bool = False  # XLA itself found the program over HBM (its error says by how much)
+    knobs: tuple[str, ...] = field(default_factory=tuple)
+
+    def json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def model_hf_config(model: ModelConfig) -> tuple[dict[str, Any], str]:
+    """(config.json dict, where it came from) for ``[model]``: the directory's config.json, a
+    built-in architecture of the checkpoint it names (``jaxrl.models.presets``), or the scratch
+    model's config (with jaxrl's byte-level tokenizer's vocabulary). Never loads weights."""
+    if model.scratch is not None:
+        tok = model.tokenizer
+        if tok is None:
+            from jaxrl.models.tokenizer import build_tokenizer
+
+            tok = str(build_tokenizer(Path(tempfile.mkdtemp(prefix="jaxrl-aot-tok-"))))
+        return scratch_hf_config(model.scratch, vocab_size=padded_vocab(tok)), "[model.scratch]"
+    assert model.name is not None
+    path = Path(model.name) / "config.json"
+    if path.exists():
+        return json.loads(path.read_text()), str(path)
+    preset = preset_hf_config(model.name)
+    if preset is None:
+        raise FileNotFoundError(
+            f"model.name = {model.name!r}: no config.json there and not a built-in architecture "
+            f"({', '.join(PRESETS)}); download the checkpoint's config.json into that directory"
+        )
+    return preset, f"built-in {model.name.rstrip('/').split('/')[-1]} architecture"
+
+
+def _per_device_bytes(tree: Any) -> int:
+    """Bytes one device holds of an abstract, sharded pytree (the largest shard per leaf)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        total += int(np.prod(shape, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def _compile(fit: ProgramFit, jitted: Any, *args: Any, **kwargs: Any) -> ProgramFit:
+    t0 = time.perf_counter()
+    try:
+        compiled = jitted.lower(*args, **kwargs).compile()
+    except Exception as e:  # a compile failure (e.g. a kernel over VMEM) is a result, not a crash
+        msg = str(e).strip().splitlines()[0][:400].rstrip(".")
+        fit.error = f"{type(e).__name__}: {msg}"
+        fit.oom = "RESOURCE_EXHAUSTED" in msg and "HBM" in msg
+        fit.compile_s = time.perf_counter() - t0
+        return fit
+    fit.compile_s = round(time.perf_counter() - t0, 2)
+    mem = compiled.memory_analysis()
+    fit.argument_bytes = int(mem.argument_size_in_bytes)
+    fit.output_bytes = int(mem.output_size_in_bytes)
+    fit.alias_bytes = int(mem.alias_size_in_bytes)
+    fit.temp_bytes = int(mem.temp_size_in_bytes)
+    try:
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        fit.estimated_flops = float(cost.get("flops", 0.0)) or None
+        fit.estimated_bytes_accessed = float(cost.get("bytes accessed", 0.0)) or None
+    except Exception:  # the cost model is optional information
+        pass
+    return fit
+
+
+def _finish(fit: ProgramFit, resident_other: int, hbm: int) -> ProgramFit:
+    fit.resident_other_bytes = resident_other
+    fit.hbm_bytes = hbm
+    if fit.error is None:
+        peak = fit.argument_bytes + fit.output_bytes - fit.alias_bytes + fit.temp_bytes
+        fit.total_bytes = peak + resident_other
+        fit.fits = fit.total_bytes <= hbm
+    return fit
+
+
+def _mesh_dict(mesh: Mesh) -> dict[str, int]:
+    return {str(k): int(v) for k, v in mesh.shape.items()}
+
+
+def abstract_decoder(arch: ModelArch, param_dtype: Any, dtype: Any) -> Decoder:
+    """The decoder with every weight a ShapeDtypeStruct (nothing allocated)."""
+    return nnx.eval_shape(lambda: Decoder(arch, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype))
+
+
+@dataclass
+class EngineShapes:
+    mesh: Mesh
+    graphdef: Any
+    weights: Any  # sharded ShapeDtypeStructs
+    layout: Any  # jaxrl.inference.engine.EngineLayout
+    kernels: Any
+
+
+@dataclass
+class RunShapes:
+    """A run's state as sharded abstract shapes on a topology (built, never allocated)."""
+
+    topo: Topology
+    arch: ModelArch
+    mesh: Mesh
+    model: Decoder
+    programs: TrainPrograms
+    params: Any
+    opt: Any
+    engine: EngineShapes | None
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes per chip of each resident state (the engine's on the chips it uses)."""
+        out = {"trainer_params": _per_device_bytes(self.params), "trainer_opt_state": _per_device_bytes(self.opt)}
+        if self.engine is not None:
+            out["engine_weights"] = _per_device_bytes(self.engine.weights)
+            out["engine_kv_cache"] = _per_device_bytes(self.engine.layout.abstract_cache())
+        return out
+
+
+def run_shapes(cfg: RunConfig, topo: Topology, *, engine: bool | None = None) -> RunShapes:
+    """The run's abstract state on ``topo``. ``engine``: include the embedded engine (default:
+    for RL configs whose ``inference.backend`` is "embedded")."""
+    hf_config, _ = model_hf_config(cfg.model)
+    arch = arch_from_hf_config(hf_config)
+    param_dtype, dtype = DTYPES[cfg.model.param_dtype], DTYPES[cfg.model.dtype]
+    mesh = make_mesh(cfg.trainer.mesh, list(topo.devices))
+    model = abstract_decoder(arch, param_dtype, dtype)
+    programs = TrainPrograms.build(model, cfg.trainer, mesh)
+    params, opt = programs.abstract_state(nnx.state(model))
+    with_engine = (cfg.mode == "rl" and cfg.inference.backend == "embedded") if engine is None else engine
+    eng = _engine_shapes(cfg, arch, model, topo) if with_engine else None
+    return RunShapes(topo, arch, mesh, model, programs, params, opt, eng)
+
+
+def _engine_shapes(cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo: Topology) -> EngineShapes:
+    from jaxrl.inference import weights as W
+    from jaxrl.inference.engine import EngineLayout
+    from jaxrl.kernel_dispatch import Kernels
+
+    icfg = cfg.inference
+    if icfg.max_model_len > arch.max_position_embeddings:
+        raise ValueError(
+            f"inference.max_model_len ({icfg.max_model_len}) exceeds the model's max_position_embeddings "
+            f"({arch.max_position_embeddings}); lower it"
+        )
+    if icfg.tensor_parallel > topo.num_devices:
+        raise ValueError(f"inference.tensor_parallel = {icfg.tensor_parallel} > {topo.num_devices} devices in {topo.name}")
+    # The run's engine uses W.serving_mesh (None = one device): a 1-device "tensor" mesh places
+    # everything the same way on the topology's first chip.
+    mesh = W.serving_mesh(icfg.tensor_parallel, list(topo.devices)) or Mesh(np.array(topo.devices[:1]), ("tensor",))
+    graphdef, state = nnx.split(trainer_model)  # the engine serves the trainer's model (jaxrl.rl)
+    shardings = W.state_shardings(state, W.param_sharding_fn(mesh))
+    weights = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings)
+    layout = EngineLayout.create(arch, icfg, trainer_model.dtype, mesh)
+    kernels = Kernels.create(icfg.kernels, field="inference.kernels", mesh=mesh)
+    return EngineShapes(mesh, graphdef, weights, layout, kernels)
+
+
+def plan(cfg: RunConfig, topo: Topology, *, engine: bool | None = None) -> list[ProgramFit]:
+    """Compile the run's programs for ``topo``; one ``ProgramFit`` each (errors included).
+
+    ``engine``: also the embedded engine's programs (see ``run_shapes``).
+    """
+    run = run_shapes(cfg, topo, engine=engine)
+    tcfg, mesh, programs, params, opt = cfg.trainer, run.mesh, run.programs, run.params, run.opt
+    sb = run.state_bytes()
+    engine_state_bytes = sb.get("engine_weights", 0) + sb.get("engine_kv_cache", 0)
+    engine_fits = _engine_fits(cfg, run.engine, topo) if run.engine is not None else []
+
+    fits: list[ProgramFit] = []
+    counts = {c: jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated(mesh)) for c in L.COMPONENTS}
+    sums: Any = None
+    for bucket in tcfg.seq_len_buckets or [tcfg.seq_len]:
+        mb = micro_batch_shapes(mesh, tcfg.micro_batch_rows, bucket)
+        sums = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(mesh)),
+            programs.sums_shapes(params, mb, tcfg),
+        )
+        fit = ProgramFit(f"train_micro_step[{tcfg.micro_batch_rows}x{bucket}]", topo.name, _mesh_dict(mesh), knobs=TRAINER_KNOBS)
+        _compile(fit, programs.micro_step, params, params, sums, mb, counts)
+        fits.append(_finish(fit, sb["trainer_opt_state"] + engine_state_bytes, topo.hbm_per_device))
+    fit = ProgramFit("train_update", topo.name, _mesh_dict(mesh), knobs=TRAINER_KNOBS[:1])
+    _compile(fit, programs.apply, params, opt, params, sums)
+    fits.append(_finish(fit, engine_state_bytes, topo.hbm_per_device))
+    for f in engine_fits:  # the trainer's parameters and optimizer state stay resident
+        fits.append(_finish(f, sb["trainer_params"] + sb["trainer_opt_state"], topo.hbm_per_device))
+    return fits
+
+
+def _engine_fits(cfg: RunConfig, eng: EngineShapes, topo: Topology) -> list[ProgramFit]:
+    """The engine's largest decode and prefill programs, compiled (not yet ``_finish``ed)."""
+    from jaxrl.inference.engine import engine_programs
+
+    icfg, layout = cfg.inference, eng.layout
+    prefill, decode, _, _ = engine_programs(eng.graphdef, layout, eng.kernels)
+    cache = layout.abstract_cache()
+    md = _mesh_dict(eng.mesh)
+    b, n = icfg.decode_buckets()[-1], icfg.decode_lengths()[-1]
+    dfit = ProgramFit(f"engine_decode[{b}x{n}]", topo.name, md, knobs=ENGINE_KNOBS)
+    steps = icfg.decode_step_counts()[-1]
+    _compile(dfit, decode, steps, eng.weights, cache, *layout.decode_inputs(b), length=n)
+    pb, pn = icfg.prefill_batches()[-1], icfg.prefill_lengths()[-1]
+    pfit = ProgramFit(f"engine_prefill[{pb}x{pn}]", topo.name, md, knobs=ENGINE_KNOBS)
+    _compile(pfit, prefill, eng.weights, cache, *layout.prefill_inputs(pb, pn))
+    return [dfit, pfit]

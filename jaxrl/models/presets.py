@@ -1,0 +1,50 @@
+"""Architectures of released checkpoints, for planning without their weights.
+
+``jaxrl.aot`` compiles a run's programs from ``config.json`` alone; when a recipe's ``[model]
+name`` has not been downloaded yet, the config of the checkpoint it names (by the directory's
+last component, e.g. ``models/Qwen3-8B``) comes from here. The values are those of the
+checkpoints' published ``config.json`` files; a downloaded ``config.json`` always wins.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# name -> (hidden, intermediate, layers, heads, kv_heads, tie_word_embeddings)
+_QWEN3 = {
+    "Qwen3-0.6B": (1024, 3072, 28, 16, 8, True),
+    "Qwen3-1.7B": (2048, 6144, 28, 16, 8, True),
+    "Qwen3-4B": (2560, 9728, 36, 32, 8, True),
+    "Qwen3-8B": (4096, 12288, 36, 32, 8, False),
+    "Qwen3-14B": (5120, 17408, 40, 40, 8, False),
+    "Qwen3-32B": (5120, 25600, 64, 64, 8, False),
+}
+
+PRESETS = tuple(_QWEN3)
+
+
+def preset_hf_config(name: str) -> dict[str, Any] | None:
+    """config.json of the released checkpoint ``name`` ("Qwen3-8B", "Qwen/Qwen3-8B" or a path
+    ending in it); None when it is not one of ``PRESETS``."""
+    key = name.rstrip("/").split("/")[-1]
+    if key not in _QWEN3:
+        return None
+    from transformers import Qwen3Config
+
+    d, f, layers, heads, kv, tie = _QWEN3[key]
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=d,
+        intermediate_size=f,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        bos_token_id=151643,
+        eos_token_id=151645,
+        architectures=["Qwen3ForCausalLM"],
+    ).to_dict()
