@@ -42,11 +42,11 @@ from flax import nnx
 from safetensors.numpy import save_file
 from transformers import AutoTokenizer
 
+from jaxrl.endpoint import ModelEndpoint
 from jaxrl.inference.config import InferenceConfig
 from jaxrl.inference.vllm_proxy import ProxyServer
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import export_hf
-from jaxrl.orchestrator.env_server import ModelEndpoint
 
 LOG_TAIL_CHARS = 4000
 
