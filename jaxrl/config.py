@@ -176,8 +176,8 @@ class RunConfig(BaseModel):
             and not _HUB_ID.match(name)
         ):
             raise ValueError(
-                f"model.name: {self.model.name} is not a directory; point it at a Hugging Face model directory "
-                "(config.json + safetensors) or a hub id (org/name)"
+                f"model.name: {self.model.name} is not a directory nor a hub id (org/name); point it at a Hugging "
+                "Face model directory (config.json + safetensors) or a hub id"
             )
         context = model_context_len(self.model)
         if context is not None:
@@ -185,8 +185,8 @@ class RunConfig(BaseModel):
         elif self.inference.max_model_len is None and self.orchestrator is not None:
             raise ValueError(
                 f"inference.max_model_len: unset, and model.name = {self.model.name!r} has no config.json to read "
-                "the model's context length from; set inference.max_model_len (needed when a warm start creates "
-                "the model) or fix model.name"
+                "the model's context length from (yet: a warm start creates it, or a hub id not in the local "
+                "cache); set inference.max_model_len"
             )
         if self.data is not None and self.orchestrator is not None:
             raise ValueError("set only one of `[data]` (SFT) and `[orchestrator]` (RL)")
@@ -227,6 +227,11 @@ def model_context_len(model: ModelConfig) -> int | None:
     if model.scratch is not None:
         return model.scratch.max_position_embeddings
     config = Path(model.name or "") / "config.json"
+    if not config.is_file() and model.name and _HUB_ID.match(model.name):  # a cached hub snapshot; no network
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model.name, "config.json", revision=model.revision)
+        config = Path(cached) if isinstance(cached, str) else config
     if not config.is_file():
         return None
     try:

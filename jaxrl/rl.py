@@ -178,7 +178,19 @@ def _rl_step(run: TrainingRun, orch: Orchestrator, engine: Any, rollouts: Rollou
         "time/weight_sync_s": t_sync,
         "time/step_s": time.perf_counter() - t0,
     }
-    return metrics
+    return metrics | engine_metrics(engine)
+
+
+ENGINE_KEYS = ("waiting", "running", "tokens_per_s", "prefix_hit_rate", "cached_prompt_tokens", "prompt_tokens",
+               "generated_tokens", "compiles")
+
+
+def engine_metrics(engine: Any) -> dict[str, float]:
+    """The rollout backend's own view (``GET /metrics`` of the embedded engine) as ``engine/...`` keys."""
+    snapshot = engine.metrics()
+    if snapshot is None:
+        return {}
+    return {f"engine/{k}": float(v) for k, v in snapshot.model_dump(include=set(ENGINE_KEYS)).items()}
 
 
 def _evaluate(orch: Orchestrator, rollouts: RolloutLog, step: int) -> dict[str, Any]:

@@ -45,6 +45,12 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
     )  # fmt: skip
 
 
+def _print_ready(server, url: str) -> None:  # type: ignore[no-untyped-def]
+    warm = server.engine.metrics()
+    took = "" if warm.warmup_s is None else f" (warm-up: {warm.compiles} programs in {warm.warmup_s:.1f} s)"
+    print(f"jaxrl.serve: serving {server.model_name} at {url}{took}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 after a clean stop, 2 for a config error (one message, before any work),
     1 when the engine failed beyond recovery (a supervisor should restart the process)."""
@@ -58,9 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        server.serve_forever(
-            on_ready=lambda url: print(f"jaxrl.serve: serving {server.model_name} at {url}", flush=True)
-        )
+        server.serve_forever(on_ready=lambda url: _print_ready(server, url))
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

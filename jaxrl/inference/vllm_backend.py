@@ -295,6 +295,11 @@ class VLLMBackend:
     def policy_version(self) -> int:
         return self._version
 
+    def metrics(self) -> None:
+        """The rollout-backend protocol's engine metrics: none from vLLM (its own Prometheus
+        ``/metrics`` speaks another format), so the RL loop logs no ``engine/...`` keys."""
+        return None
+
     def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
         resp = self._http.request(method, f"{self.upstream}{path}", **kw)
         if resp.status_code >= 400:
