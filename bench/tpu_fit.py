@@ -59,17 +59,23 @@ def fit_one(model: str, slice_name: str, seq: int, args: argparse.Namespace) -> 
             "micro_batch_rows": cfg.trainer.micro_batch_rows, "max_seqs": args.max_seqs, "max_model_len": cfg.inference.max_model_len}
     trainer_state = sb["trainer_params"] * 2 + sb["trainer_opt_state"]  # + gradients
     out = []
+    if args.state_only:  # resident state only (no compile, no activations): a lower bound
+        engine_state = sb["engine_weights"] + sb["engine_kv_cache"]
+        for prog, total in (("trainer state", trainer_state), ("trainer + engine state", trainer_state + engine_state)):
+            out.append({**base, "program": prog, "mesh": {"fsdp": topo.num_devices}, "total_bytes": total,
+                        "hbm_bytes": topo.hbm_per_device, "fits": total <= topo.hbm_per_device, "compile_s": "-"})
+        return out
     if trainer_state > topo.hbm_per_device:
         out.append({**base, "program": "trainer", "fits": False, "hbm_bytes": topo.hbm_per_device,
                     "total_bytes": trainer_state, "note": "trainer state alone (16 B/param / chips) exceeds HBM"})
         return out
-    for f in plan(cfg, topo, engine=not args.no_engine):
+    for f in plan(cfg, topo, engine=not args.no_engine, trainer=not args.engine_only):
         out.append({**base, **json.loads(f.json())})
     return out
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    gib = lambda n: f"{n / 1024**3:.1f}"  # noqa: E731
+    gib = lambda n: f"{n / 1024**3:.1f}"
     lines = ["| model | slice | program | mesh | micro-batch | per-chip GiB (of HBM) | fits | compile s |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -80,6 +86,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         else:
             cell, fits = f"{gib(r['total_bytes'])} ({gib(r['hbm_bytes'])})", "yes" if r["fits"] else "**no**"
         mb = f"{r['micro_batch_rows']}x{r['seq_len']}" if prog.startswith("train") else f"{r['max_seqs']}x{r['max_model_len']}"
+        if prog.endswith("state"):
+            mb = f"{r['micro_batch_rows']}x{r['seq_len']}; engine {r['max_seqs']}x{r['max_model_len']}"
         lines.append(f"| {r['model']} | {r['slice']} | {prog} | {mesh} | {mb} | {cell} | {fits} | {r.get('compile_s', '-')} |")
     return "\n".join(lines)
 
@@ -92,6 +100,8 @@ def main() -> int:
     p.add_argument("--max-seqs", type=int, default=64, help="engine KV cache rows (the recipes' max_seqs)")
     p.add_argument("--rows-per-chip", type=int, default=1)
     p.add_argument("--no-engine", action="store_true")
+    p.add_argument("--engine-only", action="store_true", help="compile the engine's programs only")
+    p.add_argument("--state-only", action="store_true", help="resident state per chip only (no compiles; a lower bound)")
     p.add_argument("--table", action="store_true", help="read JSON lines on stdin, print the markdown table")
     args = p.parse_args()
     if args.table:

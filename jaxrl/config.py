@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -45,43 +46,84 @@ class ScratchModelConfig(BaseModel):
 class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     name: str | None = None
-    """A Hugging Face model directory (config.json + safetensors). Hub ids are not fetched."""
+    """A Hugging Face model directory (config.json + safetensors) or a hub id (`Qwen/Qwen3-0.6B`),
+    fetched into the HF cache (`HF_HOME`, `HF_HUB_OFFLINE`, `HF_TOKEN` honoured)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of a hub id `name`; default: the repo's main branch."""
     scratch: ScratchModelConfig | None = None
     """Build a new random model instead of loading `name` (for from-scratch recipes)."""
     tokenizer: str | None = None
     """Tokenizer directory; default: `name` (or a new jaxrl byte-level tokenizer for scratch)."""
+    renderer: str = "auto"
+    """Chat template family, a `renderers` renderer name (`qwen3`, `llama-3`, `gpt-oss`, `default`,
+    ...) or `auto` (from the hub id, else config.json's model_type). Used alike by env servers,
+    SFT rendering and the engine's chat endpoint."""
+    renderer_args: dict[str, Any] = {}
+    """Fields of that renderer's config, e.g. `{enable_thinking = true}` for qwen3."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Activation/compute dtype (float32 on CPU; bfloat16 on TPU/GPU)."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter (and optimizer master) dtype."""
 
     @model_validator(mode="after")
-    def _source(self) -> "ModelConfig":
+    def _source(self) -> ModelConfig:
         if self.scratch is not None and self.name is not None:
             raise ValueError("model: set either `name` (load a HF directory) or `[model.scratch]`, not both")
+        if self.revision is not None and self.name is None:
+            raise ValueError("model.revision: set only with `name` (a hub id)")
+        from jaxrl.models.chat import validate_renderer
+
+        validate_renderer(self.renderer, self.renderer_args)
         return self
 
 
 class DataConfig(BaseModel):
-    """SFT data: conversations from a built-in taskset's reference answers, rendered with the
-    `renderers` Qwen3 renderer so SFT sees exactly the tokens RL rollouts will produce."""
+    """SFT data: the user's conversations (`path`) or a built-in taskset's reference answers,
+    rendered with the run's renderer (`[model] renderer`) so SFT sees exactly the tokens RL
+    rollouts will produce. The loss is on the assistant's tokens."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-    taskset: str = "reverse_text"
-    """Built-in taskset whose reference conversations are the SFT examples."""
+    path: str | None = None
+    """Your conversations: a JSONL file of `{"messages": [...], "tools": [...]}` rows (OpenAI chat
+    shape), a directory of *.jsonl / *.parquet files, or a Hugging Face dataset id."""
+    revision: str | None = None
+    """Hub revision of a dataset id `path`."""
+    skip_bad_rows: bool = False
+    """Skip (and count) rows that fail validation instead of stopping with their file and line."""
+    content_roles: list[Literal["system", "user", "tool"]] = []
+    """Also train on the content tokens (not the chat scaffold) of these roles' messages (echo-style)."""
+    taskset: str | None = None
+    """Built-in taskset whose reference conversations are the SFT examples (default: reverse_text
+    when `path` is unset)."""
     taskset_args: dict[str, Any] = {}
     """Extra arguments for the taskset's config (e.g. min_words / max_words)."""
-    num_examples: int = Field(4096, ge=1)
-    """Distinct training conversations (drawn from the taskset's train split)."""
+    num_examples: int | None = Field(None, ge=1)
+    """Distinct training conversations: a taskset draws this many (default 4096); of `path`, the
+    first this many (default: all)."""
     batch_size: int = Field(32, ge=1)
     """Conversations per optimizer step."""
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if self.path is not None and (self.taskset is not None or self.taskset_args):
+            raise ValueError("data: set either `path` (your conversations) or `taskset`, not both")
+        if self.path is None and (self.revision is not None or self.skip_bad_rows):
+            raise ValueError("data.revision / data.skip_bad_rows apply to `path`; set data.path")
+        return self
 
 
 class LogConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     progress: bool = True
-    """Rich progress bar on the terminal."""
+    """Rich progress bar when stdout is a terminal; elsewhere (a file, ``kubectl logs``) a plain
+    line every `interval` steps instead."""
+    rollout_episodes: bool = False
+    """Also store each rollout's raw episode (every trace's token ids, log-probs, masks) in
+    rollouts.jsonl. Off by default: ~8 KB per two-word rollout; the flat record (env, prompt,
+    completion, reward, fate, seed, error, task) is enough to read a run."""
+    interval: int = Field(1, ge=1)
+    """Steps between two plain progress lines off a terminal (the last step always prints)."""
     plot: bool = True
     """Write <output_dir>/metrics.png at the end."""
     wandb_project: str | None = None
@@ -123,17 +165,28 @@ class RunConfig(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _mode(self) -> "RunConfig":
+    def _mode(self) -> RunConfig:
         if self.model.name is None and self.model.scratch is None:
             raise ValueError("model: set `name` (a HF model directory) or `[model.scratch]`")
+        name = self.model.name
+        if (
+            name is not None
+            and self.warmstart is None
+            and not Path(name).is_dir()
+            and not _HUB_ID.match(name)
+        ):
+            raise ValueError(
+                f"model.name: {self.model.name} is not a directory nor a hub id (org/name); point it at a Hugging "
+                "Face model directory (config.json + safetensors) or a hub id"
+            )
         context = model_context_len(self.model)
         if context is not None:
             self.inference = self.inference.with_model_len(context)
         elif self.inference.max_model_len is None and self.orchestrator is not None:
             raise ValueError(
                 f"inference.max_model_len: unset, and model.name = {self.model.name!r} has no config.json to read "
-                "the model's context length from; set inference.max_model_len (needed when a warm start creates "
-                "the model) or fix model.name"
+                "the model's context length from (yet: a warm start creates it, or a hub id not in the local "
+                "cache); set inference.max_model_len"
             )
         if self.data is not None and self.orchestrator is not None:
             raise ValueError("set only one of `[data]` (SFT) and `[orchestrator]` (RL)")
@@ -146,11 +199,15 @@ class RunConfig(BaseModel):
             )
         if self.orchestrator is not None:
             orch = self.orchestrator
-            splits = [("train", orch.train.sampling)] + ([("eval", orch.eval.sampling)] if orch.eval else [])
-            for split, sampling in splits:
-                if sampling.max_completion_tokens >= self.inference.max_model_len:
+            splits = [("train", orch.train)] + ([("eval", orch.eval)] if orch.eval else [])
+            for split, cfg in splits:
+                for where, sampling in [("", cfg.sampling)] + [
+                    (f"env {e.name!r}: ", cfg.sampling_for(e)) for e in cfg.env
+                ]:
+                    if sampling.max_completion_tokens < self.inference.max_model_len:
+                        continue
                     raise ValueError(
-                        f"orchestrator.{split}.sampling.max_completion_tokens = {sampling.max_completion_tokens} "
+                        f"{where}orchestrator.{split}.sampling.max_completion_tokens = {sampling.max_completion_tokens} "
                         f"must be < inference.max_model_len = {self.inference.max_model_len} (the prompt needs "
                         "room too); lower it or raise max_model_len"
                     )
@@ -162,11 +219,19 @@ class RunConfig(BaseModel):
         return "rl" if self.orchestrator is not None else "sft"
 
 
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # "org/model": left to the model loader, not a local path
+
+
 def model_context_len(model: ModelConfig) -> int | None:
     """The model's context length (``max_position_embeddings``), or None if its config is not there."""
     if model.scratch is not None:
         return model.scratch.max_position_embeddings
     config = Path(model.name or "") / "config.json"
+    if not config.is_file() and model.name and _HUB_ID.match(model.name):  # a cached hub snapshot; no network
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model.name, "config.json", revision=model.revision)
+        config = Path(cached) if isinstance(cached, str) else config
     if not config.is_file():
         return None
     try:
@@ -200,15 +265,38 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"--config {p}: no such file")
-    with p.open("rb") as f:
-        return tomllib.load(f)
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config {p}: invalid TOML: {e}") from None
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--config", default=None)
-    parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--resume", action="store_true")
+def parse_args(
+    argv: list[str] | None, prog: str = "python -m jaxrl.train"
+) -> tuple[argparse.Namespace, list[str]]:
+    """The entry points' own flags; everything else is a dotted override. ``--help`` exits 0."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        allow_abbrev=False,  # "--conf" must not swallow anything: unknown flags are overrides
+        description="Run with a TOML config (every field has a default) and dotted overrides of its fields.",
+        epilog=(
+            "overrides: --section.field VALUE, e.g. --trainer.steps 50 --trainer.optim.lr 1e-3 "
+            "--inference.server.port 8123 (the field docstrings in jaxrl/config.py and the section modules "
+            "document every field)"
+        ),
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="TOML file; repeat to merge several, later files winning field by field",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config, exit")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
+    )
     return parser.parse_known_args(argv)
 
 
@@ -221,8 +309,13 @@ def build_config(toml: dict[str, Any], overrides: list[str]) -> RunConfig:
         raise ValueError(f"invalid config:\n{e}") from None
 
 
-def load_config(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Namespace]:
-    """Parse an entry point's argv: (validated config, flags --config/--dry-run/--resume)."""
-    flags, rest = parse_args(argv)
-    toml = read_toml(flags.config) if flags.config else {}
+def load_config(
+    argv: list[str] | None = None, prog: str = "python -m jaxrl.train"
+) -> tuple[RunConfig, argparse.Namespace]:
+    """Parse an entry point's argv: (validated config, flags --config/--dry-run/--resume).
+    Several ``--config`` files merge left to right; overrides apply last."""
+    flags, rest = parse_args(argv, prog)
+    toml: dict[str, Any] = {}
+    for path in flags.config:
+        toml = deep_merge(toml, read_toml(path))
     return build_config(toml, rest), flags

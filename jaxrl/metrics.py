@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,19 @@ from rich.progress import (
 
 from jaxrl.parallel.distributed import is_main_process
 
-# Shown on the progress bar when present (first match wins per slot).
-_BAR_KEYS = ("ce_loss", "rl_loss", "reward_mean", "eval_reward_mean", "mismatch_kl", "tokens_per_s")
+# Shown on the progress bar / plain progress line when present in a row, in this order.
+_BAR_KEYS = (
+    "reward_mean", "ce_loss", "rl_loss", "mismatch_kl", "grad_norm", "rollouts_failed", "tokens_per_s",
+    "time/rollout_wait_s", "time/train_s", "step_time_s",
+)  # fmt: skip
+
+
+def progress_fields(metrics: dict[str, Any]) -> str:
+    """``key=value`` for the row's headline metrics (eval averages included), in a fixed order."""
+    keys = [k for k in _BAR_KEYS if k in metrics] + sorted(
+        k for k in metrics if k.startswith("eval/") and "/avg@" in k
+    )
+    return " ".join(f"{k}={metrics[k]:.4g}" for k in keys if isinstance(metrics[k], (int, float)))
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -51,6 +63,15 @@ def truncate_jsonl(path: str | Path, max_step: int) -> int:
     return dropped
 
 
+def ema(values: list[float], decay: float = 0.9) -> list[float]:
+    """Exponential moving average, bias-corrected (the first points are not pulled to 0)."""
+    out, acc, weight = [], 0.0, 0.0
+    for v in values:
+        acc, weight = decay * acc + (1 - decay) * v, decay * weight + (1 - decay)
+        out.append(acc / weight)
+    return out
+
+
 def plot_metrics(
     rows: list[dict[str, Any]], keys: list[str], out: str | Path, title: str = ""
 ) -> Path | None:
@@ -69,9 +90,25 @@ def plot_metrics(
         return None
     fig, axes = plt.subplots(1, len(series), figsize=(4 * len(series), 3.2), squeeze=False)
     for ax, (k, pts) in zip(axes[0], series.items()):
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
+        steps, values = [p[0] for p in pts], [p[1] for p in pts]
+        if k == "reward_mean":  # train reward, smoothed, with the held-out eval on the same axis
+            ax.plot(steps, values, color="C0", alpha=0.3, label="train (per step)")
+            ax.plot(steps, ema(values), color="C0", label="train (EMA 0.9)")
+            evals = [
+                (r["step"], r["eval_reward_mean"], r.get("eval_reward_se", 0.0))
+                for r in rows
+                if isinstance(r.get("eval_reward_mean"), (int, float)) and math.isfinite(r["eval_reward_mean"])
+            ]
+            if evals:
+                se = [e[2] if isinstance(e[2], (int, float)) and math.isfinite(e[2]) else 0.0 for e in evals]
+                ax.errorbar([e[0] for e in evals], [e[1] for e in evals], yerr=se, color="C1", marker="o",
+                            capsize=3, label="eval (± SE)")  # fmt: skip
+            ax.legend(fontsize="small")
+        else:
+            ax.plot(steps, values, marker="." if len(pts) < 50 else None)
         ax.set_title(k)
         ax.set_xlabel("step")
+        ax.set_ylabel(k)
         ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title)
@@ -90,6 +127,7 @@ class MetricsLogger:
         start_step: int = 0,
         progress: bool = True,
         plot_keys: tuple[str, ...] = (),
+        interval: int = 1,
         wandb_project: str | None = None,
         tensorboard: bool = False,
         run_config: dict[str, Any] | None = None,
@@ -98,6 +136,7 @@ class MetricsLogger:
         self.dir = Path(output_dir)
         self.path = self.dir / "metrics.jsonl"
         self.plot_keys = plot_keys
+        self.total_steps, self.interval = total_steps, interval
         self._progress: Progress | None = None
         self._wandb = self._tb = None
         if not self.main:
@@ -105,7 +144,7 @@ class MetricsLogger:
         self.dir.mkdir(parents=True, exist_ok=True)
         if start_step == 0:
             self.path.write_text("")
-        if progress:
+        if progress and sys.stdout.isatty():  # elsewhere a redrawn bar is one unreadable line
             self._progress = Progress(
                 TextColumn("[bold]step"),
                 MofNCompleteColumn(),
@@ -132,8 +171,9 @@ class MetricsLogger:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self._progress is not None:
-            shown = [f"{k}={metrics[k]:.4g}" for k in _BAR_KEYS if isinstance(metrics.get(k), (int, float))]
-            self._progress.update(self._task, completed=step, description=" ".join(shown))
+            self._progress.update(self._task, completed=step, description=progress_fields(metrics))
+        elif step % self.interval == 0 or step == self.total_steps:
+            print(f"[jaxrl] step {step}/{self.total_steps} {progress_fields(metrics)}", flush=True)
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
         if self._tb is not None:

@@ -8,6 +8,11 @@ import threading
 from types import FrameType, TracebackType
 
 
+class RunAborted(RuntimeError):
+    """A run that cannot go on (e.g. an env server that keeps dying) after it wrote a checkpoint
+    and ``result.json``: the entry point prints the message and exits 1; ``--resume`` continues."""
+
+
 class StopRequest:
     """Context manager installing the handlers (main thread only) and restoring them on exit."""
 

@@ -11,11 +11,12 @@ import jax
 
 from jaxrl.config import RunConfig
 from jaxrl.metrics import MetricsLogger, truncate_jsonl
+from jaxrl.models.chat import RendererSpec, model_renderer
 from jaxrl.models.hf_io import export_hf
 from jaxrl.models.setup import prepare_model
 from jaxrl.parallel.distributed import barrier, initialize, is_main_process
 from jaxrl.parallel.mesh import make_mesh
-from jaxrl.preemption import StopRequest
+from jaxrl.preemption import RunAborted, StopRequest
 from jaxrl.trainer.checkpoint import Checkpointer
 from jaxrl.trainer.flops import measure_matmul_peak
 from jaxrl.trainer.step import Trainer
@@ -31,6 +32,9 @@ class TrainingRun:
             (self.out / "config.json").write_text(cfg.model_dump_json(indent=2))
         self.mesh = make_mesh(cfg.trainer.mesh)
         model, self.tokenizer_dir, self.hf_config = prepare_model(cfg.model, self.mesh, self.out)
+        from transformers import AutoTokenizer
+
+        self.renderer: RendererSpec = model_renderer(cfg.model, self.hf_config, AutoTokenizer.from_pretrained(self.tokenizer_dir))
         peak = cfg.trainer.peak_tflops * 1e12 if cfg.trainer.peak_tflops else None
         if peak is None and jax.default_backend() == "cpu":
             peak = measure_matmul_peak()
@@ -47,7 +51,7 @@ class TrainingRun:
             step = self.ckpt.latest_step()
             if step is None:
                 raise FileNotFoundError(f"--resume: no checkpoint in {self.ckpt.dir}")
-            state, meta = self.ckpt.restore(step, self.trainer.state_for_checkpoint())
+            state, meta = self._restore(step)
             self.trainer.restore(state, step)
             if is_main_process():  # records past the checkpoint are written again by this run
                 for name in ("metrics.jsonl", "rollouts.jsonl"):
@@ -56,10 +60,25 @@ class TrainingRun:
         log = self.cfg.log
         self.logger = MetricsLogger(
             self.out, self.cfg.trainer.steps, start_step=self.trainer.step, progress=log.progress,
-            plot_keys=self.plot_keys if log.plot else (), wandb_project=log.wandb_project,
+            plot_keys=self.plot_keys if log.plot else (), interval=log.interval, wandb_project=log.wandb_project,
             tensorboard=log.tensorboard, run_config=self.cfg.model_dump(),
         )
         return meta
+
+    def _restore(self, step: int) -> tuple[Any, dict[str, Any]]:
+        """The checkpoint of ``step``; an unreadable one names its directory and the way back."""
+        try:
+            return self.ckpt.restore(step, self.trainer.state_for_checkpoint())
+        except Exception as e:  # orbax / tensorstore raise many kinds for a damaged checkpoint
+            path = Path(self.ckpt.dir) / str(step)
+            earlier = [s for s in self.ckpt.all_steps() if s < step]
+            hint = (
+                f"move {path} out of {self.ckpt.dir} and rerun with --resume to continue from step {max(earlier)}"
+                if earlier
+                else "there is no earlier checkpoint: rerun without --resume to start over"
+            )
+            cause = f"{type(e).__name__}: {e}"
+            raise RunAborted(f"--resume: checkpoint {path} cannot be restored ({cause[:600]}); {hint}") from e
 
     def stop_request(self) -> StopRequest:
         return self._stop
@@ -82,9 +101,11 @@ class TrainingRun:
             AutoTokenizer.from_pretrained(self.tokenizer_dir).save_pretrained(path)
         return path
 
-    def finish(self, *, title: str, export: bool) -> dict[str, Any]:
+    def finish(self, *, title: str, export: bool, error: str | None = None) -> dict[str, Any]:
         self.ckpt.close()
         result: dict[str, Any] = {"steps": self.trainer.step, "stopped_by": self._stop.signal_name}
+        if error is not None:
+            result["error"] = error
         if export:
             result["export"] = str(self.export())
         if self.logger is not None:

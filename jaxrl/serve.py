@@ -12,19 +12,8 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 from jaxrl.config import RunConfig, load_config
-
-
-def eos_token_ids(model_dir: str | Path, tokenizer) -> list[int]:  # type: ignore[no-untyped-def]
-    """Default stop tokens: the tokenizer's EOS plus ``generation_config.json``'s eos ids."""
-    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    gen = Path(model_dir) / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
-    return list(dict.fromkeys(int(i) for i in ids))
 
 
 def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
@@ -32,40 +21,61 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
     from jaxrl.inference.engine import Engine
-    from jaxrl.inference.server import EngineServer
+    from jaxrl.inference.http_thread import check_port_free
+    from jaxrl.inference.serving import build_engine_server
+    from jaxrl.models.chat import model_renderer
+    from jaxrl.models.hub import resolve_model_dir
 
     if cfg.model.name is None:
-        raise SystemExit("jaxrl.serve: set --model.name (or [model] name) to a Hugging Face model directory")
+        raise ValueError("model.name: set --model.name (or [model] name) to a Hugging Face model directory or hub id")
     if cfg.inference.backend != "embedded":
-        raise SystemExit(
-            f'jaxrl.serve runs the embedded engine; inference.backend = "{cfg.inference.backend}" names a server '
-            "that runs elsewhere"
+        raise ValueError(
+            f'inference.backend = "{cfg.inference.backend}": jaxrl.serve runs the embedded engine; that backend '
+            "names a server that runs elsewhere"
         )
-    engine = Engine.from_pretrained(cfg.model.name, cfg.inference, dtype=cfg.model.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.name)
-    return EngineServer.from_config(
-        engine,
-        tokenizer,
-        cfg.inference.server,
-        model_name=cfg.model.name,
-        stop_token_ids=eos_token_ids(cfg.model.name, tokenizer),
-    )
+    check_port_free(cfg.inference.server.host, cfg.inference.server.port)  # before the model loads
+    model_dir = resolve_model_dir(cfg.model.name, cfg.model.revision)
+    tokenizer_dir = cfg.model.tokenizer or model_dir
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    engine = Engine.from_pretrained(model_dir, cfg.inference, dtype=cfg.model.dtype)
+    renderer = model_renderer(cfg.model, hf_config, AutoTokenizer.from_pretrained(tokenizer_dir))
+    return build_engine_server(
+        engine, cfg.inference, tokenizer_dir=tokenizer_dir, model_dir=model_dir, model_name=cfg.model.name,
+        renderer=renderer,
+    )  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> None:
-    cfg, flags = load_config(sys.argv[1:] if argv is None else argv)
-    if flags.dry_run:
-        print(cfg.inference.model_dump_json(indent=2))
-        return
-    server = build_server(cfg)
-    def ready(url: str) -> None:
-        warm = server.engine.metrics()
-        took = "" if warm.warmup_s is None else f" (warm-up: {warm.compiles} programs in {warm.warmup_s:.1f} s)"
-        print(f"jaxrl.serve: serving {server.model_name} at {url}{took}", flush=True)
+def _print_ready(server, url: str) -> None:  # type: ignore[no-untyped-def]
+    warm = server.engine.metrics()
+    took = "" if warm.warmup_s is None else f" (warm-up: {warm.compiles} programs in {warm.warmup_s:.1f} s)"
+    print(f"jaxrl.serve: serving {server.model_name} at {url}{took}", flush=True)
 
-    server.serve_forever(on_ready=ready)
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 after a clean stop, 2 for a config error (one message, before any work),
+    1 when the engine failed beyond recovery (a supervisor should restart the process)."""
+    try:
+        cfg, flags = load_config(argv, prog="python -m jaxrl.serve")
+        if flags.dry_run:
+            print(cfg.inference.model_dump_json(indent=2))
+            return 0
+        server = build_server(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        server.serve_forever(on_ready=lambda url: _print_ready(server, url))
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print("jaxrl.serve: stopped", flush=True)
+    return 0
+
+
+def cli() -> None:
+    """The ``jaxrl-serve`` console script."""
+    sys.exit(main())
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 from jaxrl.config import RunConfig, load_config
+from jaxrl.inference.http_thread import PortInUse
 from jaxrl.parallel.distributed import initialize
+from jaxrl.preemption import RunAborted
 
 
 def has_weights(model_dir: str | None) -> bool:
@@ -48,10 +50,22 @@ def main(argv: list[str] | None = None) -> int:
     if flags.dry_run:
         print(cfg.model_dump_json(indent=2))
         return 0
-    result = run(cfg, resume=flags.resume)
+    try:
+        result = run(cfg, resume=flags.resume)
+    except PortInUse as e:  # a config error only the environment shows: found before any work
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RunAborted as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"[jaxrl] done: {result.get('steps')} steps; outputs in {cfg.output_dir}")
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``jaxrl-train`` console script."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -163,3 +163,16 @@ def test_max_model_len_defaults_to_the_models_context(tmp_path) -> None:
     assert cfg.inference.max_model_len == 128
     cfg, _ = load_config([])  # scratch model
     assert cfg.inference.max_model_len == cfg.model.scratch.max_position_embeddings
+
+
+def test_help_names_the_flags_and_configs_merge_left_to_right(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "python -m jaxrl.train" in out and all(f in out for f in ("--config", "--dry-run", "--resume"))
+    base, over = tmp_path / "base.toml", tmp_path / "over.toml"
+    base.write_text('output_dir = "a"\n[trainer]\nsteps = 7\n[trainer.optim]\nlr = 0.1\n')
+    over.write_text("[trainer.optim]\nlr = 0.2\n")
+    cfg, _ = load_config(["--config", str(base), "--config", str(over), "--trainer.steps", "9"])
+    assert (cfg.output_dir, cfg.trainer.steps, cfg.trainer.optim.lr) == ("a", 9, 0.2)

@@ -127,13 +127,10 @@ def _compile(fit: ProgramFit, jitted: Any, *args: Any, **kwargs: Any) -> Program
     fit.output_bytes = int(mem.output_size_in_bytes)
     fit.alias_bytes = int(mem.alias_size_in_bytes)
     fit.temp_bytes = int(mem.temp_size_in_bytes)
-    try:
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        fit.estimated_flops = float(cost.get("flops", 0.0)) or None
-        fit.estimated_bytes_accessed = float(cost.get("bytes accessed", 0.0)) or None
-    except Exception:  # the cost model is optional information
-        pass
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    fit.estimated_flops = float(cost.get("flops", 0.0)) or None
+    fit.estimated_bytes_accessed = float(cost.get("bytes accessed", 0.0)) or None
     return fit
 
 
@@ -158,6 +155,7 @@ def abstract_decoder(arch: ModelArch, param_dtype: Any, dtype: Any) -> Decoder:
 
 @dataclass
 class EngineShapes:
+    config: Any  # InferenceConfig, max_model_len resolved for the model
     mesh: Mesh
     graphdef: Any
     weights: Any  # sharded ShapeDtypeStructs
@@ -207,7 +205,7 @@ def _engine_shapes(cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo
     from jaxrl.inference.engine import EngineLayout
     from jaxrl.kernel_dispatch import Kernels
 
-    icfg = cfg.inference
+    icfg = cfg.inference.with_model_len(arch.max_position_embeddings)  # unset: the model's own context
     if icfg.max_model_len > arch.max_position_embeddings:
         raise ValueError(
             f"inference.max_model_len ({icfg.max_model_len}) exceeds the model's max_position_embeddings "
@@ -223,13 +221,14 @@ def _engine_shapes(cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo
     weights = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings)
     layout = EngineLayout.create(arch, icfg, trainer_model.dtype, mesh)
     kernels = Kernels.create(icfg.kernels, field="inference.kernels", mesh=mesh)
-    return EngineShapes(mesh, graphdef, weights, layout, kernels)
+    return EngineShapes(icfg, mesh, graphdef, weights, layout, kernels)
 
 
-def plan(cfg: RunConfig, topo: Topology, *, engine: bool | None = None) -> list[ProgramFit]:
+def plan(cfg: RunConfig, topo: Topology, *, engine: bool | None = None, trainer: bool = True) -> list[ProgramFit]:
     """Compile the run's programs for ``topo``; one ``ProgramFit`` each (errors included).
 
-    ``engine``: also the embedded engine's programs (see ``run_shapes``).
+    ``engine``: also the embedded engine's programs (see ``run_shapes``); ``trainer``: the
+    trainer's (False: the engine's alone, with the trainer's state still counted resident).
     """
     run = run_shapes(cfg, topo, engine=engine)
     tcfg, mesh, programs, params, opt = cfg.trainer, run.mesh, run.programs, run.params, run.opt
@@ -240,7 +239,7 @@ def plan(cfg: RunConfig, topo: Topology, *, engine: bool | None = None) -> list[
     fits: list[ProgramFit] = []
     counts = {c: jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated(mesh)) for c in L.COMPONENTS}
     sums: Any = None
-    for bucket in tcfg.seq_len_buckets or [tcfg.seq_len]:
+    for bucket in (tcfg.seq_len_buckets or [tcfg.seq_len]) if trainer else []:
         mb = micro_batch_shapes(mesh, tcfg.micro_batch_rows, bucket)
         sums = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(mesh)),
@@ -249,9 +248,10 @@ def plan(cfg: RunConfig, topo: Topology, *, engine: bool | None = None) -> list[
         fit = ProgramFit(f"train_micro_step[{tcfg.micro_batch_rows}x{bucket}]", topo.name, _mesh_dict(mesh), knobs=TRAINER_KNOBS)
         _compile(fit, programs.micro_step, params, params, sums, mb, counts)
         fits.append(_finish(fit, sb["trainer_opt_state"] + engine_state_bytes, topo.hbm_per_device))
-    fit = ProgramFit("train_update", topo.name, _mesh_dict(mesh), knobs=TRAINER_KNOBS[:1])
-    _compile(fit, programs.apply, params, opt, params, sums)
-    fits.append(_finish(fit, engine_state_bytes, topo.hbm_per_device))
+    if trainer:
+        fit = ProgramFit("train_update", topo.name, _mesh_dict(mesh), knobs=TRAINER_KNOBS[:1])
+        _compile(fit, programs.apply, params, opt, params, sums)
+        fits.append(_finish(fit, engine_state_bytes, topo.hbm_per_device))
     for f in engine_fits:  # the trainer's parameters and optimizer state stay resident
         fits.append(_finish(f, sb["trainer_params"] + sb["trainer_opt_state"], topo.hbm_per_device))
     return fits
@@ -261,7 +261,7 @@ def _engine_fits(cfg: RunConfig, eng: EngineShapes, topo: Topology) -> list[Prog
     """The engine's largest decode and prefill programs, compiled (not yet ``_finish``ed)."""
     from jaxrl.inference.engine import engine_programs
 
-    icfg, layout = cfg.inference, eng.layout
+    icfg, layout = eng.config, eng.layout
     prefill, decode, _, _ = engine_programs(eng.graphdef, layout, eng.kernels)
     cache = layout.abstract_cache()
     md = _mesh_dict(eng.mesh)

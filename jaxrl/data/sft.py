@@ -1,7 +1,7 @@
 """SFT data: reference conversations of a built-in taskset -> rendered samples, via grain.
 
-Conversations are rendered with the `renderers` Qwen3 renderer (``build_training_sample``),
-the same renderer the env servers use for RL rollouts, so an SFT warm start trains on exactly
+Conversations are rendered with the run's `renderers` renderer (``[model] renderer``, through
+``build_training_sample``), the same renderer the env servers use for RL rollouts, so an SFT warm start trains on exactly
 the token layout that RL will sample. The loss mask is the renderer's "sampled" mask: the
 assistant turns' tokens (CE weight 1), nothing else.
 
@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import importlib
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 import grain
 from transformers import AutoTokenizer
 
+from jaxrl.models.chat import RendererSpec, create_renderer
 from jaxrl.samples import TrainingSample
 
 Message = dict[str, Any]
@@ -50,29 +52,67 @@ def reference_conversations(taskset: str, args: dict[str, Any], num: int, seed: 
 class RenderConversation(grain.transforms.Map):
     """Conversation -> ``TrainingSample`` with CE weight on the model's own (sampled) tokens."""
 
-    def __init__(self, tokenizer_dir: str):
+    def __init__(self, tokenizer_dir: str, renderer: RendererSpec, content_roles: Sequence[str] = ()):
         self.tokenizer_dir = tokenizer_dir
+        self.renderer = dict(renderer)
+        self.content_roles = frozenset(content_roles)
         self._renderer = None
 
     def map(self, example: Example) -> TrainingSample:
-        from renderers import Qwen3RendererConfig, build_training_sample, create_renderer
-
         if self._renderer is None:  # built lazily: grain may pickle transforms into workers
-            tok = AutoTokenizer.from_pretrained(self.tokenizer_dir)
-            self._renderer = create_renderer(tok, Qwen3RendererConfig(enable_thinking=False))
+            self._renderer = create_renderer(AutoTokenizer.from_pretrained(self.tokenizer_dir), self.renderer)
         messages, tools = example
-        rendered = build_training_sample(self._renderer, messages, tools=tools or None)
-        return TrainingSample.sft(rendered.token_ids, rendered.loss_mask)
+        token_ids, loss_mask = render_for_sft(self._renderer, messages, tools, self.content_roles)
+        return TrainingSample.sft(token_ids, loss_mask)
+
+
+def render_for_sft(
+    renderer: Any, messages: list[Message], tools: list[dict[str, Any]], content_roles: frozenset[str] = frozenset()
+) -> tuple[list[int], list[bool]]:
+    """(token ids, loss mask): the loss is on the tokens the model samples in its assistant turns,
+    and on the content tokens (the renderer's ``is_content``) of ``content_roles`` messages.
+
+    Renderers with sampled-token attribution (qwen3, llama-3, ...) give that mask directly. The
+    ``default`` renderer (a chat template rendered verbatim, e.g. Qwen2.5) attributes whole
+    message spans, so there each assistant span loses the tokens its generation prompt already
+    holds (``<|im_start|>assistant\n``): the model never samples those.
+    """
+    from renderers import build_training_sample
+
+    rendered = renderer.render(messages, tools=tools or None)
+    if len(rendered.sampled_mask) == len(rendered.token_ids):
+        sample = build_training_sample(renderer, messages, tools=tools or None, content_sft_roles=content_roles or None)
+        return list(sample.token_ids), [bool(m) for m in sample.loss_mask]
+    if content_roles:
+        raise ValueError(
+            f"data.content_roles = {sorted(content_roles)}: renderer {getattr(renderer.config, 'name', '?')!r} has no content "
+            "attribution; "
+            "name a family renderer in [model] renderer"
+        )
+    mask = [False] * len(rendered.token_ids)
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        prompt = renderer.render_ids(messages[:i], tools=tools or None, add_generation_prompt=True)
+        for t, owner in enumerate(rendered.message_indices):
+            mask[t] = mask[t] or (owner == i and t >= len(prompt))
+    return list(rendered.token_ids), mask
 
 
 def sft_dataset(
-    conversations: list[Example], tokenizer_dir: str, batch_size: int, seed: int
+    conversations: list[Example],
+    tokenizer_dir: str,
+    renderer: RendererSpec,
+    batch_size: int,
+    seed: int,
+    *,
+    content_roles: Sequence[str] = (),
 ) -> grain.MapDataset:
     """Infinite, shuffled (re-shuffled each epoch), batched ``list[TrainingSample]`` dataset."""
     return (
         grain.MapDataset.source(conversations)
         .shuffle(seed=seed)
         .repeat()
-        .map(RenderConversation(tokenizer_dir))
+        .map(RenderConversation(tokenizer_dir, renderer, content_roles))
         .batch(batch_size, batch_fn=list)
     )

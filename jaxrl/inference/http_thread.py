@@ -16,6 +16,27 @@ from typing import Any
 import uvicorn
 
 
+class PortInUse(ValueError):
+    """A configured port cannot be bound (a config error the entry points report with exit 2)."""
+
+
+def check_port_free(host: str, port: int, field: str = "inference.server.port") -> None:
+    """Fail fast (before a model loads for minutes) when ``host:port`` cannot be bound; the
+    message names the config field. Port 0 (a free port) always passes."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise PortInUse(
+                f"{field} = {port}: cannot listen on {host}:{port} ({e.strerror}); another process may hold it: "
+                f"pick another port, or 0 for a free one"
+            ) from None
+
+
 class BackgroundServer:
     """``start()`` returns once the socket accepts connections; ``stop()`` lets in-flight
     requests finish (up to ``graceful_shutdown_s``) and joins the thread."""
@@ -57,11 +78,16 @@ class BackgroundServer:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.app, log_level="warning", lifespan="off", timeout_keep_alive=int(self.keep_alive_s),
+            self.app,
+            log_level="warning",
+            lifespan="off",
+            timeout_keep_alive=int(self.keep_alive_s),
             timeout_graceful_shutdown=self.graceful_shutdown_s,
         )
         server = self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=self.name, daemon=True)
+        self._thread = threading.Thread(
+            target=server.run, kwargs={"sockets": [sock]}, name=self.name, daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not server.started:

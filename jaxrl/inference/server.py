@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from jaxrl.inference.scheduler import Completion
 from jaxrl.inference.scheduler import Request as EngineRequest
 from jaxrl.inference.template_sandbox import TemplateBudgetError, render_in_sandbox
 
+_MAX_CACHED_RENDERERS = 16
 SESSION_HEADER = "x-session-id"
 MAX_TEMPLATE_CHARS = 64 * 1024  # a request-supplied chat template (real ones are a few KB)
 PROMPT_CHARS_PER_TOKEN = 64  # rendered prompts longer than this x max_model_len cannot fit anyway
@@ -189,6 +190,7 @@ class EngineServer:
         weights_root: str | Path | None = None,
         allow_request_chat_template: bool = False,
         request_template_timeout_s: float = 2.0,
+        renderer: Mapping[str, Any] | None = None,
     ):
         self.engine = engine
         if api_key is None and not is_loopback(host):  # never an open control route on a network
@@ -206,6 +208,10 @@ class EngineServer:
         self._max_prompt_chars = PROMPT_CHARS_PER_TOKEN * engine.max_model_len
         self.weights_root = Path(weights_root).resolve() if weights_root is not None else None
         self.tokenizer = tokenizer
+        # The run's `renderers` config (`[model] renderer`): chat prompts render and completions
+        # parse exactly as the env servers' do. None: the tokenizer's chat template.
+        self.renderer = dict(renderer) if renderer is not None else None
+        self._renderers: dict[str, Any] = {}
         self.host = host
         self.model_name = model_name
         eos = tokenizer.eos_token_id
@@ -234,6 +240,7 @@ class EngineServer:
         *,
         model_name: str,
         stop_token_ids: Sequence[int] | None = None,
+        renderer: Mapping[str, Any] | None = None,
     ) -> EngineServer:
         """The server ``[inference.server]`` describes (not started)."""
         return cls(
@@ -249,6 +256,7 @@ class EngineServer:
             weights_root=config.weights_root,
             allow_request_chat_template=config.allow_request_chat_template,
             request_template_timeout_s=config.request_template_timeout_s,
+            renderer=renderer,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -468,11 +476,11 @@ class EngineServer:
         async def chat(body: api.ChatCompletionRequest, request: Request) -> JSONResponse:
             if body.stream:
                 raise BadRequest("stream: streaming is not supported; send stream=false")
-            prompt = await self._render_chat(body)
+            prompt, renderer = await self._render_chat(body)
             params = self._params(body, len(prompt), body.max_completion_tokens or body.max_tokens)
             stops = self._stops(body)
             completions = await self._complete(prompt, params, request.headers.get(SESSION_HEADER), stops)
-            choices = [self._chat_choice(i, c, stops, body) for i, c in enumerate(completions)]
+            choices = [self._chat_choice(i, c, stops, body, renderer, prompt) for i, c in enumerate(completions)]
             out = {
                 "id": f"chatcmpl-{uuid.uuid4().hex}",
                 "object": "chat.completion",
@@ -566,16 +574,25 @@ class EngineServer:
             raise BadRequest(f"path: {path} is not a model directory (no config.json)")
         return p
 
-    async def _render_chat(self, body: api.ChatCompletionRequest) -> list[int]:
-        """Prompt token ids of a chat request, rendered off the event loop: with the server's own
-        template in a worker thread, or with a request-supplied template (only when allowed) in a
-        budgeted child process (``template_sandbox``)."""
+    async def _render_chat(self, body: api.ChatCompletionRequest) -> tuple[list[int], Any]:
+        """Prompt token ids of a chat request (and the renderer that parses its answer, if any),
+        rendered off the event loop: with the run's renderer (``[model] renderer``) or the server's
+        own template in a worker thread, or with a request-supplied template (only when allowed)
+        in a budgeted child process (``template_sandbox``)."""
         messages = [self._message(m) for m in body.messages]
         kwargs = dict(body.chat_template_kwargs or {})
         template = kwargs.pop("chat_template", None) or body.chat_template
         for reserved in ("tokenize", "add_generation_prompt", "tools", "conversation", "messages"):
             if reserved in kwargs:
                 raise BadRequest(f"chat_template_kwargs.{reserved}: set by the server, not the request")
+        if template is None and self.renderer is not None:
+            try:
+                renderer = self._chat_renderer(kwargs)
+                render_ids = partial(renderer.render_ids, messages, tools=body.tools, add_generation_prompt=True)
+                prompt = await asyncio.to_thread(render_ids)
+            except (TemplateError, TypeError, KeyError, ValueError, AssertionError) as e:  # the renderer rejects it
+                raise BadRequest(f"messages: the chat template failed: {e}") from None
+            return list(prompt), renderer
         if template is not None:
             text = await self._render_request_template(template, messages, body.tools, kwargs)
         else:
@@ -593,7 +610,7 @@ class EngineServer:
                 raise BadRequest(f"messages: the chat template failed: {e}") from None
         if len(text) > self._max_prompt_chars:
             raise BadRequest(f"messages: the rendered prompt has over {self._max_prompt_chars} characters")
-        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False), None
 
     async def _render_request_template(
         self, template: Any, messages: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any]
@@ -630,12 +647,50 @@ class EngineServer:
         msg.setdefault("content", "")
         return msg
 
+    def _chat_renderer(self, kwargs: Mapping[str, Any] | None) -> Any:
+        """The run's renderer with a request's chat_template_kwargs (validated by renderers), cached."""
+        from jaxrl.models.chat import create_renderer
+
+        key = json.dumps(kwargs or {}, sort_keys=True, default=str)
+        if key in self._renderers:
+            return self._renderers[key]
+        assert self.renderer is not None
+        renderer = create_renderer(self.tokenizer, self.renderer, kwargs or None)
+        if len(self._renderers) < _MAX_CACHED_RENDERERS:  # requests choose the keys: bound the cache
+            self._renderers[key] = renderer
+        return renderer
+
     def _chat_choice(
-        self, index: int, c: Completion, stops: list[str], body: api.ChatCompletionRequest
+        self,
+        index: int,
+        c: Completion,
+        stops: list[str],
+        body: api.ChatCompletionRequest,
+        renderer: Any = None,
+        prompt: list[int] | None = None,
     ) -> dict[str, Any]:
         ids, text = self._visible(c, stops)
-        content, tool_calls = parse_tool_calls(text) if body.tools else (text, [])
+        reasoning = None
+        if renderer is not None:
+            parsed = renderer.parse_response(ids, tools=body.tools, prompt_ids=prompt)
+            content, reasoning = parsed.content, parsed.reasoning_content
+            tool_calls = [
+                {
+                    "id": tc.id or f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {
+                        "name": tc.name,
+                        "arguments": tc.arguments if isinstance(tc.arguments, str) else json.dumps(tc.arguments or {}),
+                    },
+                }
+                for tc in parsed.tool_calls
+                if tc.status.value == "ok" and tc.name
+            ]
+        else:
+            content, tool_calls = parse_tool_calls(text) if body.tools else (text, [])
         message: dict[str, Any] = {"role": "assistant", "content": _CONTROL.sub("", content) or None}
+        if reasoning:
+            message["reasoning_content"] = reasoning
         if tool_calls:
             message["tool_calls"] = tool_calls
         finish = "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason

@@ -42,11 +42,11 @@ from flax import nnx
 from safetensors.numpy import save_file
 from transformers import AutoTokenizer
 
+from jaxrl.endpoint import ModelEndpoint
 from jaxrl.inference.config import InferenceConfig
 from jaxrl.inference.vllm_proxy import ProxyServer
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import export_hf
-from jaxrl.orchestrator.env_server import ModelEndpoint
 
 LOG_TAIL_CHARS = 4000
 
@@ -135,8 +135,10 @@ class VLLMBackend:
         tokenizer_dir: str | Path,
         model_name: str,
         model_dtype: str = "float32",
+        renderer: Mapping[str, Any] | None = None,
     ):
         self.config = config
+        self.renderer = dict(renderer) if renderer is not None else None
         self.vcfg = config.vllm
         self.hf_config = dict(hf_config)
         self.model_name = model_name
@@ -175,8 +177,9 @@ class VLLMBackend:
             self.stop()
             raise
         self.endpoint = ModelEndpoint(
-            base_url=f"{self.proxy.url}/v1", model=self.model_name, tokenizer_dir=self.tokenizer_dir
-        )
+            base_url=f"{self.proxy.url}/v1", model=self.model_name, tokenizer_dir=self.tokenizer_dir,
+            **({"renderer": self.renderer} if self.renderer is not None else {}),
+        )  # fmt: skip
 
     # -- server lifecycle ------------------------------------------------------------------
 
@@ -350,5 +353,6 @@ def start_vllm(run: Any) -> tuple[VLLMBackend, ProxyServer, ModelEndpoint]:
         tokenizer_dir=run.tokenizer_dir,
         model_name=name,
         model_dtype=cfg.model.dtype,
+        renderer=run.renderer,
     )
     return backend, backend.proxy, backend.endpoint

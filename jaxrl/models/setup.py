@@ -1,4 +1,4 @@
-"""Build the run's model on the mesh: load a HF directory, or create a new random one.
+"""Build the run's model on the mesh: load a HF directory or hub id, or create a new random one.
 
 A new model gets a real HF directory (``config.json`` written by transformers' ``Qwen3Config``
 and jaxrl's byte-level tokenizer), so every later stage (engine, env servers' renderer,
@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from jaxrl.models.arch import arch_from_hf_config
 from jaxrl.models.decoder import Decoder, param_name
 from jaxrl.models.hf_io import load_decoder
+from jaxrl.models.hub import resolve_model_dir
 from jaxrl.models.tokenizer import build_tokenizer
 from jaxrl.models.sharding import param_sharding_fn
 
@@ -80,11 +81,11 @@ def prepare_model(model_cfg: Any, mesh: Mesh, output_dir: str | Path) -> tuple[D
         (base / "config.json").write_text(json.dumps(hf_config, indent=2))
         model = init_decoder(hf_config, mesh, seed=model_cfg.scratch.seed, param_dtype=param_dtype, dtype=dtype)
         return model, tok_dir, hf_config
-    name = Path(model_cfg.name)
+    name = resolve_model_dir(model_cfg.name, model_cfg.revision)
     if not (name / "config.json").exists():
         raise FileNotFoundError(
-            f"model.name = {model_cfg.name!r}: no config.json there. Point it at a Hugging Face model "
-            "directory (hub ids are not downloaded), or set [warmstart] to produce it first"
+            f"model.name = {model_cfg.name!r}: no config.json in {name}. Point it at a Hugging Face model "
+            "directory or hub id, or set [warmstart] to produce it first"
         )
     hf_config = json.loads((name / "config.json").read_text())
     model = load_decoder(name, param_dtype=param_dtype, dtype=dtype, sharding_fn=param_sharding_fn(mesh))

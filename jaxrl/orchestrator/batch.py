@@ -1,8 +1,9 @@
 """Finished groups -> training samples, rollout records (with their fate) and rollout metrics.
 
-Every rollout gets a record in ``rollouts.jsonl`` whatever happens to it: ``trained``,
-``failed`` (its error is on the record), ``no_signal`` (its group carried no learning signal)
-or ``resampled`` (its whole batch had no signal and was replaced). Nothing is dropped silently.
+Every rollout gets a record in ``rollouts.jsonl`` whatever happens to it, with a fate that is
+never rewritten: ``trained``, ``failed`` (its error is on the record) or ``no_signal`` (its
+group carried no learning signal). Records of a batch that had no signal at all and was
+replaced by a resample also carry ``resampled: true``. Nothing is dropped silently.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ class Batch:
     def has_signal(self) -> bool:
         return bool(self.samples)
 
-    def mark(self, fate: str) -> None:
-        """Re-label every record (a batch replaced by a resample)."""
+    def mark_resampled(self) -> None:
+        """Flag every record of a batch replaced by a resample (each keeps its own fate)."""
         for r in self.records:
-            r["fate"] = fate
+            r["resampled"] = True
 
 
 def build_batch(groups: list[Group], algorithms: dict[str, Algorithm], step: int) -> Batch:

@@ -36,13 +36,13 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from jaxrl import renamed
+from jaxrl.endpoint import ModelEndpoint
 from jaxrl.envs import check_env_id, plugin_id, register_plugin
 from jaxrl.orchestrator.algo import AlgoConfig, GRPOConfig
 from jaxrl.orchestrator.sampling import SamplingOverride
@@ -93,6 +93,9 @@ class EnvConfig(BaseModel):
     the exact shares."""
     startup_timeout: float = Field(300.0, gt=0)
     """Seconds a spawned server may take to come up and answer health."""
+    max_restarts: int = Field(3, ge=0)
+    """Times a spawned server that dies mid-run is restarted (each logged); once more, the run
+    writes a checkpoint and stops with an error naming this env and its log."""
     rollout_timeout: float | None = Field(None, gt=0)
     """Seconds one rollout may take before it is cancelled and recorded as failed (None: no limit)."""
 
@@ -114,37 +117,6 @@ class EnvConfig(BaseModel):
         if "/" in self.name or self.name in (".", ".."):
             raise ValueError(f"env name {self.name!r} must be usable as a file name; set `name`")
         return self
-
-
-@dataclass(frozen=True)
-class ModelEndpoint:
-    """The model the env servers sample from: an OpenAI/vLLM-compatible `/v1` endpoint."""
-
-    base_url: str
-    """E.g. `http://127.0.0.1:8000/v1`; the engine must also serve `/inference/v1/generate`."""
-    model: str
-    """Model name sent with every request (as listed by `GET /v1/models`)."""
-    tokenizer_dir: str
-    """Local tokenizer directory the env server renders prompts with (`renderer_model_name`)."""
-    renderer: Mapping[str, Any] = field(default_factory=lambda: {"name": "qwen3", "enable_thinking": False})
-    """A `renderers` RendererConfig. Name it explicitly: an unknown model falls back to a
-    default renderer without content attribution (so no echo)."""
-    api_key_var: str = "JAXRL_INFERENCE_API_KEY"
-    """Environment variable the env server reads the API key from (unset: "EMPTY")."""
-    headers: Mapping[str, str] = field(default_factory=dict)
-    """Extra HTTP headers on every engine request."""
-
-    def client_config(self) -> vf.TrainClientConfig:
-        """verifiers' train-client config: client-side rendering, token-in/token-out generate."""
-        from verifiers.v1 import TrainClientConfig
-
-        return TrainClientConfig(
-            base_url=self.base_url,
-            api_key_var=self.api_key_var,
-            headers=dict(self.headers),
-            renderer=dict(self.renderer),
-            renderer_model_name=self.tokenizer_dir,
-        )
 
 
 def verifiers_env_config(config: EnvConfig) -> vf.EnvConfig:
@@ -197,6 +169,10 @@ class EnvServerError(RuntimeError):
     """A spawned env server failed to start or died."""
 
 
+class EnvServerDead(EnvServerError):
+    """A spawned env server died more often than ``max_restarts`` allows: the run must stop."""
+
+
 class EnvServer:
     """One env's server (spawned or attached) and the client that runs rollouts on it."""
 
@@ -213,6 +189,8 @@ class EnvServer:
         self._client: Any = None
         self._dead: asyncio.Event | None = None
         self._watcher: asyncio.Task | None = None
+        self._revive_lock: asyncio.Lock | None = None
+        self.restarts = 0
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -355,6 +333,41 @@ class EnvServer:
                 self._watcher = asyncio.create_task(self._watch(self._proc, self._dead))
         return self._client
 
+    async def revive(self) -> None:
+        """Restart the spawned server if it died (at most ``max_restarts`` times in a run);
+        beyond that raise ``EnvServerDead`` naming the env and its log."""
+        if self._proc is None or self._proc.poll() is None:
+            return
+        if self._revive_lock is None:
+            self._revive_lock = asyncio.Lock()
+        async with self._revive_lock:
+            if self._proc is None or self._proc.poll() is None:  # revived by a concurrent rollout
+                return
+            code = self._proc.returncode
+            if self.restarts >= self.config.max_restarts:
+                raise EnvServerDead(
+                    f"env server {self.name!r} died (exit code {code}) after {self.restarts} restarts "
+                    f"(max_restarts = {self.config.max_restarts}); see {self.log_path}:\n{self.log_tail(1500)}"
+                )
+            self.restarts += 1
+            logger.warning(
+                "env server %s died (exit code %s): restarting it (%d of max_restarts %d); log %s",
+                self.name, code, self.restarts, self.config.max_restarts, self.log_path,
+            )  # fmt: skip
+            if self._watcher is not None:
+                self._watcher.cancel()
+                self._watcher = None
+            client, self._client = self._client, None
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.close()
+            await asyncio.to_thread(self.close)
+            self.address = None
+            try:
+                await self.start()
+            except EnvServerError as e:
+                raise EnvServerDead(f"env server {self.name!r} died and could not be restarted: {e}") from e
+
     @staticmethod
     async def _watch(proc: subprocess.Popen, dead: asyncio.Event) -> None:
         while proc.poll() is None:
@@ -390,9 +403,11 @@ class EnvServer:
         group_id: str | None = None,
         policy_version: int = 0,
     ) -> Rollout:
-        """One rollout of one task. Never raises for a failed run: the error is on the record."""
+        """One rollout of one task. Never raises for a failed run (the error is on the record),
+        only ``EnvServerDead`` when the server died and may not be restarted again."""
         from verifiers.v1 import SamplingConfig
 
+        await self.revive()
         sampling = SamplingConfig.model_validate(sampling)
         rollout = Rollout(
             env=self.name,

@@ -24,6 +24,7 @@ import asyncio
 import hashlib
 import logging
 import math
+import statistics
 import threading
 import time
 from collections import defaultdict
@@ -32,9 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jaxrl.endpoint import ModelEndpoint
 from jaxrl.orchestrator.algo import Algorithm, make_algorithm
 from jaxrl.orchestrator.config import EvalConfig, OrchestratorConfig, SamplingConfig
-from jaxrl.orchestrator.env_server import EnvConfig, EnvServer, ModelEndpoint, start_env_servers, task_data
+from jaxrl.orchestrator.env_server import EnvConfig, EnvServer, EnvServerDead, start_env_servers, task_data
 from jaxrl.orchestrator.tasks import TaskSampler
 from jaxrl.orchestrator.traces import Rollout
 
@@ -113,6 +115,7 @@ class Orchestrator:
         self._sampler_at_step: dict[int, dict[str, Any]] = {}
         self._stopping = False
         self._producer: asyncio.Future | None = None
+        self._fatal: EnvServerDead | None = None
         self.train_servers: list[EnvServer] = []
         self.eval_servers: list[EnvServer] = []
         self.eval_tasks: dict[str, list[dict[str, Any]]] = {}
@@ -196,10 +199,16 @@ class Orchestrator:
         version = self.policy_version()
         n = self.group_sizes[env]
         t0 = time.perf_counter()
-        rollouts = await server.run_group(
-            data, self.endpoint, self.train_sampling[env], n, policy_version=version,
-            seeds=rollout_seeds(self.seed, "train", draw, n=n),
-        )
+        try:
+            rollouts = await server.run_group(
+                data, self.endpoint, self.train_sampling[env], n, policy_version=version,
+                seeds=rollout_seeds(self.seed, "train", draw, n=n),
+            )
+        except EnvServerDead as e:  # surfaces in next_batch: the run checkpoints and stops
+            with self._cond:
+                self._fatal = self._fatal or e
+                self._cond.notify_all()
+            return
         group = Group(env, step, rollouts, version, time.perf_counter() - t0)
         with self._cond:
             self._queues[step].groups.append(group)
@@ -216,6 +225,8 @@ class Orchestrator:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while len(self._queues[step].groups) < self.groups_per_step:
+                if self._fatal is not None:
+                    raise self._fatal
                 if self._producer is not None and self._producer.done() and not self._producer.cancelled():
                     self._producer.result()  # re-raise a producer crash here
                 left = None if deadline is None else deadline - time.monotonic()
@@ -258,11 +269,18 @@ class Orchestrator:
             rewards = [r.reward for g in ok for r in g]
             name = server.name
             metrics[f"eval/{name}/avg@{cfg.k}"] = sum(rewards) / len(rewards) if rewards else math.nan
+            task_means = [sum(r.reward for r in g) / len(g) for g in ok if g]  # tasks are the independent draws
+            metrics[f"eval/{name}/avg@{cfg.k}_se"] = (
+                statistics.stdev(task_means) / len(task_means) ** 0.5 if len(task_means) > 1 else math.nan
+            )
             metrics[f"eval/{name}/pass@{cfg.k}"] = sum(
                 any(r.reward >= cfg.pass_threshold for r in g) for g in ok
             ) / max(len(ok), 1)
             metrics[f"eval/{name}/failed"] = sum(not r.ok for g in groups for r in g)
             everything += [r for g in groups for r in g]
-        means = [v for k, v in metrics.items() if "/avg@" in k and not math.isnan(v)]
+        means = [v for k, v in metrics.items() if "/avg@" in k and not k.endswith("_se") and not math.isnan(v)]
+        ses = [v for k, v in metrics.items() if "/avg@" in k and k.endswith("_se")]
         metrics["eval_reward_mean"] = sum(means) / len(means) if means else math.nan
+        # standard error of that mean over envs (independent task draws per env)
+        metrics["eval_reward_se"] = math.sqrt(sum(s * s for s in ses)) / len(ses) if ses else math.nan
         return metrics, everything

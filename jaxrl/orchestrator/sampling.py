@@ -5,21 +5,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from jaxrl import renamed
+from jaxrl.inference.api import MaxTokens, Temperature, TopK, TopP  # the server's own ranges
 
 
 class SamplingOverride(BaseModel):
     """Sampling for one env; unset fields inherit the split's."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: MaxTokens | None = None
     """Tokens the model may generate per turn in this env."""
-    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    temperature: Temperature | None = None
     """Sampling temperature in this env (the trainer scores its tokens at the same one)."""
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_p: TopP | None = None
+    top_k: TopK | None = None
     """-1: no top-k filtering."""
 
     @model_validator(mode="before")

@@ -258,16 +258,31 @@ class Rollout:
         traces = self.trainable_traces
         return sum(trace_reward(t) for t in traces) / len(traces) if traces else 0.0
 
+    def conversation(self) -> tuple[list[dict], list[dict]]:
+        """(prompt, completion) of the first trainable trace as ``{"role", "content"}`` messages:
+        the messages before the policy's first sampled one, and from it on."""
+        traces = self.trainable_traces
+        if not traces:
+            return [], []
+        nodes = traces[0].get("nodes") or []
+        messages = [{"role": n["message"].get("role"), "content": n["message"].get("content")} for n in nodes]
+        first = next((i for i, n in enumerate(nodes) if n.get("sampled")), len(nodes))
+        return messages[:first], messages[first:]
+
     def to_record(self) -> dict:
-        """A JSON-safe record for rollouts.jsonl (raw routing/sampling-mask bytes dropped)."""
+        """A flat JSON-safe record for rollouts.jsonl; the raw episode (token ids, log-probs,
+        every trace; raw routing/sampling-mask bytes dropped) is under ``episode``."""
+        prompt, completion = self.conversation()
         return {
             "env": self.env,
+            "prompt": prompt,
+            "completion": completion,
+            "reward": self.reward,
+            "seed": self.seed,
+            "error": self.error,
             "group_id": self.group_id,
             "policy_version": self.policy_version,
             "temperature": self.temperature,
-            "seed": self.seed,
-            "reward": self.reward,
-            "error": self.error,
             "task": self.task,
             "episode": _json_safe(self.episode),
             **({"metadata": self.metadata} if self.metadata else {}),

@@ -50,6 +50,23 @@ _MB_DTYPES = {
 _MB_FIELDS = tuple(_MB_DTYPES)
 
 
+def packed_logprobs(
+    model: Decoder, mb: dict[str, jax.Array], kernels: Kernels, vocab_block: int
+) -> tuple[jax.Array, jax.Array]:
+    """(log-prob, entropy) of every token of packed rows at its temperature, ``[B, T - 1]``:
+    entry t - 1 is token t predicted from position t - 1 (column 0 has no prediction)."""
+    hidden, _ = model(mb["tokens"], mb["positions"], mb["segment_ids"], kernels=kernels)
+    b, t, d = hidden.shape
+    logp, entropy = (kernels.token_logprobs() or token_logprobs)(
+        hidden[:, :-1].reshape(-1, d),
+        model.lm_head_weight(),
+        mb["tokens"][:, 1:].reshape(-1),
+        mb["temperature"][:, 1:].reshape(-1),
+        block_size=vocab_block,
+    )
+    return logp.reshape(b, t - 1), entropy.reshape(b, t - 1)
+
+
 def micro_batch_loss(
     params: nnx.State,
     graphdef: nnx.GraphDef,
@@ -65,27 +82,16 @@ def micro_batch_loss(
     """
     if kernels is None:
         kernels = Kernels.create(cfg.kernels, field="trainer.kernels")
-    model: Decoder = nnx.merge(graphdef, params)
-    hidden, _ = model(mb["tokens"], mb["positions"], mb["segment_ids"], kernels=kernels)
-    b, t, d = hidden.shape
-    # Token t is predicted from position t - 1: drop the last hidden state and column 0.
-    logp, entropy = (kernels.token_logprobs() or token_logprobs)(
-        hidden[:, :-1].reshape(-1, d),
-        model.lm_head_weight(),
-        mb["tokens"][:, 1:].reshape(-1),
-        mb["temperature"][:, 1:].reshape(-1),
-        block_size=cfg.vocab_block,
-    )
-    shape = (b, t - 1)
+    logp, entropy = packed_logprobs(nnx.merge(graphdef, params), mb, kernels, cfg.vocab_block)
     sums = L.loss_sums(
-        logp.reshape(shape),
+        logp,
         mb["logq"][:, 1:],
         mb["advantages"][:, 1:],
         mb["rl_w"][:, 1:],
         mb["ce_w"][:, 1:],
         mb["loss_mask"][:, 1:],
         cfg.loss,
-        entropy=entropy.reshape(shape),
+        entropy=entropy,
         ref_kl_w=mb["ref_kl_w"][:, 1:],
         logr=mb["logr"][:, 1:],
     )

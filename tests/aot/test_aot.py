@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("libtpu")
 
-from jaxrl.aot import get_topology, plan  # noqa: E402
-from jaxrl.config import build_config, read_toml  # noqa: E402
+from jaxrl.aot import get_topology, plan
+from jaxrl.config import build_config, read_toml
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = Path(__file__).parent / "small_rl.toml"
@@ -65,7 +65,7 @@ def test_command_exits_nonzero_naming_the_program_and_knobs(tmp_path: Path) -> N
         "--model.scratch.hidden_size", "4096", "--model.scratch.intermediate_size", "32768",
         "--model.scratch.num_layers", "16",
     ]
-    out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    out = subprocess.run(args, check=False, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     assert out.returncode == 1, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     step = next(r for r in rows if r["program"].startswith("train_micro_step"))
@@ -79,9 +79,9 @@ def test_command_exits_nonzero_naming_the_program_and_knobs(tmp_path: Path) -> N
 def test_bad_topology_and_missing_field_are_clear_errors() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     base = [sys.executable, "-m", "jaxrl.aot", "--config", str(SMALL)]
-    out = subprocess.run([*base, "--topology", "v9:2x2"], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    out = subprocess.run([*base, "--topology", "v9:2x2"], check=False, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert out.returncode == 2 and "generations known here: v4, v5e, v5p, v6e" in out.stderr
-    out = subprocess.run([*base, "--topology", "v5e:3x3"], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    out = subprocess.run([*base, "--topology", "v5e:3x3"], check=False, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert out.returncode == 2 and "libtpu cannot describe it" in out.stderr
 
 

@@ -68,7 +68,7 @@ def echo_run(warm_start, tmp_path_factory) -> Path:
             "train": {"sampling": {"max_completion_tokens": 64, "temperature": 0.7},
                       "env": [{"id": "lookup", "args": ENV_ARGS, "algo": ECHO}]},
         },
-        "log": {"progress": False},
+        "log": {"progress": False, "rollout_episodes": True},  # re-scored offline below
     }, []))
     return out
 
@@ -79,7 +79,7 @@ def trained_groups(out: Path) -> dict[int, list[list[Rollout]]]:
     for line in (out / "rollouts.jsonl").read_text().splitlines():
         r = json.loads(line)
         assert r["fate"] != "failed", r["error"]
-        if r["fate"] in ("trained", "no_signal"):
+        if r["fate"] in ("trained", "no_signal") and not r.get("resampled"):
             rollout = Rollout(r["env"], r["group_id"], r["task"], r["episode"], r["error"], r["policy_version"],
                               r["temperature"])
             groups[r["step"]][r["group_id"]].append(rollout)

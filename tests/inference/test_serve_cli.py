@@ -55,3 +55,31 @@ def test_serve_cli_serves_and_stops_on_sigterm(model_dir, tokenizer_dir) -> None
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_config_errors_exit_2_with_one_message_before_loading(model_dir, tmp_path) -> None:
+    """Bad TOML names the file; a missing model dir and a port in use are found before the model
+    loads; a bad field is named."""
+    import socket
+
+    bad_toml = tmp_path / "bad.toml"
+    bad_toml.write_text("[inference\nport = 1")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for args, needle in (
+            (["--config", str(bad_toml)], f"--config {bad_toml}: invalid TOML"),
+            (["--model.name", str(tmp_path / "nope")], "model.name"),
+            (
+                ["--model.name", str(model_dir), "--inference.server.port", str(port)],
+                f"inference.server.port = {port}",
+            ),
+            (["--model.name", str(model_dir), "--inference.max_seqs", "0"], "inference.max_seqs"),
+        ):
+            r = subprocess.run(
+                [sys.executable, "-m", "jaxrl.serve", *args], capture_output=True, text=True, timeout=120
+            )
+            assert r.returncode == 2, r.stderr[-2000:]
+            assert r.stderr.startswith("error: ") and needle in r.stderr, r.stderr[-2000:]
+            assert "Traceback" not in r.stderr

@@ -61,6 +61,17 @@ progress = false
 DEADLINE_S = 420  # safety net only: a healthy run takes ~1-2 min on a loaded 2-core machine
 
 
+def assert_close_up_to_reduction_order(got: np.ndarray, want: np.ndarray, name: str) -> None:
+    """Two processes sum gradients in another order than one, so float32 results differ in the
+    last bits (losses by ~3.5e-6 relative), and Adam's normalised update g / sqrt(v) turns that
+    into larger differences on the few elements whose gradient is near zero (seen: 1 element of
+    16,384 off by 1.19e-5 after 3 steps at lr 3e-3). So: every element within 1e-4, and all but
+    0.1% of them within 1e-5 - a real sharding bug moves whole rows or blocks, not single elements."""
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=name)
+    off = ~np.isclose(got, want, rtol=1e-5, atol=1e-5)
+    assert off.mean() <= 1e-3, f"{name}: {off.sum()} of {off.size} elements differ by more than 1e-5"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -167,7 +178,7 @@ def test_two_processes_match_one_process(tmp_path: Path) -> None:
     want, got = restore_state(ref / "checkpoints", STEPS), restore_state(multi / "checkpoints", STEPS)
     assert jax.tree.structure(want) == jax.tree.structure(got)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got), strict=True):
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+        assert_close_up_to_reduction_order(b, a, jax.tree_util.keystr(path))
 
     # The HF export (gathered across processes, written by process 0) equals the single-process one.
     want_hf, got_hf = (
@@ -176,5 +187,5 @@ def test_two_processes_match_one_process(tmp_path: Path) -> None:
     )
     assert sorted(want_hf) == sorted(got_hf)
     for name, a in want_hf.items():
-        np.testing.assert_allclose(got_hf[name], a, rtol=1e-5, atol=1e-5, err_msg=name)
+        assert_close_up_to_reduction_order(got_hf[name], a, name)
     assert (multi / "hf" / "tokenizer.json").exists()

@@ -49,10 +49,14 @@ class FakeEngine:
     model: str = "tiny"
     max_model_len: int = 4096
     requests: list[dict] = field(default_factory=list)
+    parse: Callable[[str], list[dict]] = parse_chatml
+    """Prompt text -> chat messages (ChatML by default; other families pass their own)."""
+    end_token: str = "<|im_end|>"
+    """Appended to every reply: the family's end-of-turn token."""
 
     def __post_init__(self) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
-        self.end_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.end_id = self.tokenizer.convert_tokens_to_ids(self.end_token)
         app = FastAPI()
         app.get("/v1/models")(self._models)
         app.post("/inference/v1/generate")(self._generate)
@@ -92,7 +96,7 @@ class FakeEngine:
         self.requests.append({"body": body, "headers": dict(request.headers)})
         prompt = body["token_ids"]
         try:
-            messages = parse_chatml(self.tokenizer.decode(prompt, skip_special_tokens=False))
+            messages = self.parse(self.tokenizer.decode(prompt, skip_special_tokens=False))
             text = await asyncio.to_thread(self.policy, messages)  # a slow policy blocks no one
         except Exception as e:  # noqa: BLE001 - a failing policy is a provider error
             return JSONResponse({"error": {"message": f"policy failed: {e}"}}, status_code=500)

@@ -5,9 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pydantic
 import pytest
-from trace_builders import forked_trace, rollout, single_turn_trace, tool_trace
+from trace_builders import episode_rollout, forked_trace, rollout, seat, single_turn_trace, tool_trace
 
-from jaxrl.orchestrator.algo import EchoConfig, GRPOConfig, MaxRLConfig, SFTConfig, make_algorithm
+from jaxrl.orchestrator.algo import (
+    EchoConfig,
+    GRPOConfig,
+    MaxRLConfig,
+    OPDConfig,
+    RAEConfig,
+    SFTConfig,
+    make_algorithm,
+)
 from jaxrl.orchestrator.env_server import EnvConfig
 from jaxrl.trainer.packing import component_counts, pack
 
@@ -86,7 +94,7 @@ def test_max_rl_normalises_by_the_group_mean():
     assert algo.samples([rollout(single_turn_trace(2, reward=1.0))] * 2) == []
     # A failed rollout stays out of the mean: mean of (1, 0, 0) is 1/3.
     failed = [*one_of_four[:3], rollout(None, error="ProviderError: 500")]
-    assert algo.advantages(failed) == pytest.approx([2.0, -1.0, -1.0, 0.0], abs=1e-12)
+    assert algo.advantages(failed) == pytest.approx([2.0, -1.0, -1.0], abs=1e-12)
 
 
 def test_grpo_group_with_equal_rewards_trains_no_rl_tokens():
@@ -103,7 +111,7 @@ def test_failed_rollouts_leave_the_baseline_and_give_no_samples():
         rollout(None, error="ProviderError: engine 500"),
     ]
     algo = make_algorithm(GRPOConfig())
-    assert algo.advantages(group) == pytest.approx([0.5, -0.5, 0.0])
+    assert algo.advantages(group) == pytest.approx([0.5, -0.5])  # one per member; the failed one has none
     assert len(algo.samples(group)) == 2
     assert algo.samples([group[2]]) == []
 
@@ -270,6 +278,16 @@ def test_echo_config_needs_a_role():
         EchoConfig()
 
 
+def test_opd_routes_every_sampled_token_to_ref_kl_whatever_the_reward():
+    group = [rollout(forked_trace(), reward=r) for r in (1.0, 1.0)] + [rollout(None, error="E: x")]
+    samples = make_algorithm(OPDConfig(teacher={"name": "t-dir"})).samples(group)
+    assert [np.flatnonzero(s.ref_kl_w).tolist() for s in samples] == [[4, 5, 9], [9], [4, 5, 9], [9]]
+    assert all(not s.rl_w.any() and not s.ce_w.any() and s.advantage == 0 for s in samples)
+    assert all(s.needs_reference and s.metadata["teacher"] == "t-dir" for s in samples)
+    with pytest.raises(pydantic.ValidationError, match="teacher"):
+        OPDConfig()
+
+
 def test_sft_trains_ce_on_sampled_tokens():
     group = [rollout(single_turn_trace(2, reward=r)) for r in (1.0, 0.2)]
     samples = make_algorithm(SFTConfig()).samples(group)
@@ -291,3 +309,42 @@ def test_algo_is_chosen_by_type_per_env():
         EnvConfig(id="lookup", algo={"type": "ppo"})
     with pytest.raises(pydantic.ValidationError):
         EnvConfig(id="lookup", algo={"type": "grpo", "alpha": 1.0})
+
+
+def debate(pro: float, con: float, *, idx: int = 0, judge: float = 5.0):
+    return episode_rollout([seat("pro", pro), seat("con", con), seat("judge", judge, trainable=False)], idx=idx)
+
+
+def test_zero_sum_members_get_their_own_credit_and_the_judge_none():
+    """Before: one advantage per rollout from the mean of its seats (0 in a zero-sum game), so
+    nothing trained. Now each seat is a member: +1/-1 around the group baseline 0; the judge
+    (not trainable) is neither in the baseline (its 5.0 would move it) nor in any sample."""
+    group = [debate(1.0, -1.0), debate(-1.0, 1.0)]
+    assert [r.reward for r in group] == [0.0, 0.0]
+    algo = make_algorithm(GRPOConfig())
+    assert algo.advantages(group) == pytest.approx([1.0, -1.0, -1.0, 1.0])
+    samples = algo.samples(group)
+    assert [(s.metadata["role"], s.advantage) for s in samples] == [
+        ("pro", 1.0), ("con", -1.0), ("pro", -1.0), ("con", 1.0)
+    ]
+    assert all(s.rl_w.any() for s in samples) and [s.metadata["reward"] for s in samples] == [1, -1, -1, 1]
+
+
+def test_rae_baselines_per_env_example_and_role():
+    algo = make_algorithm(RAEConfig(decay=0.9))
+    # first sight of a key: baseline = that key's mean in the group (pro 0.5, con -0.5)
+    assert algo.advantages([debate(1.0, -1.0), debate(0.0, 0.0)]) == pytest.approx([0.5, -0.5, -0.5, 0.5])
+    assert algo.baselines[("e", "0", "pro")] == pytest.approx(0.5)
+    # next group of task 0: scored against 0.5 / -0.5, then b <- 0.9 b + 0.1 mean
+    assert algo.advantages([debate(1.0, -1.0), debate(1.0, -1.0)]) == pytest.approx([0.5, -0.5, 0.5, -0.5])
+    assert algo.baselines[("e", "0", "pro")] == pytest.approx(0.9 * 0.5 + 0.1 * 1.0)
+    assert algo.baselines[("e", "0", "con")] == pytest.approx(0.9 * -0.5 + 0.1 * -1.0)
+    # another task starts its own baselines; the judge never gets one
+    assert algo.advantages([debate(1.0, -1.0, idx=7)]) == pytest.approx([0.0, 0.0])
+    assert {k[2] for k in algo.baselines} == {"pro", "con"}
+    # order of members within a group does not matter
+    a, b = make_algorithm(RAEConfig()), make_algorithm(RAEConfig())
+    g = [debate(1.0, -1.0), debate(0.0, 1.0), debate(1.0, 0.0)]
+    a.advantages(g), b.advantages(g[::-1])
+    assert a.baselines == pytest.approx(b.baselines)
+    assert a.advantages([debate(1.0, 0.0)]) == pytest.approx(b.advantages([debate(1.0, 0.0)]))

@@ -18,7 +18,7 @@ from scripted import SAMPLING, gather
 
 from jaxrl.envs import lookup, reverse_text
 from jaxrl.orchestrator.algo import EchoConfig, GRPOConfig, SFTConfig, make_algorithm
-from jaxrl.orchestrator.env_server import EnvConfig, EnvServer, start_env_servers, task_data
+from jaxrl.orchestrator.env_server import EnvConfig, EnvServer, EnvServerDead, start_env_servers, task_data
 
 pytestmark = pytest.mark.slow
 
@@ -146,6 +146,19 @@ def test_dead_server_is_a_failed_record_and_shutdown_is_clean(loop, servers, end
     task = task_data(next(iter(victim.taskset())))
     rollout = loop.run_until_complete(victim.run(task, endpoint, SAMPLING))
     assert rollout.error.startswith("EnvServerError: env server 'lookup' died (exit code -9)")
+
+    # The next rollout restarts it (logged, counted) and runs; past max_restarts the run must stop.
+    first = victim._proc
+    rollout = loop.run_until_complete(victim.run(task, endpoint, SAMPLING))
+    assert victim.restarts == 1 and victim._proc is not first and victim._proc.poll() is None
+    assert rollout.error is None, rollout.error
+    victim.config = victim.config.model_copy(update={"max_restarts": 1})
+    os.kill(victim._proc.pid, signal.SIGKILL)
+    victim._proc.wait()
+    with pytest.raises(
+        EnvServerDead, match=f"(?s)env server 'lookup' died.*max_restarts = 1.*{victim.log_path}"
+    ):
+        loop.run_until_complete(victim.run(task, endpoint, SAMPLING))
 
     procs = [s._proc for s in servers.values()]
     loop.run_until_complete(gather(*(s.aclose() for s in servers.values())))

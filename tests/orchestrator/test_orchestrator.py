@@ -13,7 +13,9 @@ def test_resample_while_the_producer_waits_ahead_does_not_deadlock(endpoint, out
     """With max_async_level = 1 the producer runs ahead to step 3 and waits there for policy
     version 1; a resample of step 1 (no learning signal) must rewind it, not leave the trainer
     waiting for step 1's batch forever (a hang seen in RL runs before the fix)."""
-    cfg = OrchestratorConfig(batch_size=2, group_size=2, max_async_level=1, train={"env": [{"id": "reverse_text"}]})
+    cfg = OrchestratorConfig(
+        batch_size=2, group_size=2, max_async_level=1, train={"env": [{"id": "reverse_text"}]}
+    )
     orch = Orchestrator(cfg, endpoint, output_dir=output_dir, seed=0, policy_version=lambda: 0)
     try:
         orch.start()
@@ -35,7 +37,10 @@ def test_rollouts_are_seeded_by_draw_and_evals_reuse_their_seeds(engine, endpoin
     """Train rollouts sample with seeds fixed by (run seed, task draw, sample), so a run does not
     depend on request arrival order; every eval reuses its seeds (common random numbers)."""
     cfg = OrchestratorConfig(
-        batch_size=4, group_size=2, max_async_level=0, train={"env": [{"id": "reverse_text"}]},
+        batch_size=4,
+        group_size=2,
+        max_async_level=0,
+        train={"env": [{"id": "reverse_text"}]},
         eval={"num_tasks": 2, "k": 3},
     )
     orch = Orchestrator(cfg, endpoint, output_dir=output_dir, seed=3, policy_version=lambda: 0)
@@ -53,6 +58,33 @@ def test_rollouts_are_seeded_by_draw_and_evals_reuse_their_seeds(engine, endpoin
     assert rollout_seeds(4, "train", 0, n=2) != rollout_seeds(3, "train", 0, n=2)
     sent = {req["body"]["sampling_params"].get("seed") for req in engine.requests}
     assert expected_train | {r.seed for r in first} <= sent  # the seed reaches the engine
+
+
+def test_env_server_dying_past_max_restarts_stops_next_batch(endpoint, output_dir) -> None:
+    """A dead env server is restarted up to max_restarts; once more, next_batch raises
+    EnvServerDead naming the env and its log (the RL loop then checkpoints and exits 1)."""
+    import os
+    import signal
+
+    import pytest
+
+    from jaxrl.orchestrator.env_server import EnvServerDead
+
+    env = {"id": "reverse_text", "max_restarts": 0}
+    cfg = OrchestratorConfig(batch_size=2, group_size=2, max_async_level=0, train={"env": [env]})
+    version = [0]
+    orch = Orchestrator(cfg, endpoint, output_dir=output_dir, seed=0, policy_version=lambda: version[0])
+    try:
+        orch.start()
+        orch.next_batch(1, timeout=120)
+        (server,) = orch.train_servers
+        os.kill(server._proc.pid, signal.SIGKILL)
+        server._proc.wait()
+        version[0] = 1  # on-policy: step 2's rollouts start only now, against the dead server
+        with pytest.raises(EnvServerDead, match=f"(?s)'reverse_text' died.*{server.log_path}"):
+            orch.next_batch(2, timeout=120)
+    finally:
+        orch.close()
 
 
 def test_per_env_sampling_and_ratio_mixing(engine, endpoint, output_dir) -> None:

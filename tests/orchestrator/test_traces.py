@@ -117,6 +117,8 @@ def test_rollout_record_drops_raw_tensors():
     record = r.to_record()
     assert record["episode"]["traces"][0]["nodes"][2]["routed_experts"] is None
     assert record["reward"] == 1.0 and record["error"] is None and record["policy_version"] == 3
+    assert record["prompt"] == [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    assert record["completion"] == [{"role": "assistant", "content": "a"}]
 
 
 def test_a_node_is_owned_by_the_first_trainable_branch_holding_it():

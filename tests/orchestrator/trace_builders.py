@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from jaxrl.orchestrator.traces import Rollout
 
-
 WIRE = {"task": {"type": "Task", "data": {"idx": 0}}, "agent": {"trainable": True, "config": {}}}
 """Fields a verifiers `WireTrace` needs beside the nodes (so prime-rl-form filters get one)."""
 
@@ -126,3 +125,18 @@ def rollout(
         temperature=0.7,
         policy_version=3,
     )
+
+
+def episode_rollout(traces: list[dict], *, idx: int = 0, env: str = "e", group: str = "g") -> Rollout:
+    """A multi-agent rollout: several traces (seats) in one episode."""
+    return Rollout(
+        env=env, group_id=group, task={"idx": idx}, episode={"errors": [], "traces": traces},
+        temperature=1.0, policy_version=1,
+    )
+
+
+def seat(role: str, reward: float, *, n_sampled: int = 2, trainable: bool = True) -> dict:
+    """One agent's trace in a multi-agent episode (a single-turn reply)."""
+    trace = single_turn_trace(n_sampled, reward=reward, trace_id=f"t-{role}")
+    trace["agent"] = {"name": role, "trainable": trainable, "config": {}}
+    return trace

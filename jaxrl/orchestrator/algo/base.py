@@ -1,8 +1,11 @@
 """The algorithm interface: score one group of rollouts of the same task into samples.
 
 An algorithm sees a whole group (the `group_size` rollouts of one task), so group-relative
-credit (GRPO, MaxRL) is local to it. It decides the advantage of every rollout and the
-per-token weight streams of every sample (DESIGN contracts 3-4); the trainer never sees a
+credit (GRPO, MaxRL) is local to it. Credit goes to *members*: each trainable trace of a
+rollout (one per agent seat in a multi-agent episode; a non-trainable seat such as a judge is
+no member) has its own reward and its own advantage, so the two seats of a zero-sum game get
+opposite credit instead of one shared mean. The algorithm decides every member's advantage and
+the per-token weight streams of every sample (DESIGN contracts 3-4); the trainer never sees a
 trace. Failed rollouts (`Rollout.error`) take no part: not in a baseline, no sample.
 """
 
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
 
-from jaxrl.orchestrator.traces import Branch, Rollout, trace_branches
+from jaxrl.orchestrator.traces import Branch, Rollout, trace_branches, trace_reward
 from jaxrl.samples import TrainingSample
 
 
@@ -36,11 +39,41 @@ def trainable_branches(rollout: Rollout) -> Iterator[tuple[dict, list[Branch]]]:
         yield trace, [b for b in trace_branches(trace) if b.trainable]
 
 
+@dataclass
+class Member:
+    """One trainable trace of a successful rollout: the unit of credit."""
+
+    rollout: Rollout
+    trace: dict
+    branches: list[Branch]
+    """Its trainable branches."""
+
+    @property
+    def reward(self) -> float:
+        return trace_reward(self.trace)
+
+    @property
+    def role(self) -> str:
+        """The env agent (seat) that produced the trace (verifiers' `agent.name`)."""
+        return str((self.trace.get("agent") or {}).get("name", "agent"))
+
+    @property
+    def example(self) -> str:
+        """The task's identity: the trace's task key, else the task's `idx`."""
+        key = (self.trace.get("task") or {}).get("key")
+        return str(key if key is not None else self.rollout.task.get("idx"))
+
+
+def members(group: list[Rollout]) -> list[Member]:
+    """The members of a group's successful rollouts, in rollout then trace order."""
+    return [Member(r, trace, branches) for r in group if r.ok for trace, branches in trainable_branches(r)]
+
+
 @dataclass(frozen=True)
-class RolloutLengths:
-    """Size of a rollout's trainable traces, each message node counted once (a node shared by
-    several branches is one node): what prime-rl's length penalty calls `num_output_tokens`,
-    `num_input_tokens` (`num_total_tokens - num_output_tokens`) and `num_turns`."""
+class TraceLengths:
+    """Size of a trace, each message node counted once (a node shared by several branches is
+    one node): what prime-rl's length penalty calls `num_output_tokens`, `num_input_tokens`
+    (`num_total_tokens - num_output_tokens`) and `num_turns`."""
 
     output_tokens: int
     """Tokens the policy sampled (mask True)."""
@@ -50,15 +83,14 @@ class RolloutLengths:
     """Model calls (sampled message nodes)."""
 
 
-def rollout_lengths(rollout: Rollout) -> RolloutLengths:
+def trace_lengths(trace: dict) -> TraceLengths:
     output = inputs = turns = 0
-    for trace in rollout.trainable_traces:
-        for node in trace.get("nodes") or []:
-            n_sampled = sum(bool(m) for m in node.get("mask") or [])
-            output += n_sampled
-            inputs += len(node.get("token_ids") or []) - n_sampled
-            turns += bool(node.get("sampled", False))
-    return RolloutLengths(output, inputs, turns)
+    for node in trace.get("nodes") or []:
+        n_sampled = sum(bool(m) for m in node.get("mask") or [])
+        output += n_sampled
+        inputs += len(node.get("token_ids") or []) - n_sampled
+        turns += bool(node.get("sampled", False))
+    return TraceLengths(output, inputs, turns)
 
 
 def has_weight(sample: TrainingSample) -> bool:

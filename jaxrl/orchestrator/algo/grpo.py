@@ -1,4 +1,5 @@
-"""GRPO: advantage = reward - group mean, optionally length-shaped as prime-rl does.
+"""GRPO: advantage = reward - group mean over the group's members, optionally length-shaped as
+prime-rl does.
 
 Only the policy's own (sampled) tokens train, in the RL component. A group whose
 advantages are all zero (every rollout scored the same) carries no signal: its samples get
@@ -16,9 +17,11 @@ from pydantic import Field, field_validator
 from jaxrl.orchestrator.algo.base import (
     AlgoConfigBase,
     Algorithm,
-    RolloutLengths,
+    Member,
+    TraceLengths,
     has_weight,
-    rollout_lengths,
+    members,
+    trace_lengths,
     trainable_branches,
 )
 from jaxrl.orchestrator.traces import Branch, Rollout, branch_sample
@@ -47,8 +50,8 @@ class LinearLengthPenalty(AlgoConfigBase):
     num_turns_weight: float = Field(0.1, ge=0, allow_inf_nan=False)
     """Weight of the turns term (model calls)."""
 
-    def penalties(self, rewards: np.ndarray, lengths: list[RolloutLengths]) -> np.ndarray:
-        """The penalty of each rollout of a group (float64)."""
+    def penalties(self, rewards: np.ndarray, lengths: list[TraceLengths]) -> np.ndarray:
+        """The penalty of each member of a group (float64)."""
 
         def term(values: list[int]) -> np.ndarray:
             v = np.asarray(values, np.float64)
@@ -71,7 +74,7 @@ class GRPOConfig(AlgoConfigBase):
     @classmethod
     def _migrate_number(cls, value: object) -> object:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004 - pydantic reports ValueError only
                 f"length_penalty = {value} (a reward cut per sampled token) was replaced by prime-rl's "
                 "linear penalty: set the table [orchestrator.train.env.algo.length_penalty] with "
                 "num_output_tokens_weight (e.g. 0.25), num_input_tokens_weight and num_turns_weight "
@@ -81,75 +84,75 @@ class GRPOConfig(AlgoConfigBase):
 
 
 class GroupRelative(Algorithm):
-    """One scalar advantage per rollout (`advantages`), broadcast over its sampled tokens in
+    """One scalar advantage per member (`advantages`), broadcast over its sampled tokens in
     the RL component; subclasses may select tokens for CE instead (`echo`)."""
 
     @abstractmethod
+    def member_advantages(self, group: list[Member]) -> np.ndarray:
+        """One advantage per member of a group (failed rollouts are no members)."""
+
     def advantages(self, group: list[Rollout]) -> list[float]:
-        """One advantage per rollout; failed rollouts get 0 and stay out of any baseline."""
+        """One advantage per member of the group's successful rollouts."""
+        found = members(group)
+        return self.member_advantages(found).tolist() if found else []
 
     def echo(self, trace: dict, branches: list[Branch]) -> list[Selection | None]:
         """Per-branch echo selections (None = none); plain RL selects nothing. May raise: the
         rollout then fails (a record with the error), not the step."""
         return [None] * len(branches)
 
-    def _selections(self, rollout: Rollout) -> list[list[Selection | None]]:
-        """Echo selections per trainable trace; a raising hook marks the rollout failed."""
+    def _select(self, rollout: Rollout) -> dict[int, list[Selection | None]]:
+        """Echo selections by trace (id); a raising hook marks the rollout failed."""
         try:
-            return [self.echo(trace, branches) for trace, branches in trainable_branches(rollout)]
+            return {id(trace): self.echo(trace, branches) for trace, branches in trainable_branches(rollout)}
         except Exception as e:  # noqa: BLE001 - user filter code: one failed rollout, not a failed step
             rollout.error = f"echo: {type(e).__name__}: {e}"
-            return []
+            return {}
 
     def samples(self, group: list[Rollout]) -> list[TrainingSample]:
-        selections = [self._selections(r) if r.ok else [] for r in group]
-        advantages = self.advantages(group)
+        selections: dict[int, list[Selection | None]] = {}
+        for rollout in group:
+            if rollout.ok:
+                selections |= self._select(rollout)
+        found = members(group)
+        if not found:
+            return []
+        advantages = self.member_advantages(found).tolist()
         rl_on = any(abs(a) > ZERO_ADVANTAGE for a in advantages)
         out = []
-        for rollout, advantage, per_trace in zip(group, advantages, selections):
-            if not rollout.ok:
-                continue
-            for (trace, branches), chosen in zip(trainable_branches(rollout), per_trace):
-                for branch, selection in zip(branches, chosen):
-                    rl_w = branch.sampled_mask.astype(np.float32) * float(rl_on)
-                    ce_w = None
-                    if selection is not None:
-                        ce_w, selected = selection
-                        rl_w = np.where(selected, 0.0, rl_w).astype(np.float32)
-                    sample = branch_sample(
-                        branch,
-                        rollout,
-                        advantage=advantage,
-                        rl_w=rl_w,
-                        ce_w=ce_w,
-                        metadata={"trace_id": trace.get("id")},
-                    )
-                    if has_weight(sample):
-                        out.append(sample)
+        for member, advantage in zip(found, advantages):
+            for branch, selection in zip(member.branches, selections[id(member.trace)]):
+                rl_w = branch.sampled_mask.astype(np.float32) * float(rl_on)
+                ce_w = None
+                if selection is not None:
+                    ce_w, selected = selection
+                    rl_w = np.where(selected, 0.0, rl_w).astype(np.float32)
+                sample = branch_sample(
+                    branch,
+                    member.rollout,
+                    advantage=advantage,
+                    rl_w=rl_w,
+                    ce_w=ce_w,
+                    metadata={
+                        "trace_id": member.trace.get("id"),
+                        "role": member.role,
+                        "reward": member.reward,
+                    },
+                )
+                if has_weight(sample):
+                    out.append(sample)
         return out
-
-
-def ok_rewards(group: list[Rollout]) -> np.ndarray:
-    """Rewards of the group's successful rollouts (float64)."""
-    return np.array([r.reward for r in group if r.ok], np.float64)
-
-
-def scatter(group: list[Rollout], values: np.ndarray) -> list[float]:
-    """Per-rollout list from values over the successful rollouts (0 for failed ones)."""
-    it = iter(values.tolist())
-    return [next(it) if r.ok else 0.0 for r in group]
 
 
 class GRPO(GroupRelative):
     def __init__(self, config: GRPOConfig) -> None:
         self.config = config
 
-    def advantages(self, group: list[Rollout]) -> list[float]:
-        rewards = ok_rewards(group)
-        if not rewards.size:
-            return [0.0] * len(group)
+    def member_advantages(self, group: list[Member]) -> np.ndarray:
+        rewards = np.array([m.reward for m in group], np.float64)
         shaped = rewards
         if self.config.length_penalty is not None:
-            lengths = [rollout_lengths(r) for r in group if r.ok]
-            shaped = rewards - self.config.length_penalty.penalties(rewards, lengths)
-        return scatter(group, shaped - shaped.mean())
+            shaped = rewards - self.config.length_penalty.penalties(
+                rewards, [trace_lengths(m.trace) for m in group]
+            )
+        return shaped - shaped.mean()

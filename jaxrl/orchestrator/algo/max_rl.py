@@ -13,9 +13,8 @@ from typing import Literal
 
 import numpy as np
 
-from jaxrl.orchestrator.algo.base import AlgoConfigBase
-from jaxrl.orchestrator.algo.grpo import GroupRelative, ok_rewards, scatter
-from jaxrl.orchestrator.traces import Rollout
+from jaxrl.orchestrator.algo.base import AlgoConfigBase, Member
+from jaxrl.orchestrator.algo.grpo import GroupRelative
 
 
 class MaxRLConfig(AlgoConfigBase):
@@ -26,9 +25,7 @@ class MaxRL(GroupRelative):
     def __init__(self, config: MaxRLConfig) -> None:
         self.config = config
 
-    def advantages(self, group: list[Rollout]) -> list[float]:
-        rewards = ok_rewards(group)
-        mean = rewards.mean() if rewards.size else 0.0
-        if mean <= 0:
-            return [0.0] * len(group)
-        return scatter(group, (rewards - mean) / mean)
+    def member_advantages(self, group: list[Member]) -> np.ndarray:
+        rewards = np.array([m.reward for m in group], np.float64)
+        mean = rewards.mean()
+        return np.zeros_like(rewards) if mean <= 0 else (rewards - mean) / mean

@@ -1,0 +1,59 @@
+"""On-policy distillation: the policy samples, a teacher scores every sampled token, and the
+trainer's ref-KL component pulls the policy towards the teacher (DESIGN contract 3).
+
+No scalar credit: each sampled token's signal is `logr - logp` (teacher minus policy log-prob),
+evaluated in the trainer against the live policy, so every successful rollout trains whatever
+its reward (`group_size` only fans out sampling). This algorithm only routes tokens: sampled
+tokens get `ref_kl_w = 1` (and `rl_w = 0`); the trainer-side teacher (`jaxrl.trainer.teacher`)
+fills each sample's `logr` before the step.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from pydantic import Field
+
+from jaxrl.orchestrator.algo.base import AlgoConfigBase, Algorithm, has_weight, trainable_branches
+from jaxrl.orchestrator.traces import Rollout, branch_sample
+from jaxrl.samples import TrainingSample
+
+
+class TeacherConfig(AlgoConfigBase):
+    name: str = Field(min_length=1)
+    """The teacher: a Hugging Face model directory or hub id (fetched with huggingface_hub; its
+    cache and HF_HUB_OFFLINE are honoured). It must share the policy's tokenizer (same vocabulary).
+    Loaded on the trainer's mesh, frozen."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Teacher parameter and compute dtype."""
+
+
+class OPDConfig(AlgoConfigBase):
+    type: Literal["opd"] = "opd"
+    teacher: TeacherConfig
+    """`[orchestrator.train.env.algo.teacher]`: the model whose reverse KL the policy distills."""
+
+
+class OPD(Algorithm):
+    def __init__(self, config: OPDConfig) -> None:
+        self.config = config
+
+    def samples(self, group: list[Rollout]) -> list[TrainingSample]:
+        out = []
+        for rollout in group:
+            if not rollout.ok:
+                continue
+            for trace, branches in trainable_branches(rollout):
+                for branch in branches:
+                    sample = branch_sample(
+                        branch,
+                        rollout,
+                        advantage=0.0,
+                        rl_w=np.zeros(len(branch), np.float32),
+                        ref_kl_w=branch.sampled_mask.astype(np.float32),
+                        metadata={"trace_id": trace.get("id"), "teacher": self.config.teacher.name},
+                    )
+                    if has_weight(sample):
+                        out.append(sample)
+        return out

@@ -1,0 +1,57 @@
+"""Property-based fuzzing of the live HTTP API from its own ``/openapi.json`` (schemathesis):
+generated requests, valid and invalid, over real HTTP to a real server; none may get a 5xx.
+
+Bounded and repeatable: ``MAX_EXAMPLES`` per operation, derandomized with a fixed seed. The
+server is small (max_model_len 64) so a generated ``max_tokens`` or ``n`` cannot make one case slow.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, seed, settings
+from transformers import AutoTokenizer
+
+from jaxrl.inference.engine import Engine
+from jaxrl.inference.server import EngineServer
+
+MAX_EXAMPLES = 40
+STATUS = Counter()
+
+
+@pytest.fixture(scope="module")
+def live_server(model_dir, tokenizer_dir, make_config):
+    engine = Engine.from_pretrained(model_dir, make_config(max_model_len=64, decode_len_buckets=[64]))
+    srv = EngineServer(engine, AutoTokenizer.from_pretrained(tokenizer_dir), model_name="tiny")
+    srv.start()
+    yield srv
+    srv.stop()
+    total = sum(STATUS.values())
+    print(f"\nschemathesis: {total} requests; status counts {dict(sorted(STATUS.items()))}")
+
+
+@pytest.fixture(scope="module")
+def api_schema(live_server):
+    return schemathesis.openapi.from_url(live_server.url + "/openapi.json")
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@schema.parametrize()
+@seed(20261123)
+@settings(
+    max_examples=MAX_EXAMPLES,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
+def test_no_generated_request_gets_a_server_error(case, live_server) -> None:
+    response = case.call(timeout=120)
+    STATUS[response.status_code] += 1
+    assert response.status_code < 500, (
+        f"{case.method} {case.path} -> {response.status_code}: {response.text[:500]}"
+    )
+    assert live_server.engine.healthy
