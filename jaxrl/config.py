@@ -78,19 +78,39 @@ class ModelConfig(BaseModel):
 
 
 class DataConfig(BaseModel):
-    """SFT data: conversations from a built-in taskset's reference answers, rendered with the
-    run's renderer (`[model] renderer`) so SFT sees exactly the tokens RL rollouts will produce."""
+    """SFT data: the user's conversations (`path`) or a built-in taskset's reference answers,
+    rendered with the run's renderer (`[model] renderer`) so SFT sees exactly the tokens RL
+    rollouts will produce. The loss is on the assistant's tokens."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-    taskset: str = "reverse_text"
-    """Built-in taskset whose reference conversations are the SFT examples."""
+    path: str | None = None
+    """Your conversations: a JSONL file of `{"messages": [...], "tools": [...]}` rows (OpenAI chat
+    shape), a directory of *.jsonl / *.parquet files, or a Hugging Face dataset id."""
+    revision: str | None = None
+    """Hub revision of a dataset id `path`."""
+    skip_bad_rows: bool = False
+    """Skip (and count) rows that fail validation instead of stopping with their file and line."""
+    content_roles: list[Literal["system", "user", "tool"]] = []
+    """Also train on the content tokens (not the chat scaffold) of these roles' messages (echo-style)."""
+    taskset: str | None = None
+    """Built-in taskset whose reference conversations are the SFT examples (default: reverse_text
+    when `path` is unset)."""
     taskset_args: dict[str, Any] = {}
     """Extra arguments for the taskset's config (e.g. min_words / max_words)."""
-    num_examples: int = Field(4096, ge=1)
-    """Distinct training conversations (drawn from the taskset's train split)."""
+    num_examples: int | None = Field(None, ge=1)
+    """Distinct training conversations: a taskset draws this many (default 4096); of `path`, the
+    first this many (default: all)."""
     batch_size: int = Field(32, ge=1)
     """Conversations per optimizer step."""
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if self.path is not None and (self.taskset is not None or self.taskset_args):
+            raise ValueError("data: set either `path` (your conversations) or `taskset`, not both")
+        if self.path is None and (self.revision is not None or self.skip_bad_rows):
+            raise ValueError("data.revision / data.skip_bad_rows apply to `path`; set data.path")
+        return self
 
 
 class LogConfig(BaseModel):
@@ -156,8 +176,8 @@ class RunConfig(BaseModel):
             and not _HUB_ID.match(name)
         ):
             raise ValueError(
-                f"model.name: {self.model.name} is not a directory; point it at a Hugging Face model directory "
-                "(config.json + safetensors; hub ids are not fetched)"
+                f"model.name: {self.model.name} is not a directory nor a hub id (org/name); point it at a Hugging "
+                "Face model directory (config.json + safetensors) or a hub id"
             )
         context = model_context_len(self.model)
         if context is not None:
@@ -165,8 +185,8 @@ class RunConfig(BaseModel):
         elif self.inference.max_model_len is None and self.orchestrator is not None:
             raise ValueError(
                 f"inference.max_model_len: unset, and model.name = {self.model.name!r} has no config.json to read "
-                "the model's context length from; set inference.max_model_len (needed when a warm start creates "
-                "the model) or fix model.name"
+                "the model's context length from (yet: a warm start creates it, or a hub id not in the local "
+                "cache); set inference.max_model_len"
             )
         if self.data is not None and self.orchestrator is not None:
             raise ValueError("set only one of `[data]` (SFT) and `[orchestrator]` (RL)")
@@ -207,6 +227,11 @@ def model_context_len(model: ModelConfig) -> int | None:
     if model.scratch is not None:
         return model.scratch.max_position_embeddings
     config = Path(model.name or "") / "config.json"
+    if not config.is_file() and model.name and _HUB_ID.match(model.name):  # a cached hub snapshot; no network
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model.name, "config.json", revision=model.revision)
+        config = Path(cached) if isinstance(cached, str) else config
     if not config.is_file():
         return None
     try:
