@@ -37,3 +37,14 @@ def test_serving_and_training_meshes_shard_by_the_same_rules() -> None:
     cache = (2, 8, 2, 32, 16)
     assert tuple(cache_sharding(serve, cache).spec) == (None, None, "tensor", None, None)
     assert tuple(sharding.cache_sharding(train, cache).spec) == (None, "fsdp", "tensor", None, None)
+
+
+def test_inference_does_not_import_orchestrator() -> None:
+    """Rollout backends produce a `jaxrl.endpoint.ModelEndpoint`; none of them knows the orchestrator."""
+    code = (
+        "import sys, jaxrl.inference.vllm_backend, jaxrl.inference.serving, jaxrl.inference.server;"
+        "bad = sorted(m for m in sys.modules if m.startswith('jaxrl.orchestrator'));"
+        "assert not bad, bad"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

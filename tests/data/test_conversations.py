@@ -95,9 +95,9 @@ def test_a_hub_dataset_id_from_the_offline_cache(tmp_path, monkeypatch) -> None:
 
 def test_config_rejects_mixed_sources() -> None:
     with pytest.raises(ValueError, match="either `path`"):
-        build_config({"model": {"name": "m"}, "data": {"path": "x.jsonl", "taskset": "lookup"}}, [])
+        build_config({"model": {"name": "org/m"}, "data": {"path": "x.jsonl", "taskset": "lookup"}}, [])
     with pytest.raises(ValueError, match="set data.path"):
-        build_config({"model": {"name": "m"}, "data": {"skip_bad_rows": True}}, [])
+        build_config({"model": {"name": "org/m"}, "data": {"skip_bad_rows": True}}, [])
 
 
 @pytest.mark.slow
