@@ -23,9 +23,9 @@ import argparse
 import asyncio
 import json
 import os
-import tempfile
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any

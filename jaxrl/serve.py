@@ -47,8 +47,9 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
 
 def _print_ready(server, url: str) -> None:  # type: ignore[no-untyped-def]
     warm = server.engine.metrics()
-    took = "" if warm.warmup_s is None else f" (warm-up: {warm.compiles} programs in {warm.warmup_s:.1f} s)"
-    print(f"jaxrl.serve: serving {server.model_name} at {url}{took}", flush=True)
+    if warm.warmup_s is not None:
+        print(f"jaxrl.serve: warm-up compiled {warm.compiles} programs in {warm.warmup_s:.1f} s", flush=True)
+    print(f"jaxrl.serve: serving {server.model_name} at {url}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ from jaxrl.inference.engine_metrics import RateWindow
 def test_rate_window_measures_recent_rate_and_forgets_old_steps() -> None:
     w = RateWindow(window_s=10.0)
     assert w.rate(now=0.0) == 0.0
-    for t in range(0, 31):  # 100 tokens/s for 30 s
+    for t in range(31):  # 100 tokens/s for 30 s
         w.add(100 * t, now=float(t))
     assert w.rate(now=30.0) == pytest.approx(100.0)
     w.add(3100, now=31.0)  # then 100 tokens in one step, then silence
