@@ -72,6 +72,7 @@ def bench_engine(model_dir: Path, prompts: np.ndarray, args: argparse.Namespace)
         max_seqs=batch,
         max_batched_tokens=batch * args.prompt_len,
         decode_steps=args.decode_steps,
+        decode_steps_idle=args.decode_steps_idle,
         decode_batch_buckets=[batch],
         prefill_len_buckets=[args.prompt_len],
         prefill_batch_buckets=[batch],
@@ -188,6 +189,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--decode-steps", type=int, default=4)
+    ap.add_argument("--decode-steps-idle", type=int, default=16, help="inference.decode_steps_idle")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192)
@@ -244,6 +246,7 @@ def bench_batch(
         "fraction_of_bound": round(engine_tok_s / bound_tok_s, 3),
         "engine_s": round(engine_s, 3),
         "decode_steps": args.decode_steps,
+        "decode_steps_idle": args.decode_steps_idle,
     }
     if vllm is not None:
         vllm_tok_s = vllm.tok_s(prompts)

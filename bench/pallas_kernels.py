@@ -103,7 +103,8 @@ def attention_problem(b, t, h, k, d, dtype, block, interpret, seed=0):
 
 
 def decode_problem(b, s, h, k, d, dtype, block_s, interpret, seed=0):
-    q, kc, vc = _rng_arrays(seed, dtype, (b, h, d), (b, s, k, d), (b, s, k, d))
+    """Query b reads cache row b of a one-layer, heads-major [B, K, S, Dh] cache."""
+    q, kc, vc = _rng_arrays(seed, dtype, (b, h, d), (b, k, s, d), (b, k, s, d))
     lengths = jnp.asarray(np.random.default_rng(seed + 1).integers(1, s + 1, b), jnp.int32)
     kernel = lambda q, k, v, n: decode_attention(q, k, v, n, block_s=block_s, interpret=interpret)
     return (q, kc, vc, lengths), kernel, decode_attention_reference, (), None
@@ -150,9 +151,9 @@ def timing(iters: int) -> None:
         return
     bf16 = jnp.bfloat16
     problems = {
-        "logprobs": logprob_problem(2048, 2048, 151936, bf16, 256, 1024, interpret=False),
+        "logprobs": logprob_problem(2048, 2048, 151936, bf16, None, None, interpret=False),
         "segment_attention": attention_problem(2, 4096, 16, 8, 128, bf16, 128, interpret=False),
-        "decode_attention": decode_problem(32, 4096, 16, 8, 128, bf16, 256, interpret=False),
+        "decode_attention": decode_problem(32, 4096, 16, 8, 128, bf16, None, interpret=False),
     }
     for name, (args, kernel, ref, diff, cot) in problems.items():
         impls = {"reference": ref, "pallas": kernel}

@@ -78,16 +78,28 @@ class ModelConfig(BaseModel):
 
 
 class DataConfig(BaseModel):
-    """SFT data: conversations from a built-in taskset's reference answers, rendered with the
-    run's renderer (`[model] renderer`) so SFT sees exactly the tokens RL rollouts will produce."""
+    """SFT data: the user's conversations (`path`) or a built-in taskset's reference answers,
+    rendered with the run's renderer (`[model] renderer`) so SFT sees exactly the tokens RL
+    rollouts will produce. The loss is on the assistant's tokens."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-    taskset: str = "reverse_text"
-    """Built-in taskset whose reference conversations are the SFT examples."""
+    path: str | None = None
+    """Your conversations: a JSONL file of `{"messages": [...], "tools": [...]}` rows (OpenAI chat
+    shape), a directory of *.jsonl / *.parquet files, or a Hugging Face dataset id."""
+    revision: str | None = None
+    """Hub revision of a dataset id `path`."""
+    skip_bad_rows: bool = False
+    """Skip (and count) rows that fail validation instead of stopping with their file and line."""
+    content_roles: list[Literal["system", "user", "tool"]] = []
+    """Also train on the content tokens (not the chat scaffold) of these roles' messages (echo-style)."""
+    taskset: str | None = None
+    """Built-in taskset whose reference conversations are the SFT examples (default: reverse_text
+    when `path` is unset)."""
     taskset_args: dict[str, Any] = {}
     """Extra arguments for the taskset's config (e.g. min_words / max_words)."""
-    num_examples: int = Field(4096, ge=1)
-    """Distinct training conversations (drawn from the taskset's train split)."""
+    num_examples: int | None = Field(None, ge=1)
+    """Distinct training conversations: a taskset draws this many (default 4096); of `path`, the
+    first this many (default: all)."""
     batch_size: int = Field(32, ge=1)
     """Conversations per optimizer step."""
     seed: int = 0
@@ -113,6 +125,14 @@ class WandbConfig(BaseModel):
     """`offline` writes under <output_dir>/wandb for a later `wandb sync`."""
     samples: int = Field(8, ge=0)
     """Rollouts per step logged to the `samples/train` and `samples/eval` tables (0: none)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if self.path is not None and (self.taskset is not None or self.taskset_args):
+            raise ValueError("data: set either `path` (your conversations) or `taskset`, not both")
+        if self.path is None and (self.revision is not None or self.skip_bad_rows):
+            raise ValueError("data.revision / data.skip_bad_rows apply to `path`; set data.path")
+        return self
 
 
 class LogConfig(BaseModel):

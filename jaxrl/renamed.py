@@ -81,7 +81,9 @@ def find_renamed(run: Any) -> list[str]:
     def visit(path: str, table: Mapping) -> None:
         renames, children = _TREE[path]
         prefix = f"{path}." if path else ""
-        found.extend(f"`{prefix}{old}` was renamed to `{new}`" for old, new in renames.items() if old in table)
+        found.extend(
+            f"`{prefix}{old}` was renamed to `{new}`" for old, new in renames.items() if old in table
+        )
         for child in children:
             where = f"{prefix}{child}"
             for suffix, sub in _entries(table.get(child)):
@@ -90,7 +92,9 @@ def find_renamed(run: Any) -> list[str]:
                 else:
                     leaf = _LEAVES[child]
                     found.extend(
-                        f"`{where}{suffix}.{old}` was renamed to `{new}`" for old, new in leaf.items() if old in sub
+                        f"`{where}{suffix}.{old}` was renamed to `{new}`"
+                        for old, new in leaf.items()
+                        if old in sub
                     )
                     for suffix2, nested in _entries(sub.get("sampling")) if child != "sampling" else []:
                         found.extend(

@@ -16,16 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from jaxrl.config import RunConfig
+from jaxrl.endpoint import ModelEndpoint
 from jaxrl.inference.http_thread import check_port_free
 from jaxrl.metrics import MetricsLogger
 from jaxrl.orchestrator.algo import OPDConfig
 from jaxrl.orchestrator.batch import build_batch
-from jaxrl.orchestrator.env_server import EnvServerDead, ModelEndpoint
-from jaxrl.trainer.teacher import Teacher
+from jaxrl.orchestrator.env_server import EnvServerDead
 from jaxrl.orchestrator.orchestrator import Orchestrator
 from jaxrl.parallel.distributed import is_main_process
 from jaxrl.preemption import RunAborted
 from jaxrl.run_common import TrainingRun
+from jaxrl.trainer.teacher import Teacher
 
 PLOT_KEYS = ("reward_mean", "rl_loss", "mismatch_kl", "entropy", "time/step_s")  # eval shares reward's panel
 
@@ -58,10 +59,9 @@ class RolloutLog:
 def start_engine(run: TrainingRun) -> tuple[Any, Any, ModelEndpoint]:
     """The rollout backend serving the trainer's current weights: the embedded engine + its HTTP
     server on loopback, or (``inference.backend = "vllm"``) a vLLM server behind a loopback proxy."""
-    from transformers import AutoTokenizer
-
     from jaxrl.inference.engine import Engine
-    from jaxrl.inference.server import EngineServer
+    from jaxrl.inference.serving import build_engine_server
+    from jaxrl.models.hub import resolve_model_dir
 
     cfg = run.cfg
     if cfg.inference.backend == "vllm":
@@ -74,10 +74,11 @@ def start_engine(run: TrainingRun) -> tuple[Any, Any, ModelEndpoint]:
             'server it launches; use backend = "embedded" or "vllm"'
         )
     engine = Engine(run.trainer.model(), cfg.inference)
-    tokenizer = AutoTokenizer.from_pretrained(run.tokenizer_dir)
-    server = EngineServer.from_config(
-        engine, tokenizer, cfg.inference.server, model_name=cfg.model.name or "jaxrl", renderer=run.renderer
-    )
+    model_dir = resolve_model_dir(cfg.model.name, cfg.model.revision) if cfg.model.name else None
+    server = build_engine_server(
+        engine, cfg.inference, tokenizer_dir=run.tokenizer_dir, model_dir=model_dir,
+        model_name=cfg.model.name or "jaxrl", renderer=run.renderer,
+    )  # fmt: skip
     server.start()
     endpoint = ModelEndpoint(
         base_url=f"{server.url}/v1", model=server.model_name, tokenizer_dir=run.tokenizer_dir, renderer=run.renderer
@@ -183,7 +184,19 @@ def _rl_step(run: TrainingRun, orch: Orchestrator, engine: Any, rollouts: Rollou
         "time/weight_sync_s": t_sync,
         "time/step_s": time.perf_counter() - t0,
     }
-    return metrics
+    return metrics | engine_metrics(engine)
+
+
+ENGINE_KEYS = ("waiting", "running", "tokens_per_s", "prefix_hit_rate", "cached_prompt_tokens", "prompt_tokens",
+               "generated_tokens", "compiles")
+
+
+def engine_metrics(engine: Any) -> dict[str, float]:
+    """The rollout backend's own view (``GET /metrics`` of the embedded engine) as ``engine/...`` keys."""
+    snapshot = engine.metrics()
+    if snapshot is None:
+        return {}
+    return {f"engine/{k}": float(v) for k, v in snapshot.model_dump(include=set(ENGINE_KEYS)).items()}
 
 
 def _evaluate(orch: Orchestrator, rollouts: RolloutLog, step: int) -> dict[str, Any]:

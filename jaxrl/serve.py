@@ -12,19 +12,8 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 from jaxrl.config import RunConfig, load_config
-
-
-def eos_token_ids(model_dir: str | Path, tokenizer) -> list[int]:  # type: ignore[no-untyped-def]
-    """Default stop tokens: the tokenizer's EOS plus ``generation_config.json``'s eos ids."""
-    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    gen = Path(model_dir) / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
-    return list(dict.fromkeys(int(i) for i in ids))
 
 
 def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
@@ -33,7 +22,7 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
 
     from jaxrl.inference.engine import Engine
     from jaxrl.inference.http_thread import check_port_free
-    from jaxrl.inference.server import EngineServer
+    from jaxrl.inference.serving import build_engine_server
     from jaxrl.models.chat import model_renderer
     from jaxrl.models.hub import resolve_model_dir
 
@@ -46,16 +35,21 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
         )
     check_port_free(cfg.inference.server.host, cfg.inference.server.port)  # before the model loads
     model_dir = resolve_model_dir(cfg.model.name, cfg.model.revision)
+    tokenizer_dir = cfg.model.tokenizer or model_dir
+    hf_config = json.loads((model_dir / "config.json").read_text())
     engine = Engine.from_pretrained(model_dir, cfg.inference, dtype=cfg.model.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
-    return EngineServer.from_config(
-        engine,
-        tokenizer,
-        cfg.inference.server,
-        model_name=cfg.model.name,
-        stop_token_ids=eos_token_ids(model_dir, tokenizer),
-        renderer=model_renderer(cfg.model, json.loads((model_dir / "config.json").read_text()), tokenizer),
-    )
+    renderer = model_renderer(cfg.model, hf_config, AutoTokenizer.from_pretrained(tokenizer_dir))
+    return build_engine_server(
+        engine, cfg.inference, tokenizer_dir=tokenizer_dir, model_dir=model_dir, model_name=cfg.model.name,
+        renderer=renderer,
+    )  # fmt: skip
+
+
+def _print_ready(server, url: str) -> None:  # type: ignore[no-untyped-def]
+    warm = server.engine.metrics()
+    if warm.warmup_s is not None:
+        print(f"jaxrl.serve: warm-up compiled {warm.compiles} programs in {warm.warmup_s:.1f} s", flush=True)
+    print(f"jaxrl.serve: serving {server.model_name} at {url}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,9 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        server.serve_forever(
-            on_ready=lambda url: print(f"jaxrl.serve: serving {server.model_name} at {url}", flush=True)
-        )
+        server.serve_forever(on_ready=lambda url: _print_ready(server, url))
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

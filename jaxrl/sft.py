@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxrl.config import DataConfig, RunConfig
+from jaxrl.data.conversations import load_conversations
 from jaxrl.data.sft import RenderConversation, reference_conversations, sft_dataset
 from jaxrl.models.chat import RendererSpec
 from jaxrl.run_common import TrainingRun
@@ -23,11 +24,33 @@ RL_ONLY = (
 def run_sft(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     data_cfg = cfg.data or DataConfig()
     run = TrainingRun(cfg, plot_keys=("ce_loss", "ce_nll_max", "grad_norm", "tokens_per_s"))  # eval shares ce_loss's panel
-    conversations = reference_conversations(
-        data_cfg.taskset, data_cfg.taskset_args, data_cfg.num_examples, data_cfg.seed
-    )
-    batches = iter(sft_dataset(conversations, run.tokenizer_dir, run.renderer, data_cfg.batch_size, data_cfg.seed).to_iter_dataset())
-    held_out = heldout_samples(data_cfg, run.tokenizer_dir, run.renderer) if data_cfg.eval_interval else []
+    skipped = 0
+    if data_cfg.path is not None:
+        render = RenderConversation(run.tokenizer_dir, run.renderer, data_cfg.content_roles)
+
+        def check(example: Any) -> None:  # a row that cannot train fails (or is skipped) up front
+            n = len(render.map(example))
+            if n > cfg.trainer.seq_len:
+                raise ValueError(f"{n} tokens rendered, more than trainer.seq_len = {cfg.trainer.seq_len}")
+
+        loaded = load_conversations(
+            data_cfg.path, revision=data_cfg.revision, skip_bad_rows=data_cfg.skip_bad_rows, check=check
+        )  # fmt: skip
+        conversations, skipped = loaded.examples[: data_cfg.num_examples], loaded.skipped
+    else:
+        conversations = reference_conversations(
+            data_cfg.taskset or "reverse_text", data_cfg.taskset_args, data_cfg.num_examples or 4096, data_cfg.seed
+        )
+    dataset = sft_dataset(
+        conversations, run.tokenizer_dir, run.renderer, data_cfg.batch_size, data_cfg.seed,
+        content_roles=data_cfg.content_roles,
+    )  # fmt: skip
+    batches = iter(dataset.to_iter_dataset())
+    held_out: list[TrainingSample] = []
+    if data_cfg.eval_interval and data_cfg.path is None:
+        held_out = heldout_samples(data_cfg, run.tokenizer_dir, run.renderer)
+    elif data_cfg.eval_interval:
+        print(f"[jaxrl] data.path = {data_cfg.path!r} has no eval split: no held-out eval (data.eval_interval applies to tasksets)")
     meta = run.maybe_resume(resume)
     if meta:
         batches.set_state(meta["data"])
@@ -44,15 +67,16 @@ def run_sft(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
                 break
     if not stop.requested:
         run.save({"data": batches.get_state()})
-    return run.finish(title=f"SFT {Path(cfg.output_dir).name}", export=not stop.requested) | {"last": last}
+    result = run.finish(title=f"SFT {Path(cfg.output_dir).name}", export=not stop.requested)
+    return result | {"last": last, "examples": len(conversations), "skipped_rows": skipped}
 
 
 def heldout_samples(data_cfg: DataConfig, tokenizer_dir: str, renderer: RendererSpec) -> list[TrainingSample]:
     """The taskset's eval-split reference conversations, rendered once: tasks SFT never trains on."""
     conversations = reference_conversations(
-        data_cfg.taskset, data_cfg.taskset_args, data_cfg.eval_examples, data_cfg.seed, split="eval"
+        data_cfg.taskset or "reverse_text", data_cfg.taskset_args, data_cfg.eval_examples, data_cfg.seed, split="eval"
     )
-    render = RenderConversation(tokenizer_dir, renderer)
+    render = RenderConversation(tokenizer_dir, renderer, data_cfg.content_roles)
     return [render.map(c) for c in conversations]
 
 

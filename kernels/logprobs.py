@@ -143,7 +143,7 @@ def seconds(kernel: str, bn: int, bv: int, n: int, d: int, v: int, itemsize: int
         traffic = vb * n * d + 2 * d * v
     else:
         traffic = nb * d * v + (1 if kernel == "forward" else 2) * n * d
-    return chip.seconds(2 * matmuls * n * d * v, traffic * itemsize, nb * vb)
+    return chip.seconds(2 * matmuls * n * d * v, traffic * itemsize, nb * vb, min(bn, bv))
 
 
 def plan_blocks(
@@ -234,6 +234,23 @@ def _tile_grad_logits(in_refs, col0, vocab):
     return d_l, jnp.where(valid, logits, 0.0), valid
 
 
+def _masked_on_last(step, steps, tail, ref, valid, use):
+    """``use(ref[...])``, with ``ref``'s invalid part zeroed on the last step when the grid axis
+    has a partial ``tail`` (a static int; 0: no partial block, no select at all)."""
+    if not tail:
+        use(ref[...])
+        return
+
+    @pl.when(step < steps - 1)
+    def _full():
+        use(ref[...])
+
+    @pl.when(step == steps - 1)
+    def _partial():
+        x = ref[...]
+        use(jnp.where(valid, x, jnp.zeros_like(x)))
+
+
 def _bwd_hidden_kernel(*refs, vocab):
     # Scratch: d_temperature's column, then d_hidden's float32 accumulator unless d_hidden is
     # itself float32 (then it accumulates in its output block, resident across the vocab axis).
@@ -250,9 +267,13 @@ def _bwd_hidden_kernel(*refs, vocab):
     d_l, logits, valid = _tile_grad_logits(in_refs, j * w_ref.shape[1], vocab)
     dt_sc[...] -= jnp.sum(d_l * logits, axis=1, keepdims=True)
     d_z = d_l * invt_ref[...]
-    w = w_ref[...]
-    w = jnp.where(valid, w, jnp.zeros_like(w))  # columns past V are unspecified memory (maybe NaN)
-    acc[...] += lax.dot_general(d_z.astype(w.dtype), w, _NT, preferred_element_type=jnp.float32)
+
+    def accumulate(w):
+        acc[...] += lax.dot_general(d_z.astype(w.dtype), w, _NT, preferred_element_type=jnp.float32)
+
+    # Columns past V (last block only) are unspecified memory, maybe NaN: zero them there. The
+    # [D, block_v] select is costly to compile and run, so it exists only when V has a tail.
+    _masked_on_last(j, pl.num_programs(1), vocab % w_ref.shape[1], w_ref, valid, accumulate)
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _finish():
@@ -273,12 +294,14 @@ def _bwd_head_kernel(*refs, vocab, n_rows):
 
     bn = h_ref.shape[0]
     d_l, _, _ = _tile_grad_logits(in_refs, j * w_ref.shape[1], vocab)
-    # Rows past N are unspecified memory (maybe NaN): zero both factors of the product.
+    # Rows past N (last block only) are unspecified memory, maybe NaN: zero both factors.
     rows_ok = i * bn + lax.broadcasted_iota(jnp.int32, (bn, 1), 0) < n_rows
     d_z = jnp.where(rows_ok, d_l * invt_ref[...], 0.0)
-    h = h_ref[...]
-    h = jnp.where(rows_ok, h, jnp.zeros_like(h))
-    acc[...] += lax.dot_general(h, d_z.astype(h.dtype), _TN, preferred_element_type=jnp.float32)
+
+    def accumulate(h):
+        acc[...] += lax.dot_general(h, d_z.astype(h.dtype), _TN, preferred_element_type=jnp.float32)
+
+    _masked_on_last(i, pl.num_programs(1), n_rows % bn, h_ref, rows_ok, accumulate)
 
     if dw_sc:
 

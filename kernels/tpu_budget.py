@@ -15,8 +15,10 @@ scoped limit, so the kernels compile for any generation, only with smaller tiles
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from itertools import product
+from typing import Any
 
 from jax.experimental.pallas import tpu as pltpu
 
@@ -39,14 +41,17 @@ class Chip:
     block_budget: int  # bytes a kernel's blocks, buffers and scratch may take, by our estimate
     flops: float  # bf16 matmul FLOP/s of one kernel instance (a core, or a megacore pair)
     hbm_bw: float  # HBM bytes/s of the same
+    mxu: int  # systolic array width: a matmul dimension narrower than this wastes the rest
 
-    def seconds(self, flops: float, hbm_bytes: float, steps: int) -> float:
-        """Roofline time of a kernel: the slower of compute and HBM traffic, plus grid overhead."""
-        return max(flops / self.flops, hbm_bytes / self.hbm_bw) + steps * STEP_OVERHEAD_S
+    def seconds(self, flops: float, hbm_bytes: float, steps: int, narrowest: int) -> float:
+        """Roofline time of a kernel whose matmuls have ``narrowest`` as their smallest tile
+        dimension: the slower of compute and HBM traffic, plus per-step overhead."""
+        compute = flops / self.flops * max(1.0, self.mxu / narrowest)
+        return max(compute, hbm_bytes / self.hbm_bw) + steps * STEP_OVERHEAD_S
 
 
 # Fits the default 16 MiB scoped limit of every generation; v5e's speeds rank the candidates.
-UNKNOWN = Chip("unknown", None, 12 * MiB, 1.97e14, 8.2e11)
+UNKNOWN = Chip("unknown", None, 12 * MiB, 1.97e14, 8.2e11, 128)
 
 
 def target_chip() -> Chip:
@@ -63,6 +68,7 @@ def target_chip() -> Chip:
         int(request * _ESTIMATE_SHARE),
         float(info.bf16_ops_per_second * cores),
         float(info.mem_bw_bytes_per_second * cores),
+        info.mxu_column_size,
     )
 
 
@@ -72,11 +78,34 @@ def compiler_params(chip: Chip, *semantics: str) -> pltpu.CompilerParams:
     return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=chip.vmem_limit)
 
 
+# Largest [rows, cols] tile a kernel body computes on at once. Mosaic unrolls vector code over
+# the tile's vregs, so compile time (and instruction memory) grows with its area: the fused
+# log-prob kernels took 4 s of CPU to compile at 256 x 256 tiles, 16 s at 512 x 512 and 50 s at
+# 1024 x 1024 (v5e, D 4096), with no roofline gain past the HBM/compute balance point.
+MAX_TILE_ELEMENTS = 512 * 256
+
+
 def best_blocks(candidates_a, candidates_b, vmem, seconds, budget: int) -> tuple[int, int]:
     """The (a, b) pair with the least estimated ``seconds(a, b)`` among those whose estimated
-    ``vmem(a, b)`` fits ``budget``; ties go to the smaller footprint. Raises when none fits."""
-    fits = [(seconds(a, b), vmem(a, b), a, b) for a, b in product(candidates_a, candidates_b)]
+    ``vmem(a, b)`` fits ``budget`` and whose tile is at most ``MAX_TILE_ELEMENTS``; ties go to
+    the smaller footprint. Raises when none fits."""
+    pairs = [(a, b) for a, b in product(candidates_a, candidates_b) if a * b <= MAX_TILE_ELEMENTS]
+    fits = [(seconds(a, b), vmem(a, b), a, b) for a, b in pairs]
     fits = [f for f in fits if f[1] <= budget]
     if not fits:
         raise ValueError(f"no block sizes fit the kernel's VMEM budget of {budget / MiB:.1f} MiB")
     return min(fits)[2:]
+
+
+def compiled_kernel_vmem(compiled: Any) -> list[tuple[str, int]]:
+    """(op name, VMEM bytes) of each Mosaic kernel in a compiled XLA:TPU executable, as the
+    compiler allotted it (``used_scoped_memory_configs`` of each ``tpu_custom_call``)."""
+    found = []
+    for line in compiled.as_text().splitlines():
+        if 'custom_call_target="tpu_custom_call"' not in line:
+            continue
+        used = re.search(r'"used_scoped_memory_configs":\[([^\]]*)\]', line)
+        name = re.search(r'op_name="([^"]*)"', line)
+        size = sum(int(x) for x in re.findall(r'"size":"(\d+)"', used.group(1))) if used else 0
+        found.append((name.group(1) if name else "?", size))
+    return found

@@ -262,13 +262,14 @@ def _engine_fits(cfg: RunConfig, eng: EngineShapes, topo: Topology) -> list[Prog
     from jaxrl.inference.engine import engine_programs
 
     icfg, layout = eng.config, eng.layout
-    prefill, decode, _, _ = engine_programs(eng.graphdef, icfg.decode_steps, layout, eng.kernels)
+    prefill, decode, _, _ = engine_programs(eng.graphdef, layout, eng.kernels)
     cache = layout.abstract_cache()
     md = _mesh_dict(eng.mesh)
     b, n = icfg.decode_buckets()[-1], icfg.decode_lengths()[-1]
     dfit = ProgramFit(f"engine_decode[{b}x{n}]", topo.name, md, knobs=ENGINE_KNOBS)
-    _compile(dfit, decode, eng.weights, cache, *layout.decode_inputs(b), filtered=False, length=n)
+    steps = icfg.decode_step_counts()[-1]
+    _compile(dfit, decode, steps, eng.weights, cache, *layout.decode_inputs(b), length=n)
     pb, pn = icfg.prefill_batches()[-1], icfg.prefill_lengths()[-1]
     pfit = ProgramFit(f"engine_prefill[{pb}x{pn}]", topo.name, md, knobs=ENGINE_KNOBS)
-    _compile(pfit, prefill, eng.weights, cache, *layout.prefill_inputs(pb, pn), filtered=False)
+    _compile(pfit, prefill, eng.weights, cache, *layout.prefill_inputs(pb, pn))
     return [dfit, pfit]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import typing
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import grain
@@ -54,21 +55,25 @@ def reference_conversations(
 class RenderConversation(grain.transforms.Map):
     """Conversation -> ``TrainingSample`` with CE weight on the model's own (sampled) tokens."""
 
-    def __init__(self, tokenizer_dir: str, renderer: RendererSpec):
+    def __init__(self, tokenizer_dir: str, renderer: RendererSpec, content_roles: Sequence[str] = ()):
         self.tokenizer_dir = tokenizer_dir
         self.renderer = dict(renderer)
+        self.content_roles = frozenset(content_roles)
         self._renderer = None
 
     def map(self, example: Example) -> TrainingSample:
         if self._renderer is None:  # built lazily: grain may pickle transforms into workers
             self._renderer = create_renderer(AutoTokenizer.from_pretrained(self.tokenizer_dir), self.renderer)
         messages, tools = example
-        token_ids, loss_mask = render_for_sft(self._renderer, messages, tools)
+        token_ids, loss_mask = render_for_sft(self._renderer, messages, tools, self.content_roles)
         return TrainingSample.sft(token_ids, loss_mask)
 
 
-def render_for_sft(renderer: Any, messages: list[Message], tools: list[dict[str, Any]]) -> tuple[list[int], list[bool]]:
-    """(token ids, loss mask): the loss is on the tokens the model samples in its assistant turns.
+def render_for_sft(
+    renderer: Any, messages: list[Message], tools: list[dict[str, Any]], content_roles: frozenset[str] = frozenset()
+) -> tuple[list[int], list[bool]]:
+    """(token ids, loss mask): the loss is on the tokens the model samples in its assistant turns,
+    and on the content tokens (the renderer's ``is_content``) of ``content_roles`` messages.
 
     Renderers with sampled-token attribution (qwen3, llama-3, ...) give that mask directly. The
     ``default`` renderer (a chat template rendered verbatim, e.g. Qwen2.5) attributes whole
@@ -79,8 +84,14 @@ def render_for_sft(renderer: Any, messages: list[Message], tools: list[dict[str,
 
     rendered = renderer.render(messages, tools=tools or None)
     if len(rendered.sampled_mask) == len(rendered.token_ids):
-        sample = build_training_sample(renderer, messages, tools=tools or None)
+        sample = build_training_sample(renderer, messages, tools=tools or None, content_sft_roles=content_roles or None)
         return list(sample.token_ids), [bool(m) for m in sample.loss_mask]
+    if content_roles:
+        raise ValueError(
+            f"data.content_roles = {sorted(content_roles)}: renderer {getattr(renderer.config, 'name', '?')!r} has no content "
+            "attribution; "
+            "name a family renderer in [model] renderer"
+        )
     mask = [False] * len(rendered.token_ids)
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
@@ -92,13 +103,19 @@ def render_for_sft(renderer: Any, messages: list[Message], tools: list[dict[str,
 
 
 def sft_dataset(
-    conversations: list[Example], tokenizer_dir: str, renderer: RendererSpec, batch_size: int, seed: int
+    conversations: list[Example],
+    tokenizer_dir: str,
+    renderer: RendererSpec,
+    batch_size: int,
+    seed: int,
+    *,
+    content_roles: Sequence[str] = (),
 ) -> grain.MapDataset:
     """Infinite, shuffled (re-shuffled each epoch), batched ``list[TrainingSample]`` dataset."""
     return (
         grain.MapDataset.source(conversations)
         .shuffle(seed=seed)
         .repeat()
-        .map(RenderConversation(tokenizer_dir, renderer))
+        .map(RenderConversation(tokenizer_dir, renderer, content_roles))
         .batch(batch_size, batch_fn=list)
     )

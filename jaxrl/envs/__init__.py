@@ -3,6 +3,7 @@
 - `reverse_text`: single turn, reverse a short text.
 - `alphabet_sort`: multi-turn with a scripted user, keep a growing list of names sorted.
 - `lookup`: multi-turn with a local tool whose output is a learnable function of its input.
+- `reverse_duel`: two seats of one policy play reverse_text zero-sum (multi-agent credit).
 
 Each is a verifiers plugin module (`__all__` exports its `Taskset`, the in-process
 `LocalChatHarness` and, where it has one, its `Env`). verifiers resolves a plugin id by
@@ -23,6 +24,7 @@ BUILTIN_ENVS = {
     "reverse_text": "jaxrl.envs.reverse_text",
     "alphabet_sort": "jaxrl.envs.alphabet_sort",
     "lookup": "jaxrl.envs.lookup",
+    "reverse_duel": "jaxrl.envs.reverse_duel",
 }
 """Built-in env name -> the module that implements it."""
 

@@ -6,7 +6,8 @@ requests from any thread and get ``concurrent.futures.Future``s. Each step:
 1. takes new requests and aborts, and applies a pending weight update when allowed;
 2. admits waiting requests into free KV cache rows, reusing cached prefixes (``scheduler``);
 3. runs one prefill batch (prompt chunks; a prompt that completes samples its first token);
-4. runs ``decode_steps`` decode steps for every sequence past prefill, in one device call.
+4. runs ``decode_steps`` decode steps for every sequence past prefill, in one device call
+   (``decode_steps_idle`` when no request waits to join).
 
 Device programs are compiled per shape bucket (``InferenceConfig.program_bound``). Decode
 attention by the references reads a window of the cache: the running rows, up to the length
@@ -23,8 +24,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
-from concurrent.futures import Future, InvalidStateError
+import time
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -38,6 +41,7 @@ from jax.sharding import Mesh
 
 from jaxrl.inference import weights as W
 from jaxrl.inference.config import InferenceConfig
+from jaxrl.inference.engine_metrics import EngineMetrics, RateWindow
 from jaxrl.inference.sampling import SamplingBatch, logits_f32, sample
 from jaxrl.inference.scheduler import (
     Completion,
@@ -57,15 +61,15 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def _prefill(graphdef, state, cache, tokens, positions, rows, last, sampling, *, filtered):  # type: ignore[no-untyped-def]
+def _prefill(graphdef, state, cache, tokens, positions, rows, last, sampling):  # type: ignore[no-untyped-def]
     model = nnx.merge(graphdef, state)
     hidden, cache = model(tokens, positions, cache=cache, cache_rows=rows)
     h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-    next_tokens, logprobs = sample(logits_f32(h_last, model.lm_head_weight()), sampling, filtered=filtered)
+    next_tokens, logprobs = sample(logits_f32(h_last, model.lm_head_weight()), sampling)
     return cache, next_tokens, logprobs
 
 
-def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *, filtered, length, kernels):  # type: ignore[no-untyped-def]
+def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *, length, kernels):  # type: ignore[no-untyped-def]
     """``steps`` decode steps; attention by ``kernels`` (``inference.kernels``).
 
     The references attend over a window of the cache, rows ``rows`` and positions < ``length``,
@@ -88,9 +92,7 @@ def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *,
     def body(carry, _):  # type: ignore[no-untyped-def]
         window, tok, pos, index = carry
         hidden, window = model(tok[:, None], pos[:, None], cache=window, cache_rows=window_rows, kernels=kernels)
-        new, logp = sample(
-            logits_f32(hidden[:, 0], lm_head), replace(sampling, draw_position=index), filtered=filtered
-        )
+        new, logp = sample(logits_f32(hidden[:, 0], lm_head), replace(sampling, draw_position=index))
         return (window, new, pos + 1, index + 1), (new, logp)
 
     carry = (window, tokens, positions, sampling.draw_position)
@@ -147,7 +149,7 @@ class EngineLayout:
         cache_dtype = compute_dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
         shape = KVCache.shape(arch, config.max_seqs, config.max_model_len)
         key = (shape, str(jnp.dtype(cache_dtype)), *map(tuple, (config.decode_buckets(), config.decode_lengths())))
-        key += tuple(map(tuple, (config.prefill_lengths(), config.prefill_batches())))
+        key += tuple(map(tuple, (config.prefill_lengths(), config.prefill_batches(), config.decode_step_counts())))
         return cls(mesh, shape, cache_dtype, W.cache_sharding(mesh, shape), W.replicated(mesh), key)
 
     def abstract_cache(self) -> KVCache:
@@ -175,23 +177,22 @@ class EngineLayout:
 
 
 @functools.cache
-def engine_programs(
-    graphdef: nnx.GraphDef, steps: int, layout: EngineLayout, kernels: Kernels
-) -> tuple[Any, Any, Any, _TraceCounter]:
+def engine_programs(graphdef: nnx.GraphDef, layout: EngineLayout, kernels: Kernels) -> tuple[Any, Any, Any, _TraceCounter]:
     """The engine's jitted programs (prefill, decode, row copy), shared by engines of the same
     model, shardings and shape layout (tests and benchmarks build several engines; each jit
-    object has its own cache)."""
+    object has its own cache). Decode takes its number of steps as its first (static) argument."""
     traces = _TraceCounter()
     cache_sh, inputs_sh = layout.cache_sharding, layout.inputs
     cache_out = KVCache(cache_sh, cache_sh)
     outs = (cache_out, inputs_sh, inputs_sh)
     prefill = jax.jit(
-        traces.wrap(partial(_prefill, graphdef)), static_argnames=("filtered",), donate_argnums=(1,), out_shardings=outs
+        traces.wrap(partial(_prefill, graphdef)), donate_argnums=(1,), out_shardings=outs
     )
     decode = jax.jit(
-        traces.wrap(partial(_decode, graphdef, steps, kernels=kernels)),
-        static_argnames=("filtered", "length"),
-        donate_argnums=(1,),
+        traces.wrap(partial(_decode, graphdef, kernels=kernels)),
+        static_argnums=(0,),  # steps
+        static_argnames=("length",),
+        donate_argnums=(2,),
         out_shardings=outs,
     )
     copy = jax.jit(traces.wrap(_copy_row), donate_argnums=(0,), out_shardings=cache_out)
@@ -239,7 +240,8 @@ class Engine:
         )
         self._inputs = layout.inputs
         self.kernels = Kernels.create(config.kernels, field="inference.kernels", mesh=mesh)
-        programs = engine_programs(graphdef, config.decode_steps, layout, self.kernels)
+        self._layout = layout
+        programs = engine_programs(graphdef, layout, self.kernels)
         self._prefill_fn, self._decode_fn, self._copy_fn, self._traces = programs
 
         self._sched = Scheduler(config)
@@ -254,6 +256,8 @@ class Engine:
         self._stopping = False
         self._exit_now = False
         self._error: BaseException | None = None
+        self._generated = RateWindow()
+        self._warmup_s: float | None = None
 
     @classmethod
     def from_pretrained(
@@ -303,6 +307,58 @@ class Engine:
     def compiled_programs(self) -> int:
         """Device programs compiled so far for this engine's layout (<= ``config.program_bound()``)."""
         return self._traces.count
+
+    def warmup(self) -> float:
+        """Compile every program of the configured buckets (``config.program_bound()`` of them)
+        before serving, so no request waits on a compile; returns the seconds it took.
+
+        Programs are lowered and compiled ahead of time (nothing runs; the compiled executables
+        land in jit's caches, so the first real call of each shape dispatches straight away),
+        several at once on hosts with more cores: XLA compiles outside the GIL.
+        """
+        if self._thread is not None:
+            raise RuntimeError("Engine.warmup: call it before start()")
+        t0 = time.perf_counter()
+        cfg, layout = self.config, self._layout
+        jobs = [
+            partial(self._prefill_fn.lower, self._state, self._cache, *layout.prefill_inputs(batch, width))
+            for batch, width in cfg.prefill_shapes()
+        ]
+        decode = dict.fromkeys((k, b, self._decode_length(n)) for k, b, n in cfg.decode_shapes())
+        jobs += [
+            partial(self._decode_fn.lower, steps, self._state, self._cache, *layout.decode_inputs(batch), length=length)
+            for steps, batch, length in decode
+        ]
+        index = jax.ShapeDtypeStruct((), jnp.int32, sharding=layout.inputs)
+        jobs.append(partial(self._copy_fn.lower, self._cache, index, index))
+        workers = max(1, min(len(os.sched_getaffinity(0)), 8))
+        with ThreadPoolExecutor(workers, thread_name_prefix="jaxrl-warmup") as pool:
+            list(pool.map(lambda lower: lower().compile(), jobs))
+        self._warmup_s = time.perf_counter() - t0
+        log.info("engine warm-up: %d programs compiled in %.1f s", self.compiled_programs(), self._warmup_s)
+        return self._warmup_s
+
+    def metrics(self) -> EngineMetrics:
+        """A snapshot of load, throughput, prefix reuse and compiles (safe from any thread)."""
+        stats = self._sched.stats
+        with self._lock:
+            waiting = len(self._inbox) + len(self._sched.waiting)
+            running = len(self._sched.running)
+        return EngineMetrics(
+            waiting=waiting,
+            running=running,
+            policy_version=self._version,
+            generated_tokens=stats.generated_tokens,
+            tokens_per_s=round(self._generated.rate(), 1),
+            prompt_tokens=stats.prompt_tokens,
+            cached_prompt_tokens=stats.cached_prompt_tokens,
+            prefix_hit_rate=stats.cached_prompt_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0,
+            prefill_calls=stats.prefill_calls,
+            decode_calls=stats.decode_calls,
+            compiles=self.compiled_programs(),
+            program_bound=self.config.program_bound(),
+            warmup_s=self._warmup_s,
+        )
 
     # -- requests --------------------------------------------------------------------------
 
@@ -522,9 +578,26 @@ class Engine:
         prefill = self._sched.plan_prefill()
         if prefill is not None:
             self._run_prefill(prefill)
-        decode = self._sched.plan_decode(self.config.decode_steps)
+        decode = self._sched.plan_decode(self._decode_steps_now())
         if decode is not None:
             self._run_decode(decode)
+        self._generated.add(self._sched.stats.generated_tokens)
+
+    def _decode_length(self, bucket: int) -> int:
+        """The decode kernel reads the cache in place, whatever the length: one program per batch."""
+        return bucket if self.kernels.reference else self.config.max_model_len
+
+    def _decode_steps_now(self) -> int:
+        """``decode_steps_idle`` when no request waits to join (none queued, in the inbox or
+        prefilling) and a running sequence needs that many more tokens, else ``decode_steps``."""
+        counts = self.config.decode_step_counts()
+        short, idle = counts[0], counts[-1]
+        if idle == short or self._sched.waiting or self._inbox or self._pending:
+            return short
+        running = self._sched.running
+        if any(s.prefilling for s in running) or max((s.max_new - len(s.tokens) for s in running), default=0) < idle:
+            return short
+        return idle
 
     def _maybe_swap_weights(self) -> bool:
         """Apply a pending update when the policy allows; True while admission must pause."""
@@ -547,7 +620,7 @@ class Engine:
     def _run_prefill(self, plan: PrefillPlan) -> None:
         args = self._put((plan.tokens, plan.positions, plan.rows, plan.last, plan.sampling))
         self._cache, tokens, logprobs = self._prefill_fn(
-            self._state, self._cache, *args, filtered=plan.filtered
+            self._state, self._cache, *args
         )
         tokens, logprobs = jax.device_get((tokens, logprobs))
         self._deliver(self._sched.finish_prefill(plan, tokens, logprobs, self._version))
@@ -555,9 +628,8 @@ class Engine:
     def _run_decode(self, plan: DecodePlan) -> None:
         args = self._put((plan.tokens, plan.positions, plan.rows, plan.sampling))
         # The decode kernel reads the cache in place, whatever the length: one program per batch.
-        length = plan.length if self.kernels.reference else self.config.max_model_len
         self._cache, tokens, logprobs = self._decode_fn(
-            self._state, self._cache, *args, filtered=plan.filtered, length=length
+            plan.steps, self._state, self._cache, *args, length=self._decode_length(plan.length)
         )
         tokens, logprobs = jax.device_get((tokens, logprobs))
         self._deliver(self._sched.finish_decode(plan, tokens, logprobs, self._version))

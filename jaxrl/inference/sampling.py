@@ -155,25 +155,35 @@ def _inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
     return (blk * CDF_BLOCK + idx).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, batch: SamplingBatch, *, filtered: bool) -> tuple[jax.Array, jax.Array]:
+def sample(logits: jax.Array, batch: SamplingBatch) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row of ``logits`` (f32 [B, V]); returns (tokens i32[B], logprobs f32[B]).
 
     A draw is one uniform number per row mapped through the cumulative distribution (inverse
     CDF): exact sampling from ``softmax(logits / T)`` (restricted to the kept tokens when
     filtering), with one random number per token instead of one per vocabulary entry.
-    ``filtered`` (static) compiles the top-k / top-p path; other batches skip the sort.
+    One program serves every batch: the draw runs only when some row samples, and the top-k /
+    top-p sort only when some row filters (``lax.cond``: the branch not taken costs nothing), so
+    greedy and unfiltered batches skip that work without a program of their own.
     """
     greedy = batch.temperature <= 0
     temperature = jnp.where(greedy, 1.0, batch.temperature)
     scaled = logits / temperature[:, None]
     logp_all = jax.nn.log_softmax(scaled, axis=-1)
-    probs = jnp.exp(logp_all)
-    if filtered:
-        probs = jnp.where(_keep_mask(scaled, batch.top_k, batch.top_p), probs, 0.0)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32, minval=jnp.finfo(jnp.float32).tiny))(
-        _keys(batch.seed, batch.draw_position)
-    )
-    drawn = _inverse_cdf(probs, u)
+    filtering = ~greedy & ((batch.top_k > 0) | (batch.top_p < 1.0))
+
+    def draw() -> jax.Array:
+        probs = jnp.exp(logp_all)
+        probs = jax.lax.cond(
+            jnp.any(filtering),
+            lambda: jnp.where(_keep_mask(scaled, batch.top_k, batch.top_p), probs, 0.0),
+            lambda: probs,
+        )
+        u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32, minval=jnp.finfo(jnp.float32).tiny))(
+            _keys(batch.seed, batch.draw_position)
+        )
+        return _inverse_cdf(probs, u)
+
+    drawn = jax.lax.cond(jnp.all(greedy), lambda: jnp.zeros(greedy.shape, jnp.int32), draw)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
     logprobs = jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs

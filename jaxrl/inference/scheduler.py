@@ -179,7 +179,6 @@ class PrefillPlan:
     rows: np.ndarray  # i32[B]
     last: np.ndarray  # i32[B]: index in the chunk of the sequence's last token
     sampling: SamplingBatch
-    filtered: bool
 
 
 @dataclass
@@ -189,8 +188,8 @@ class DecodePlan:
     positions: np.ndarray  # i32[B]
     rows: np.ndarray  # i32[B]; padding rows = max_seqs (out of range: neither read nor written)
     sampling: SamplingBatch
-    filtered: bool
     length: int  # KV length bucket decode attention reads
+    steps: int  # decode steps of this call
 
 
 @dataclass
@@ -325,8 +324,7 @@ class Scheduler:
             rows[i], last[i] = seq.row, n - 1
         params = [s.params for s in chosen]
         sampling = SamplingBatch.host(params, [s.seed for s in chosen], [len(s.prompt) for s in chosen], size)
-        filtered = any(p.filtered for p in params)
-        return PrefillPlan(chosen, chunk, tokens, positions, rows, last, sampling, filtered)
+        return PrefillPlan(chosen, chunk, tokens, positions, rows, last, sampling)
 
     def finish_prefill(
         self, plan: PrefillPlan, tokens: np.ndarray, logprobs: np.ndarray, version: int
@@ -364,8 +362,7 @@ class Scheduler:
         params = [s.params for s in seqs]
         draw_position = [len(s.prompt) + len(s.tokens) for s in seqs]
         sampling = SamplingBatch.host(params, [s.seed for s in seqs], draw_position, size)
-        filtered = any(p.filtered for p in params)
-        return DecodePlan(seqs, tokens, positions, rows, sampling, filtered, length)
+        return DecodePlan(seqs, tokens, positions, rows, sampling, length, steps)
 
     def finish_decode(
         self, plan: DecodePlan, tokens: np.ndarray, logprobs: np.ndarray, version: int

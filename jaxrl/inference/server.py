@@ -270,9 +270,11 @@ class EngineServer:
         return self._http.port
 
     def start(self, timeout: float = 30.0) -> None:
-        """Serve in a background thread (starting the engine if it is not running); returns once
-        the socket accepts connections."""
+        """Serve in a background thread (starting the engine if it is not running, after its
+        warm-up when ``inference.warmup``); returns once the socket accepts connections."""
         if not self.engine.running:
+            if self.engine.config.warmup:
+                self.engine.warmup()
             self.engine.start()
             self._owns_engine = True
         self._http.start(timeout)
@@ -420,6 +422,10 @@ class EngineServer:
             if not (self.engine.healthy and self.engine.running):
                 return _error(503, "engine is not running")
             return JSONResponse({"status": "ok", "policy_version": self.engine.policy_version})
+
+        @app.get("/metrics")
+        async def metrics() -> dict[str, Any]:
+            return self.engine.metrics().model_dump()
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:

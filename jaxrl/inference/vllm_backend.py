@@ -42,11 +42,11 @@ from flax import nnx
 from safetensors.numpy import save_file
 from transformers import AutoTokenizer
 
+from jaxrl.endpoint import ModelEndpoint
 from jaxrl.inference.config import InferenceConfig
 from jaxrl.inference.vllm_proxy import ProxyServer
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import export_hf
-from jaxrl.orchestrator.env_server import ModelEndpoint
 
 LOG_TAIL_CHARS = 4000
 
@@ -294,6 +294,11 @@ class VLLMBackend:
     @property
     def policy_version(self) -> int:
         return self._version
+
+    def metrics(self) -> None:
+        """The rollout-backend protocol's engine metrics: none from vLLM (its own Prometheus
+        ``/metrics`` speaks another format), so the RL loop logs no ``engine/...`` keys."""
+        return None
 
     def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
         resp = self._http.request(method, f"{self.upstream}{path}", **kw)

@@ -322,8 +322,12 @@ class Decoder(nnx.Module):
 
                 def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
                     nonlocal kc, vc
-                    # Advanced indices around a slice: the update is [B, T, kv_heads, head_dim].
-                    idx = (layer, rows[:, None], slice(None), positions)
+                    # One head_dim vector per (token, kv head): a scatter whose update window is
+                    # head_dim alone leaves XLA's TPU layout for the cache heads-major (a
+                    # [kv_heads, head_dim] window would make it re-lay the cache positions-major
+                    # and copy it back for the decode kernel, per step).
+                    heads = jnp.arange(k.shape[2])[None, None, :]
+                    idx = (layer, rows[:, None, None], heads, positions[:, :, None])
                     kc = kc.at[idx].set(k.astype(kc.dtype), mode="drop")
                     vc = vc.at[idx].set(v.astype(vc.dtype), mode="drop")
                     if kernel is not None:  # reads the whole cache in place (one-token steps)

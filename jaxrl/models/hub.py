@@ -1,5 +1,7 @@
 """``[model] name`` -> a local Hugging Face model directory: a directory as given, a hub id fetched.
 
+(``fetch_snapshot`` serves ``[data] path`` dataset ids the same way.)
+
 A name that is not an existing directory but is a valid hub id (``org/name``) is fetched with
 ``huggingface_hub.snapshot_download`` into the standard HF cache, so ``HF_HOME`` /
 ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE`` and ``HF_TOKEN`` behave exactly as they do for
@@ -65,16 +67,23 @@ def resolve_model_dir(name: str, revision: str | None = None) -> Path:
             f"model.name = {name!r}: no such directory, and not a Hugging Face hub id (org/name). "
             "Point it at a model directory (config.json + *.safetensors) or a hub id"
         )
+    return fetch_snapshot(name, revision, repo_type="model", allow_patterns=list(MODEL_FILES), field="model.name")
+
+
+def fetch_snapshot(repo_id: str, revision: str | None, *, repo_type: str, allow_patterns: list[str], field: str) -> Path:
+    """The local snapshot of a hub repo (model or dataset): process 0 fetches first, then the rest."""
     if jax.process_index() == 0:
-        local = _fetch(name, revision)
-        barrier(f"jaxrl-hub-fetch-{name}")
+        local = _fetch(repo_id, revision, repo_type, allow_patterns, field)
+        barrier(f"jaxrl-hub-fetch-{repo_type}-{repo_id}")
     else:
-        barrier(f"jaxrl-hub-fetch-{name}")
-        local = _fetch(name, revision)
+        barrier(f"jaxrl-hub-fetch-{repo_type}-{repo_id}")
+        local = _fetch(repo_id, revision, repo_type, allow_patterns, field)
+    if repo_type == "model" and not (local / "config.json").exists():
+        raise FileNotFoundError(f"{field} = {repo_id!r}: the snapshot at {local} has no config.json")
     return local
 
 
-def _fetch(repo_id: str, revision: str | None) -> Path:
+def _fetch(repo_id: str, revision: str | None, repo_type: str, allow_patterns: list[str], field: str) -> Path:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -85,25 +94,22 @@ def _fetch(repo_id: str, revision: str | None) -> Path:
 
     where = f"{repo_id}" + (f"@{revision}" if revision else "")
     cache = constants.HF_HUB_CACHE
+    rev_field = field.rsplit(".", 1)[0] + ".revision"
     try:
-        local = Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(MODEL_FILES)))
+        return Path(snapshot_download(repo_id, revision=revision, repo_type=repo_type, allow_patterns=allow_patterns))
     except LocalEntryNotFoundError as e:
         why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
         raise FileNotFoundError(
-            f"model.name = {where!r}: {why} and there is no cached copy in {cache} "
-            f"(models--{repo_id.replace('/', '--')}). Download it once online (e.g. `hf download {repo_id}`), "
-            "point HF_HOME / HF_HUB_CACHE at a cache that has it, or set model.name to a local directory"
+            f"{field} = {where!r}: {why} and there is no cached copy in {cache} "
+            f"({repo_type}s--{repo_id.replace('/', '--')}). Download it once online "
+            f"(`hf download {repo_id}{' --repo-type dataset' if repo_type == 'dataset' else ''}`), point HF_HOME / "
+            f"HF_HUB_CACHE at a cache that has it, or set {field} to a local path"
         ) from e
     except GatedRepoError as e:
-        raise FileNotFoundError(
-            f"model.name = {where!r} is gated: accept its licence on huggingface.co and set HF_TOKEN"
-        ) from e
+        raise FileNotFoundError(f"{field} = {where!r} is gated: accept its licence on huggingface.co and set HF_TOKEN") from e
     except RevisionNotFoundError as e:
-        raise FileNotFoundError(f"model.revision = {revision!r}: no such revision of {repo_id!r}") from e
+        raise FileNotFoundError(f"{rev_field} = {revision!r}: no such revision of {repo_id!r}") from e
     except RepositoryNotFoundError as e:
         raise FileNotFoundError(
-            f"model.name = {where!r}: no such repo on the hub (or it is private and HF_TOKEN is unset)"
+            f"{field} = {where!r}: no such {repo_type} repo on the hub (or it is private and HF_TOKEN is unset)"
         ) from e
-    if not (local / "config.json").exists():
-        raise FileNotFoundError(f"model.name = {where!r}: the snapshot at {local} has no config.json")
-    return local

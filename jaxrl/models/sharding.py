@@ -39,5 +39,5 @@ def shard_params(params: Any, mesh: Mesh) -> Any:
 
 
 def cache_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
-    """Sharding of a KV cache array ([layers, rows, max_len, kv_heads, head_dim])."""
+    """Sharding of a KV cache array ([layers, rows, kv_heads, max_len, head_dim])."""
     return NamedSharding(mesh, logical_to_spec(CACHE_LOGICAL_AXES, tuple(shape), mesh))

@@ -6,9 +6,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from jaxrl import renamed
+
 # The HTTP API's own range types: a run cannot configure what the server would refuse.
 from jaxrl.inference.api import MaxTokens, Temperature, TopK, TopP
-from jaxrl import renamed
 from jaxrl.orchestrator.env_server import EnvConfig
 
 
@@ -51,7 +52,7 @@ class TrainSplitConfig(BaseModel):
         return renamed.reject_renamed(data, renamed.TRAIN_SPLIT)
 
     @model_validator(mode="after")
-    def _unique(self) -> "TrainSplitConfig":
+    def _unique(self) -> TrainSplitConfig:
         names = [e.name for e in self.env]
         if len(names) != len(set(names)):
             raise ValueError(f"env names must be unique within a split, got {names}; set `name`")
@@ -96,7 +97,7 @@ class OrchestratorConfig(BaseModel):
         return renamed.reject_renamed(data, renamed.ORCHESTRATOR)
 
     @model_validator(mode="after")
-    def _check(self) -> "OrchestratorConfig":
+    def _check(self) -> OrchestratorConfig:
         if not self.train.env:
             raise ValueError("orchestrator.train.env: add at least one [[orchestrator.train.env]] entry")
         if self.batch_size % self.group_size:

@@ -36,13 +36,13 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from jaxrl import renamed
+from jaxrl.endpoint import ModelEndpoint
 from jaxrl.envs import check_env_id, plugin_id, register_plugin
 from jaxrl.orchestrator.algo import AlgoConfig, GRPOConfig
 from jaxrl.orchestrator.sampling import SamplingOverride
@@ -117,38 +117,6 @@ class EnvConfig(BaseModel):
         if "/" in self.name or self.name in (".", ".."):
             raise ValueError(f"env name {self.name!r} must be usable as a file name; set `name`")
         return self
-
-
-@dataclass(frozen=True)
-class ModelEndpoint:
-    """The model the env servers sample from: an OpenAI/vLLM-compatible `/v1` endpoint."""
-
-    base_url: str
-    """E.g. `http://127.0.0.1:8000/v1`; the engine must also serve `/inference/v1/generate`."""
-    model: str
-    """Model name sent with every request (as listed by `GET /v1/models`)."""
-    tokenizer_dir: str
-    """Local tokenizer directory the env server renders prompts with (`renderer_model_name`)."""
-    renderer: Mapping[str, Any] = field(default_factory=lambda: {"name": "qwen3", "enable_thinking": False})
-    """A `renderers` RendererConfig: the run's `[model] renderer`, resolved
-    (`jaxrl.models.chat.resolve_renderer`). Name it explicitly: an unknown model falls back to
-    a default renderer without content attribution (so no echo)."""
-    api_key_var: str = "JAXRL_INFERENCE_API_KEY"
-    """Environment variable the env server reads the API key from (unset: "EMPTY")."""
-    headers: Mapping[str, str] = field(default_factory=dict)
-    """Extra HTTP headers on every engine request."""
-
-    def client_config(self) -> vf.TrainClientConfig:
-        """verifiers' train-client config: client-side rendering, token-in/token-out generate."""
-        from verifiers.v1 import TrainClientConfig
-
-        return TrainClientConfig(
-            base_url=self.base_url,
-            api_key_var=self.api_key_var,
-            headers=dict(self.headers),
-            renderer=dict(self.renderer),
-            renderer_model_name=self.tokenizer_dir,
-        )
 
 
 def verifiers_env_config(config: EnvConfig) -> vf.EnvConfig:

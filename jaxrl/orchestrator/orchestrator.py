@@ -33,16 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jaxrl.endpoint import ModelEndpoint
 from jaxrl.orchestrator.algo import Algorithm, make_algorithm
 from jaxrl.orchestrator.config import EvalConfig, OrchestratorConfig, SamplingConfig
-from jaxrl.orchestrator.env_server import (
-    EnvConfig,
-    EnvServer,
-    EnvServerDead,
-    ModelEndpoint,
-    start_env_servers,
-    task_data,
-)
+from jaxrl.orchestrator.env_server import EnvConfig, EnvServer, EnvServerDead, start_env_servers, task_data
 from jaxrl.orchestrator.tasks import TaskSampler
 from jaxrl.orchestrator.traces import Rollout
 

@@ -10,9 +10,7 @@ on the env-server side) are, token for token, what the family's own chat templat
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import numpy as np
 import pytest
 from families import FAMILIES, build_family_model
 from transformers import AutoTokenizer
@@ -59,7 +57,7 @@ def test_family_sft_and_rl_step_use_its_chat_template(family, tmp_path) -> None:
         "orchestrator": {"batch_size": 8, "group_size": 4, "max_resample": 3,
                          "train": {"sampling": {"max_completion_tokens": 8, "temperature": 1.0},
                                    "env": [{"id": "reverse_text", "args": {"seed": 3}}]}},
-        "log": {"progress": False, "plot": False},
+        "log": {"progress": False, "plot": False, "rollout_episodes": True},
     }, []))  # fmt: skip
     (rl_metrics,) = read_metrics(rl_out / "metrics.jsonl")
     assert rl_metrics["step"] == 1 and rl_metrics["rl_tokens"] > 0 and rl_metrics["policy_version"] == 1.0

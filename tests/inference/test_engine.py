@@ -82,6 +82,26 @@ def test_seeded_request_is_independent_of_batching_and_arrival(engine) -> None:
     np.testing.assert_allclose(got.logprobs, alone.logprobs, atol=1e-5)
 
 
+def test_idle_decode_steps_change_call_grouping_not_tokens(engine, model_dir, make_config) -> None:
+    """With ``decode_steps_idle`` the engine runs longer decode calls while nothing waits to join
+    (and short ones while something does); seeded samples and their log-probs are the same as
+    with fixed short calls, and the engine did make the longer calls."""
+    rng = np.random.default_rng(4)
+    reqs = [_req(_prompt(rng, int(rng.integers(5, 40))), max_tokens=int(rng.integers(10, 30)), seed=i)
+            for i in range(6)]  # six requests on four rows: two wait, then join mid-flight
+    fixed = engine.generate(reqs)
+    adaptive = Engine.from_pretrained(model_dir, make_config(decode_steps_idle=9))
+    calls: list[int] = []
+    run_decode = adaptive._run_decode
+    adaptive._run_decode = lambda plan: (calls.append(plan.steps), run_decode(plan))
+    out = adaptive.generate([_req(r.prompt, max_tokens=r.params.max_tokens, seed=r.params.seed) for r in reqs])
+    assert set(calls) == {3, 9} and calls[0] == 3  # short while requests wait, long once none do
+    for a, b in zip(fixed, out):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert adaptive.compiled_programs() <= adaptive.config.program_bound()
+
+
 def test_seeded_draws_follow_the_sequence_position(engine) -> None:
     """A seeded draw is keyed by the token's position in the whole sequence, so re-submitting
     the prompt extended by the first k sampled tokens, with the same seed, continues the same

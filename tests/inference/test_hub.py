@@ -63,7 +63,7 @@ def test_serve_loads_a_hub_id_from_the_offline_cache(model_dir, tokenizer_dir, t
         while not lines or "serving" not in lines[-1]:
             lines.append(proc.stdout.readline())
             assert lines[-1] or proc.poll() is None, "".join(lines)
-        url = lines[-1].rsplit(" at ", 1)[1].strip()
+        url = lines[-1].rsplit(" at ", 1)[1].split()[0]  # "... at URL (warm-up: ...)"
         deadline = time.monotonic() + 60
         while True:
             try:

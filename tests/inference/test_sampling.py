@@ -20,9 +20,7 @@ def _draw(
 ) -> tuple[np.ndarray, np.ndarray]:
     """n draws for one row of logits (draw positions 0..n-1 of one seeded request)."""
     batch = SamplingBatch.host([params] * n, [seed] * n, list(range(n)), n)
-    tokens, logprobs = jax.jit(sample, static_argnames="filtered")(
-        jnp.asarray(np.repeat(logits, n, axis=0)), batch, filtered=params.filtered
-    )
+    tokens, logprobs = jax.jit(sample)(jnp.asarray(np.repeat(logits, n, axis=0)), batch)
     return np.asarray(tokens), np.asarray(logprobs)
 
 

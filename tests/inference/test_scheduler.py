@@ -180,16 +180,20 @@ def test_config_derives_buckets_and_names_bad_fields() -> None:
     import pytest
 
     cfg = InferenceConfig(max_model_len=1000, max_seqs=24)
-    assert cfg.decode_buckets() == [1, 2, 4, 8, 16, 24]
+    assert cfg.decode_buckets() == [1, 8, 16, 24]
     assert cfg.decode_lengths() == [128, 256, 512, 1000]
-    assert cfg.prefill_lengths() == [16, 32, 64, 128, 256, 512]
+    assert cfg.prefill_lengths() == [16, 64, 256, 512]
     assert cfg.prefill_batches() == [1, 2, 4, 8]
-    assert cfg.program_bound() == 2 * (6 * 4 + 6 * 4) + 1
+    assert cfg.program_bound() == 4 * 4 + 4 * 4 + 1
+    idle = InferenceConfig(max_model_len=1000, max_seqs=24, decode_steps_idle=16)
+    assert idle.decode_step_counts() == [4, 16] and idle.program_bound() == 2 * 4 * 4 + 4 * 4 + 1
+    assert InferenceConfig(max_seqs=1).decode_buckets() == [1]
     for bad, field in [
         ({"backend": "external"}, "base_url"),
         ({"max_seqs": 64, "decode_batch_buckets": [8, 32]}, "decode_batch_buckets"),
         ({"prefill_len_buckets": [64, 32]}, "prefill_len_buckets"),
         ({"max_model_len": 2048, "max_batched_tokens": 100}, "max_batched_tokens"),
+        ({"decode_steps": 8, "decode_steps_idle": 4}, "decode_steps_idle"),
         ({"surprise": 1}, "surprise"),
     ]:
         with pytest.raises(ValueError, match=field):

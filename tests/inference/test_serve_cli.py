@@ -30,7 +30,7 @@ def test_serve_cli_serves_and_stops_on_sigterm(model_dir, tokenizer_dir) -> None
         while "serving" not in line:
             line = proc.stdout.readline()
             assert line or proc.poll() is None, "jaxrl.serve exited before serving"
-        url = line.rsplit(" at ", 1)[1].strip()
+        url = line.rsplit(" at ", 1)[1].split()[0]  # "... at URL (warm-up: ...)"
         assert url.startswith("http://127.0.0.1:")
         deadline = time.monotonic() + 60
         while True:

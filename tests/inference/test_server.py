@@ -95,6 +95,36 @@ def test_renderers_generate_two_turns(server, tokenizer, model_dir, score, kl) -
     assert cached == len(first["prompt_ids"]) + len(first["completion_ids"]) - 1
 
 
+def test_warm_up_compiles_every_program_and_metrics_count_prefix_hits(server) -> None:
+    """The server reports healthy only after the warm-up compiled every bucket's program, so
+    requests of any shape (chunked prefill, both decode lengths) compile nothing more; the second
+    turn of a conversation is served from the prefix cache and ``GET /metrics`` counts it."""
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        before = client.get("/metrics").json()
+        assert before["compiles"] == before["program_bound"] == server.engine.config.program_bound() > 2
+        assert before["warmup_s"] > 0
+
+        def generate(prompt: list[int], max_tokens: int) -> dict:
+            body = {"model": "tiny", "token_ids": prompt, "sampling_params": {"max_tokens": max_tokens, "seed": 3}}
+            resp = client.post("/inference/v1/generate", json=body, headers={"X-Session-ID": "metrics"})
+            assert resp.status_code == 200, resp.text
+            return resp.json()
+
+        first_prompt = [5 + i % 200 for i in range(150)]  # > one prefill chunk; decode past 128
+        first = generate(first_prompt, 8)
+        second_prompt = first_prompt + first["choices"][0]["token_ids"] + [7, 8, 9]
+        second = generate(second_prompt, 4)
+        after = client.get("/metrics").json()
+    assert after["compiles"] == before["compiles"]  # nothing compiled after healthy
+    assert after["prompt_tokens"] - before["prompt_tokens"] == len(first_prompt) + len(second_prompt)
+    reused = after["cached_prompt_tokens"] - before["cached_prompt_tokens"]
+    assert reused == len(second_prompt) - 3 - 1  # all but the new tokens (and the last old one)
+    generated = sum(len(r["choices"][0]["token_ids"]) for r in (first, second))
+    assert after["generated_tokens"] - before["generated_tokens"] == generated
+    assert 0 < after["prefix_hit_rate"] <= 1 and after["waiting"] == 0 and after["running"] == 0
+    assert after["tokens_per_s"] > 0 and after["decode_calls"] > before["decode_calls"]
+
+
 def test_openai_chat_completions_and_models(server, tokenizer) -> None:
     client = OpenAI(base_url=server.url + "/v1", api_key="none")
     card = client.models.list().data[0]

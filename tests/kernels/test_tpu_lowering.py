@@ -51,6 +51,8 @@ def test_splash_path_lowers():
 
 
 def test_decode_attention_lowers():
-    b, s, h, k, d = 3, 1000, 8, 2, 128
-    args = (S((b, h, d), BF16), S((b, s, k, d), BF16), S((b, s, k, d), BF16), S((b,), jnp.int32))
-    assert _tpu_custom_calls(lambda *a: decode_attention(*a, block_s=256), *args) == 1
+    layers, rows, b, s, h, k, d = 2, 4, 3, 1000, 8, 2, 128
+    cache = S((layers, rows, k, s, d), BF16)
+    args = (S((b, h, d), BF16), cache, cache, S((b,), jnp.int32), S((b,), jnp.int32), S((), jnp.int32))
+    fn = lambda q, kc, vc, n, r, l: decode_attention(q, kc, vc, n, rows=r, layer=l, block_s=256)
+    assert _tpu_custom_calls(fn, *args) == 1

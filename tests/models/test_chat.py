@@ -15,8 +15,8 @@ def test_unknown_renderer_fails_at_config_time_listing_the_known_ones() -> None:
         build_config({"model": {"name": "some/model", "renderer": "llama3"}}, [])
     assert "qwen3" in str(e.value) and "gpt-oss" in str(e.value)
     with pytest.raises(ValueError, match=r"(?s)renderer_args for renderer 'qwen3'.*enable_thinkin"):
-        build_config({"model": {"name": "m", "renderer": "qwen3", "renderer_args": {"enable_thinkin": True}}}, [])
-    cfg = build_config({}, ["--model.name", "m", "--model.renderer", "llama-3", "--model.renderer_args", '{"date_string": "1 Jan 2026"}'])
+        build_config({"model": {"name": "org/m", "renderer": "qwen3", "renderer_args": {"enable_thinkin": True}}}, [])
+    cfg = build_config({}, ["--model.name", "org/m", "--model.renderer", "llama-3", "--model.renderer_args", '{"date_string": "1 Jan 2026"}'])
     assert (cfg.model.renderer, cfg.model.renderer_args) == ("llama-3", {"date_string": "1 Jan 2026"})
 
 

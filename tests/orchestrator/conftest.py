@@ -35,7 +35,7 @@ def engine(tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def endpoint(engine, tokenizer_dir):
-    from jaxrl.orchestrator.env_server import ModelEndpoint
+    from jaxrl.endpoint import ModelEndpoint
 
     return ModelEndpoint(base_url=engine.base_url, model=engine.model, tokenizer_dir=tokenizer_dir)
 

@@ -21,6 +21,8 @@ def policy(messages: list[dict]) -> str:
         time.sleep(4)
     if system == reverse_text.SYSTEM_PROMPT:
         return last[::-1]
+    if system.startswith(reverse_text.SYSTEM_PROMPT):  # reverse_duel: the first seat wins
+        return last[::-1] if "first seat" in system else last
     if system.startswith(lookup.SYSTEM_PROMPT):
         if "<tool_response>" in last:
             return " ".join(re.findall(r"<tool_response>\n(.*?)\n</tool_response>", last))

@@ -15,15 +15,16 @@ import re
 
 import numpy as np
 import pytest
-from families import build_family_tokenizer
 from fake_engine import FakeEngine
+from families import build_family_tokenizer
 from scripted import SAMPLING, gather
 from transformers import AutoTokenizer
 
+from jaxrl.endpoint import ModelEndpoint
 from jaxrl.envs import lookup
 from jaxrl.models.chat import resolve_renderer
 from jaxrl.orchestrator.algo import EchoConfig, make_algorithm
-from jaxrl.orchestrator.env_server import EnvConfig, ModelEndpoint, start_env_servers, task_data
+from jaxrl.orchestrator.env_server import EnvConfig, start_env_servers, task_data
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from jaxrl.orchestrator.traces import Rollout
 
-
 WIRE = {"task": {"type": "Task", "data": {"idx": 0}}, "agent": {"trainable": True, "config": {}}}
 """Fields a verifiers `WireTrace` needs beside the nodes (so prime-rl-form filters get one)."""
 

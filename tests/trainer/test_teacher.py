@@ -4,7 +4,6 @@ and distilling towards it closes the policy-teacher gap (the ref-KL component le
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from helpers import tiny_model

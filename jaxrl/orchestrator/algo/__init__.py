@@ -18,7 +18,9 @@ from jaxrl.orchestrator.algo.opd import OPD, OPDConfig, TeacherConfig
 from jaxrl.orchestrator.algo.rae import RAE, RAEConfig
 from jaxrl.orchestrator.algo.sft import SFT, SFTConfig
 
-AlgoConfig = Annotated[GRPOConfig | MaxRLConfig | RAEConfig | EchoConfig | OPDConfig | SFTConfig, Field(discriminator="type")]
+AlgoConfig = Annotated[
+    GRPOConfig | MaxRLConfig | RAEConfig | EchoConfig | OPDConfig | SFTConfig, Field(discriminator="type")
+]
 
 
 _ALGORITHMS: dict[type, type[Algorithm]] = {
@@ -31,13 +33,17 @@ _ALGORITHMS: dict[type, type[Algorithm]] = {
 }
 
 
-def make_algorithm(config: GRPOConfig | MaxRLConfig | RAEConfig | EchoConfig | OPDConfig | SFTConfig) -> Algorithm:
+def make_algorithm(
+    config: GRPOConfig | MaxRLConfig | RAEConfig | EchoConfig | OPDConfig | SFTConfig,
+) -> Algorithm:
     """The algorithm a config names."""
     return _ALGORITHMS[type(config)](config)
 
 
 __all__ = [
     "GRPO",
+    "OPD",
+    "RAE",
     "SFT",
     "AlgoConfig",
     "Algorithm",
@@ -49,13 +55,11 @@ __all__ = [
     "LinearLengthPenalty",
     "MaxRL",
     "MaxRLConfig",
-    "OPD",
     "OPDConfig",
-    "RAE",
     "RAEConfig",
-    "TeacherConfig",
     "RoleEcho",
     "SFTConfig",
+    "TeacherConfig",
     "ToolEcho",
     "make_algorithm",
 ]

@@ -62,7 +62,7 @@ def import_filter(path: str) -> Callable[..., Any]:
     except ImportError as e:
         raise ValueError(f"echo filter import_path {path!r}: cannot import {module!r} ({e})") from e
     if not callable(fn):
-        raise ValueError(f"echo filter import_path {path!r} does not name a function")
+        raise ValueError(f"echo filter import_path {path!r} does not name a function")  # noqa: TRY004 - pydantic reports ValueError
     return fn
 
 

@@ -74,7 +74,7 @@ class GRPOConfig(AlgoConfigBase):
     @classmethod
     def _migrate_number(cls, value: object) -> object:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004 - pydantic reports ValueError only
                 f"length_penalty = {value} (a reward cut per sampled token) was replaced by prime-rl's "
                 "linear penalty: set the table [orchestrator.train.env.algo.length_penalty] with "
                 "num_output_tokens_weight (e.g. 0.25), num_input_tokens_weight and num_turns_weight "
@@ -133,7 +133,11 @@ class GroupRelative(Algorithm):
                     advantage=advantage,
                     rl_w=rl_w,
                     ce_w=ce_w,
-                    metadata={"trace_id": member.trace.get("id"), "role": member.role, "reward": member.reward},
+                    metadata={
+                        "trace_id": member.trace.get("id"),
+                        "role": member.role,
+                        "reward": member.reward,
+                    },
                 )
                 if has_weight(sample):
                     out.append(sample)
@@ -148,5 +152,7 @@ class GRPO(GroupRelative):
         rewards = np.array([m.reward for m in group], np.float64)
         shaped = rewards
         if self.config.length_penalty is not None:
-            shaped = rewards - self.config.length_penalty.penalties(rewards, [trace_lengths(m.trace) for m in group])
+            shaped = rewards - self.config.length_penalty.penalties(
+                rewards, [trace_lengths(m.trace) for m in group]
+            )
         return shaped - shaped.mean()

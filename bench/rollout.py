@@ -1,0 +1,199 @@
+"""Rollout throughput behind real verifiers env servers: episodes/s of the embedded engine (and of
+a vLLM server when ``JAXRL_VLLM`` names a vLLM venv's python), cold and warm.
+
+    python bench/rollout.py [--envs reverse_text lookup] [--concurrency 32] [--episodes 64]
+                            [--new-tokens 64] [--no-vllm] [--no-pin]
+
+A random Qwen3-shaped model (byte tokenizer with the Qwen special tokens, ~3M parameters) is
+written to a temporary HF directory and served over HTTP on 127.0.0.1 (the engine with
+``jaxrl.inference.server``, vLLM through jaxrl's vLLM backend). For each env, one real verifiers
+env server process (``jaxrl.orchestrator.env_server``: the built-in taskset, verifiers' train
+client, the Qwen3 renderer) runs ``episodes`` rollouts, ``concurrency`` at a time, sampling
+at temperature 1 with ``new_tokens`` tokens at most per model turn. "cold" is the first pass
+after the server reports healthy (compiles not done by the engine's warm-up land here), "warm"
+the second pass. With pinning (the default on a host with >= 2 cores) the model server runs on
+core 0 and the env side (env servers and the client driving them, a child process) on core 1,
+for every backend alike. Prints one JSON line per
+(backend, env) with episodes/s and the engine's ``GET /metrics`` view after the warm pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def make_model(out: Path, vocab: int, args: argparse.Namespace) -> None:
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=args.hidden // 4,
+        max_position_embeddings=args.max_model_len,
+        tie_word_embeddings=False,  # vLLM CPU does not reload a tied lm_head (DESIGN 9)
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).float().eval().save_pretrained(out)
+
+
+def pin(pid: int, core: int | None) -> None:
+    if core is not None:
+        os.sched_setaffinity(pid, {core})
+
+
+async def run_episodes(server: Any, endpoint: Any, tasks: list[dict], args: argparse.Namespace) -> dict:
+    """``len(tasks)`` rollouts, ``args.concurrency`` at a time; episodes/s and error count."""
+    sem = asyncio.Semaphore(args.concurrency)
+    sampling = {"max_tokens": args.new_tokens, "temperature": 1.0}
+
+    async def one(i: int, task: dict) -> Any:
+        async with sem:
+            return await server.run(task, endpoint, {**sampling, "seed": i})
+
+    t0 = time.perf_counter()
+    rollouts = await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
+    dt = time.perf_counter() - t0
+    errors = [r.error for r in rollouts if r.error]
+    return {"episodes_s": round(len(tasks) / dt, 2), "seconds": round(dt, 2), "errors": len(errors),
+            "first_error": errors[0] if errors else None}
+
+
+async def drive(args: argparse.Namespace) -> None:
+    """The env side (run in a child process, pinned apart from the model server): env servers
+    plus the client that runs episodes through them against ``args.base_url``."""
+    from jaxrl.orchestrator.env_server import EnvConfig, ModelEndpoint, start_env_servers, task_data
+
+    endpoint = ModelEndpoint(base_url=args.base_url, model="bench", tokenizer_dir=args.tokenizer_dir)
+    configs = [EnvConfig(id=e, args={"num_tasks": args.episodes, "seed": 0}) for e in args.envs]
+    servers = await start_env_servers(configs, output_dir=args.out, kind="train")
+    try:
+        for s in servers:
+            tasks = [task_data(t) for t in s.taskset().take(args.episodes)]
+            cold = await run_episodes(s, endpoint, tasks, args)
+            warm = await run_episodes(s, endpoint, tasks, args)
+            row = {"bench": "rollout", "backend": args.backend, "env": s.name, "concurrency": args.concurrency,
+                   "episodes": len(tasks), "new_tokens": args.new_tokens,
+                   "cold_episodes_s": cold["episodes_s"], "warm_episodes_s": warm["episodes_s"],
+                   "errors": cold["errors"] + warm["errors"], "first_error": cold["first_error"] or warm["first_error"]}
+            if args.backend == "engine":
+                async with httpx.AsyncClient() as client:
+                    row["engine_metrics"] = (await client.get(args.base_url.removesuffix("/v1") + "/metrics")).json()
+            print(json.dumps(row), flush=True)
+    finally:
+        await asyncio.gather(*(s.aclose() for s in servers))
+
+
+def run_driver(backend: str, base_url: str, tok_dir: Path, out: Path, args: argparse.Namespace,
+               env_core: int | None) -> None:
+    """Run the env side in a child process on ``env_core``; its JSON lines go to our stdout."""
+    cmd = [sys.executable, __file__, "--drive", "--backend", backend, "--base-url", base_url,
+           "--tokenizer-dir", str(tok_dir), "--out", str(out / backend), "--envs", *args.envs,
+           "--concurrency", str(args.concurrency), "--episodes", str(args.episodes),
+           "--new-tokens", str(args.new_tokens)]
+    proc = subprocess.Popen(cmd)
+    pin(proc.pid, env_core)  # before it spawns its env servers (they inherit the affinity)
+    if proc.wait():
+        raise RuntimeError(f"the env-side process failed with exit code {proc.returncode}")
+
+
+def start_engine(model_dir: Path, tokenizer_dir: Path, args: argparse.Namespace) -> tuple[Any, Any]:
+    from transformers import AutoTokenizer
+
+    from jaxrl.inference.config import InferenceConfig
+    from jaxrl.inference.engine import Engine
+    from jaxrl.inference.server import EngineServer
+
+    cfg = InferenceConfig(max_model_len=args.max_model_len, max_seqs=args.concurrency)
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(model_dir, cfg)
+    server = EngineServer(engine, AutoTokenizer.from_pretrained(tokenizer_dir), model_name="bench")
+    server.start()  # returns once warmed up and healthy
+    print(json.dumps({"bench": "rollout_startup", "backend": "engine", "startup_s": round(time.perf_counter() - t0, 1),
+                      "programs": engine.compiled_programs(), "program_bound": cfg.program_bound()}), flush=True)
+    return engine, server
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--envs", nargs="+", default=["reverse_text", "lookup"])
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--episodes", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--no-pin", action="store_true")
+    ap.add_argument("--drive", action="store_true", help=argparse.SUPPRESS)  # the env-side child process
+    ap.add_argument("--backend", help=argparse.SUPPRESS)
+    ap.add_argument("--base-url", help=argparse.SUPPRESS)
+    ap.add_argument("--tokenizer-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.drive:
+        asyncio.run(drive(args))
+        return
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    pinned = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
+    model_core, env_core = (0, 1) if pinned else (None, None)
+
+    from transformers import AutoTokenizer
+
+    from jaxrl.models.tokenizer import build_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        tok_dir = build_tokenizer(tmp_path / "tokenizer")
+        model_dir = tmp_path / "model"
+        make_model(model_dir, len(AutoTokenizer.from_pretrained(tok_dir)), args)
+
+        pin(0, model_core)  # this process serves the engine; the env side gets the other core
+        engine, server = start_engine(model_dir, tok_dir, args)
+        try:
+            run_driver("engine", f"{server.url}/v1", tok_dir, tmp_path, args, env_core)
+        finally:
+            server.stop()
+            engine.stop()
+        if os.environ.get("JAXRL_VLLM") and not args.no_vllm:
+            bench_vllm(model_dir, tok_dir, args, tmp_path, model_core, env_core)
+
+
+def bench_vllm(model_dir: Path, tok_dir: Path, args: argparse.Namespace, tmp: Path,
+               model_core: int | None, env_core: int | None) -> None:
+    """The same env servers against a vLLM server (jaxrl's vLLM backend: loopback proxy in front)."""
+    from jaxrl.inference.config import InferenceConfig
+    from jaxrl.inference.vllm_backend import VLLMBackend
+    from jaxrl.models.hf_io import load_decoder
+
+    cfg = InferenceConfig(backend="vllm", max_model_len=args.max_model_len, max_seqs=args.concurrency,
+                          server={"port": 0})
+    # The vLLM process inherits this process's core (``model_core``, pinned in ``main``).
+    backend = VLLMBackend(load_decoder(model_dir), json.loads((model_dir / "config.json").read_text()), cfg,
+                          output_dir=tmp / "vllm", tokenizer_dir=tok_dir, model_name="bench")
+    try:
+        print(json.dumps({"bench": "rollout_startup", "backend": "vllm", "startup_s": round(backend.startup_s, 1)}),
+              flush=True)
+        run_driver("vllm", backend.endpoint.base_url, tok_dir, tmp, args, env_core)
+    finally:
+        backend.stop()
+
+
+if __name__ == "__main__":
+    main()

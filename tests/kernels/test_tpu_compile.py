@@ -1,0 +1,155 @@
+"""The kernels compile for real TPU generations at Qwen3 sizes, within VMEM, copying nothing big.
+
+``test_tpu_lowering`` stops at Pallas's TPU lowering; here libtpu's compile-only client
+(``jax.experimental.topologies``; no TPU needed) runs the whole Mosaic and XLA compile for v5e
+and v6e chips, which is where VMEM limits (``CompileTimeScopedVmemOom``) and layout copies show
+up, and ``memory_analysis()`` gives each program's temporaries per chip. Kernels are traced under
+a mesh of the target's devices, as ``jaxrl.kernel_dispatch`` runs them, so they size their blocks
+for that chip. Shapes: Qwen3-0.6B (D 1024, 16 q / 8 kv heads of 128) and Qwen3-8B (D 4096, 32 /
+8), vocabulary 151936, bfloat16 unless named. Skipped when libtpu is absent (the ``tpu`` extra).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+if importlib.util.find_spec("libtpu") is None:
+    pytest.skip("TPU compiles need libtpu: pip install -e '.[tpu]'", allow_module_level=True)
+
+# Compile-only use touches no TPU, so several processes (pytest workers, other runs on the host)
+# may load libtpu at once; without this, all but the first fail on libtpu's lockfile.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+from flax import nnx  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+from jaxrl.inference import weights as W  # noqa: E402
+from jaxrl.inference.engine import _decode  # noqa: E402
+from jaxrl.inference.sampling import SamplingBatch, SamplingParams  # noqa: E402
+from jaxrl.kernel_dispatch import Kernels  # noqa: E402
+from jaxrl.models.arch import ModelArch  # noqa: E402
+from jaxrl.models.decoder import Decoder, KVCache  # noqa: E402
+from kernels.attention import segment_attention, tpu_segment_attention  # noqa: E402
+from kernels.decode_attention import decode_attention  # noqa: E402
+from kernels.logprobs import logprobs  # noqa: E402
+
+GENERATIONS = ["v5e:2x2", "v6e:2x2"]
+VOCAB = 151936
+QWEN3 = {"0.6B": (1024, 16), "8B": (4096, 32)}  # (hidden, query heads); 8 kv heads of 128
+KV_HEADS, HEAD_DIM = 8, 128
+BF16 = jnp.bfloat16
+
+
+@pytest.fixture(scope="module", params=GENERATIONS)
+def topology(request) -> list:
+    """The named topology's (compile-only) devices."""
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=request.param).devices)
+
+
+@pytest.fixture(scope="module")
+def chip(topology) -> Mesh:
+    """A one-chip mesh (what ``shard_map`` gives each kernel call)."""
+    return Mesh(np.array(topology[:1]), ("x",))
+
+
+def _compile(mesh: Mesh, fn, *shapes):
+    """Compile ``fn`` for ``mesh``'s chip from (shape, dtype) pairs; its memory analysis."""
+    sharding = NamedSharding(mesh, PartitionSpec())
+    args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
+    with jax.set_mesh(mesh):
+        return jax.jit(fn).lower(*args).compile().memory_analysis()
+
+
+def _grad(fn, argnums):
+    def loss(*args):
+        return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(fn(*args)))
+
+    return jax.grad(loss, argnums=argnums)
+
+
+@pytest.mark.parametrize(
+    "size, dtype", [("0.6B", BF16), ("8B", BF16), ("0.6B", jnp.float32)], ids=["0.6B", "8B", "0.6B-f32"]
+)
+def test_logprobs_forward_and_backward_fit(chip, size, dtype) -> None:
+    """On main this failed with CompileTimeScopedVmemOom (8B on both chips, f32 on v5e)."""
+    if dtype == jnp.float32 and chip.devices.flat[0].device_kind != "TPU v5 lite":
+        pytest.skip("float32 inputs: v5e, the chip it failed on, is enough (compiles take seconds)")
+    d, n = QWEN3[size][0], 1024
+    shapes = [((n, d), dtype), ((d, VOCAB), dtype), ((n,), jnp.int32), ((n,), jnp.float32)]
+    mem = _compile(chip, _grad(logprobs, (0, 1, 3)), *shapes)
+    # Never [N, V] logits, nor a copy of lm_head: temporaries well under lm_head's size.
+    assert mem.temp_size_in_bytes < 0.1 * d * VOCAB * jnp.dtype(dtype).itemsize
+
+
+@pytest.mark.parametrize("size", ["0.6B", "8B"])
+def test_training_attention_forward_and_backward_fit(chip, size) -> None:
+    """What ``kernels = "auto"`` runs on TPU (splash here: T is a multiple of 128)."""
+    t, heads = 4096, QWEN3[size][1]
+    q, kv = ((1, t, heads, HEAD_DIM), BF16), ((1, t, KV_HEADS, HEAD_DIM), BF16)
+    mem = _compile(chip, _grad(tpu_segment_attention, (0, 1, 2)), q, kv, kv, ((1, t), jnp.int32))
+    q_bytes = t * heads * HEAD_DIM * 2
+    assert mem.temp_size_in_bytes < 16 * q_bytes  # a [T, T] score matrix per head would be 64x
+
+
+def test_segment_attention_kernel_fits(chip) -> None:
+    """Our kernel (T not a multiple of 128, where splash does not apply)."""
+    t, heads = 4000, QWEN3["8B"][1]
+    q, kv = ((1, t, heads, HEAD_DIM), BF16), ((1, t, KV_HEADS, HEAD_DIM), BF16)
+    mem = _compile(chip, _grad(segment_attention, (0, 1, 2)), q, kv, kv, ((1, t), jnp.int32))
+    assert mem.temp_size_in_bytes < 16 * t * heads * HEAD_DIM * 2
+
+
+@pytest.mark.parametrize("size", ["0.6B", "8B"])
+def test_decode_attention_reads_the_cache_in_place(chip, size) -> None:
+    """32 rows x 4096 positions x 2 layers. On main (a [B, S, K, Dh] cache viewed as
+    [B, S, K * Dh]) the kernel's operands were a relayout copy of all of K and V."""
+    layers, rows, s, heads = 2, 32, 4096, QWEN3[size][1]
+    cache = ((layers, rows, KV_HEADS, s, HEAD_DIM), BF16)
+    i32 = ((rows,), jnp.int32)
+    fn = lambda q, k, v, n, r, l: decode_attention(q, k, v, n, rows=r, layer=l)
+    mem = _compile(chip, fn, ((rows, heads, HEAD_DIM), BF16), cache, cache, i32, i32, ((), jnp.int32))
+    cache_bytes = 2 * np.prod(cache[0]) * 2
+    assert mem.temp_size_in_bytes < 0.1 * cache_bytes
+
+
+def test_engine_decode_program_copies_no_cache(topology) -> None:
+    """The engine's whole decode program (4 steps: cache writes, decode kernel, sampling) of a
+    small TPU-aligned model, tensor-parallel over the chips' kv heads: temporaries per chip stay
+    under 10% of its cache. On main the window gather alone was a copy of the live cache."""
+    arch = ModelArch(
+        model_type="qwen3", vocab_size=4096, hidden_size=512, intermediate_size=1024, num_layers=2,
+        num_heads=8, num_kv_heads=4, head_dim=HEAD_DIM, rms_norm_eps=1e-6, rope_theta=1e6,
+        rope_scaling=None, qk_norm=True, qkv_bias=False, tie_word_embeddings=False,
+        max_position_embeddings=4096,
+    )  # fmt: skip
+    mesh = Mesh(np.array(topology), ("tensor",))
+    rows, s = 32, 4096
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(arch, rngs=nnx.Rngs(0), param_dtype=BF16, dtype=BF16)))
+    shard = W.param_sharding_fn(mesh)
+    state = jax.tree_util.tree_map_with_path(
+        lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shard(W.param_name(p), x.shape)), state
+    )
+    shape = KVCache.shape(arch, rows, s)
+    cache_sh = W.cache_sharding(mesh, shape)
+    cache = KVCache(*(jax.ShapeDtypeStruct(shape, BF16, sharding=cache_sh) for _ in range(2)))
+    rep = W.replicated(mesh)
+    host = SamplingBatch.host([SamplingParams()] * rows, [0] * rows, [0] * rows, rows)
+    sampling = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=rep), host)
+    ids = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=rep)
+    decode = jax.jit(
+        partial(_decode, graphdef, 4, kernels=Kernels("pallas", mesh)),
+        static_argnames=("length",),
+        donate_argnums=(1,),
+    )
+    mem = decode.lower(state, cache, ids, ids, ids, sampling, length=s).compile().memory_analysis()
+    cache_bytes_per_chip = 2 * np.prod(shape) * 2 / mesh.size
+    assert mem.temp_size_in_bytes < 0.1 * cache_bytes_per_chip
+
