@@ -109,6 +109,14 @@ class DataConfig(BaseModel):
     """Steps between two held-out evals (NLL per assistant token, logged as `eval/ce_loss`); the
     last step always evaluates. 0: no eval."""
 
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if self.path is not None and (self.taskset is not None or self.taskset_args):
+            raise ValueError("data: set either `path` (your conversations) or `taskset`, not both")
+        if self.path is None and (self.revision is not None or self.skip_bad_rows):
+            raise ValueError("data.revision / data.skip_bad_rows apply to `path`; set data.path")
+        return self
+
 
 class WandbConfig(BaseModel):
     """Weights & Biases run: metrics per step, sample tables of train and eval rollouts. The run id
@@ -125,14 +133,6 @@ class WandbConfig(BaseModel):
     """`offline` writes under <output_dir>/wandb for a later `wandb sync`."""
     samples: int = Field(8, ge=0)
     """Rollouts per step logged to the `samples/train` and `samples/eval` tables (0: none)."""
-
-    @model_validator(mode="after")
-    def _one_source(self) -> DataConfig:
-        if self.path is not None and (self.taskset is not None or self.taskset_args):
-            raise ValueError("data: set either `path` (your conversations) or `taskset`, not both")
-        if self.path is None and (self.revision is not None or self.skip_bad_rows):
-            raise ValueError("data.revision / data.skip_bad_rows apply to `path`; set data.path")
-        return self
 
 
 class LogConfig(BaseModel):

@@ -80,8 +80,9 @@ def test_heldout_conversations_are_never_trained_on() -> None:
 
     train = reference_conversations("reverse_text", {}, 256, 0)
     held_out = reference_conversations("reverse_text", {}, 64, 0, split="eval")
-    prompts = lambda convs: {json.dumps(messages[:-1]) for messages, _ in convs}  # noqa: E731
-    assert len(prompts(held_out)) == 64 and not prompts(train) & prompts(held_out)
+    train_prompts = {json.dumps(messages[:-1]) for messages, _ in train}
+    held_out_prompts = {json.dumps(messages[:-1]) for messages, _ in held_out}
+    assert len(held_out_prompts) == 64 and not train_prompts & held_out_prompts
 
 
 def test_wandb_run_id_is_checkpointed_and_resumed(tmp_path, monkeypatch) -> None:
