@@ -103,6 +103,11 @@ class DataConfig(BaseModel):
     batch_size: int = Field(32, ge=1)
     """Conversations per optimizer step."""
     seed: int = 0
+    eval_examples: int = Field(64, ge=1)
+    """Held-out conversations (the taskset's eval split, never trained on) scored for `eval/ce_loss`."""
+    eval_interval: int = Field(50, ge=0)
+    """Steps between two held-out evals (NLL per assistant token, logged as `eval/ce_loss`); the
+    last step always evaluates. 0: no eval."""
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
@@ -111,6 +116,23 @@ class DataConfig(BaseModel):
         if self.path is None and (self.revision is not None or self.skip_bad_rows):
             raise ValueError("data.revision / data.skip_bad_rows apply to `path`; set data.path")
         return self
+
+
+class WandbConfig(BaseModel):
+    """Weights & Biases run: metrics per step, sample tables of train and eval rollouts. The run id
+    goes into every checkpoint, so `--resume` continues the same W&B run."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    project: str = Field(min_length=1)
+    entity: str | None = None
+    """Team or user (None: your default entity)."""
+    name: str | None = None
+    """Run name (None: W&B picks one)."""
+    tags: list[str] = []
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """`offline` writes under <output_dir>/wandb for a later `wandb sync`."""
+    samples: int = Field(8, ge=0)
+    """Rollouts per step logged to the `samples/train` and `samples/eval` tables (0: none)."""
 
 
 class LogConfig(BaseModel):
@@ -126,8 +148,8 @@ class LogConfig(BaseModel):
     """Steps between two plain progress lines off a terminal (the last step always prints)."""
     plot: bool = True
     """Write <output_dir>/metrics.png at the end."""
-    wandb_project: str | None = None
-    """Also log to Weights & Biases under this project (off by default; needs `wandb`)."""
+    wandb: WandbConfig | None = None
+    """`[log.wandb]`: also log to Weights & Biases (off by default; needs the `wandb` extra)."""
     tensorboard: bool = False
     """Also write TensorBoard event files to <output_dir>/tb (needs `tensorboardX`)."""
 

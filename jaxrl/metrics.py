@@ -7,7 +7,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.progress import (
     BarColumn,
@@ -20,10 +20,16 @@ from rich.progress import (
 
 from jaxrl.parallel.distributed import is_main_process
 
+if TYPE_CHECKING:
+    from jaxrl.config import WandbConfig
+
+# Columns of the W&B sample tables (a flat rollouts.jsonl record's readable fields).
+SAMPLE_COLUMNS = ("step", "env", "prompt", "completion", "reward", "fate")
+
 # Shown on the progress bar / plain progress line when present in a row, in this order.
 _BAR_KEYS = (
-    "reward_mean", "ce_loss", "rl_loss", "mismatch_kl", "grad_norm", "rollouts_failed", "tokens_per_s",
-    "time/rollout_wait_s", "time/train_s", "step_time_s",
+    "reward_mean", "ce_loss", "eval/ce_loss", "rl_loss", "mismatch_kl", "grad_norm", "rollouts_failed", "tokens_per_s",
+    "time/rollout_wait_s", "time/train_s", "time/step_s",
 )  # fmt: skip
 
 
@@ -72,6 +78,14 @@ def ema(values: list[float], decay: float = 0.9) -> list[float]:
     return out
 
 
+# Train metric -> (its held-out eval metric, that metric's standard error or None): drawn on one panel.
+_HELD_OUT = {"reward_mean": ("eval_reward_mean", "eval_reward_se"), "ce_loss": ("eval/ce_loss", None)}
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
 def plot_metrics(
     rows: list[dict[str, Any]], keys: list[str], out: str | Path, title: str = ""
 ) -> Path | None:
@@ -91,18 +105,15 @@ def plot_metrics(
     fig, axes = plt.subplots(1, len(series), figsize=(4 * len(series), 3.2), squeeze=False)
     for ax, (k, pts) in zip(axes[0], series.items()):
         steps, values = [p[0] for p in pts], [p[1] for p in pts]
-        if k == "reward_mean":  # train reward, smoothed, with the held-out eval on the same axis
+        if k in _HELD_OUT:  # the train metric, smoothed, with the held-out eval on the same axis
             ax.plot(steps, values, color="C0", alpha=0.3, label="train (per step)")
             ax.plot(steps, ema(values), color="C0", label="train (EMA 0.9)")
-            evals = [
-                (r["step"], r["eval_reward_mean"], r.get("eval_reward_se", 0.0))
-                for r in rows
-                if isinstance(r.get("eval_reward_mean"), (int, float)) and math.isfinite(r["eval_reward_mean"])
-            ]
+            mean_key, se_key = _HELD_OUT[k]
+            evals = [(r["step"], r[mean_key], r.get(se_key, 0.0) if se_key else 0.0) for r in rows if _finite(r.get(mean_key))]
             if evals:
-                se = [e[2] if isinstance(e[2], (int, float)) and math.isfinite(e[2]) else 0.0 for e in evals]
+                se = [e[2] if _finite(e[2]) else 0.0 for e in evals]
                 ax.errorbar([e[0] for e in evals], [e[1] for e in evals], yerr=se, color="C1", marker="o",
-                            capsize=3, label="eval (± SE)")  # fmt: skip
+                            capsize=3, label="eval (± SE)" if se_key else "eval (held out)")  # fmt: skip
             ax.legend(fontsize="small")
         else:
             ax.plot(steps, values, marker="." if len(pts) < 50 else None)
@@ -128,7 +139,8 @@ class MetricsLogger:
         progress: bool = True,
         plot_keys: tuple[str, ...] = (),
         interval: int = 1,
-        wandb_project: str | None = None,
+        wandb: WandbConfig | None = None,
+        wandb_run_id: str | None = None,
         tensorboard: bool = False,
         run_config: dict[str, Any] | None = None,
     ):
@@ -155,10 +167,16 @@ class MetricsLogger:
             )
             self._progress.start()
             self._task = self._progress.add_task("", total=total_steps, completed=start_step)
-        if wandb_project:
-            import wandb  # optional dependency, only when asked for
-
-            self._wandb = wandb.init(project=wandb_project, config=run_config, dir=str(self.dir))
+        self._wandb_samples = wandb.samples if wandb else 0
+        if wandb is not None:
+            try:
+                import wandb as wandb_lib  # optional dependency, only when asked for
+            except ImportError as e:
+                raise ImportError("[log.wandb] is set but wandb is not installed: pip install 'jaxrl[wandb]'") from e
+            self._wandb = wandb_lib.init(
+                project=wandb.project, entity=wandb.entity, name=wandb.name, tags=wandb.tags, mode=wandb.mode,
+                config=run_config, dir=str(self.dir), id=wandb_run_id, resume="must" if wandb_run_id else None,
+            )  # fmt: skip
         if tensorboard:
             from tensorboardX import SummaryWriter  # optional dependency, only when asked for
 
@@ -180,6 +198,21 @@ class MetricsLogger:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        """The W&B run's id (kept in checkpoints: `--resume` continues that run), None without W&B."""
+        return self._wandb.id if self._wandb is not None else None
+
+    def log_samples(self, step: int, split: str, records: list[dict[str, Any]]) -> None:
+        """The first `[log.wandb] samples` rollout records of a step as the `samples/<split>` table."""
+        if self._wandb is None or not self._wandb_samples or not records:
+            return
+        import wandb
+
+        rows = [[json.dumps(r.get(c), default=str) if c in ("prompt", "completion") else r.get(c) for c in SAMPLE_COLUMNS]
+                for r in records[: self._wandb_samples]]  # fmt: skip
+        self._wandb.log({f"samples/{split}": wandb.Table(columns=list(SAMPLE_COLUMNS), data=rows)}, step=step)
 
     def close(self, title: str = "") -> Path | None:
         if not self.main:

@@ -18,6 +18,7 @@ from typing import Any
 from jaxrl.config import RunConfig
 from jaxrl.endpoint import ModelEndpoint
 from jaxrl.inference.http_thread import check_port_free
+from jaxrl.metrics import MetricsLogger
 from jaxrl.orchestrator.algo import OPDConfig
 from jaxrl.orchestrator.batch import build_batch
 from jaxrl.orchestrator.env_server import EnvServerDead
@@ -33,9 +34,10 @@ PLOT_KEYS = ("reward_mean", "rl_loss", "mismatch_kl", "entropy", "time/step_s") 
 class RolloutLog:
     """``<output_dir>/rollouts.jsonl``: every rollout, train and eval, with its fate."""
 
-    def __init__(self, path: Path, *, append: bool, episodes: bool = False):
+    def __init__(self, path: Path, *, append: bool, episodes: bool = False, logger: MetricsLogger | None = None):
         self.path = path
         self.episodes = episodes
+        self.logger = logger  # W&B sample tables of train and eval rollouts, when [log.wandb] is set
         self.enabled = is_main_process()
         if self.enabled and not append:
             path.write_text("")
@@ -48,6 +50,10 @@ class RolloutLog:
                 if not self.episodes:  # the raw episode is ~8 KB even for a two-word rollout
                     r = {k: v for k, v in r.items() if k != "episode"}
                 f.write(json.dumps(r, default=str) + "\n")
+        if self.logger is not None:
+            for split in ("train", "eval"):
+                if picked := [r for r in records if r.get("split") == split]:
+                    self.logger.log_samples(picked[0]["step"], split, picked)
 
 
 def start_engine(run: TrainingRun) -> tuple[Any, Any, ModelEndpoint]:
@@ -92,7 +98,7 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
         engine.update_weights_from_state(run.trainer.params, version=run.trainer.step)
     orch = Orchestrator(ocfg, endpoint, output_dir=run.out, seed=cfg.seed, policy_version=lambda: engine.policy_version)
     teachers = load_teachers(ocfg, run.trainer)
-    rollouts = RolloutLog(run.out / "rollouts.jsonl", append=bool(meta), episodes=cfg.log.rollout_episodes)
+    rollouts = RolloutLog(run.out / "rollouts.jsonl", append=bool(meta), episodes=cfg.log.rollout_episodes, logger=run.logger)
     assert run.logger is not None
     last: dict[str, Any] = {}
     aborted: EnvServerDead | None = None
@@ -174,7 +180,7 @@ def _rl_step(run: TrainingRun, orch: Orchestrator, engine: Any, rollouts: Rollou
         "policy_version": float(engine.policy_version),
         "time/rollout_wait_s": t_rollout,
         "time/scoring_s": t_score,
-        "time/train_s": t_train,
+        "time/train_s": t_train,  # the whole train_step call (the trainer's own time/train_s, plus the host hand-off)
         "time/weight_sync_s": t_sync,
         "time/step_s": time.perf_counter() - t0,
     }

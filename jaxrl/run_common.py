@@ -60,7 +60,8 @@ class TrainingRun:
         log = self.cfg.log
         self.logger = MetricsLogger(
             self.out, self.cfg.trainer.steps, start_step=self.trainer.step, progress=log.progress,
-            plot_keys=self.plot_keys if log.plot else (), interval=log.interval, wandb_project=log.wandb_project,
+            plot_keys=self.plot_keys if log.plot else (), interval=log.interval, wandb=log.wandb,
+            wandb_run_id=meta.get("wandb_run_id"),
             tensorboard=log.tensorboard, run_config=self.cfg.model_dump(),
         )
         return meta
@@ -90,6 +91,8 @@ class TrainingRun:
         step = self.trainer.step
         if step in self.ckpt.all_steps():
             return
+        wandb_id = self.logger.wandb_run_id if self.logger is not None else None
+        meta = meta | ({"wandb_run_id": wandb_id} if wandb_id else {})  # --resume continues the same W&B run
         self.ckpt.save(step, self.trainer.state_for_checkpoint(), {"step": step, **meta})
 
     def export(self) -> Path:

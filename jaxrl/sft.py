@@ -3,13 +3,16 @@ HF export (``<output_dir>/hf``, with the tokenizer: the warm start RL recipes lo
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 from jaxrl.config import DataConfig, RunConfig
 from jaxrl.data.conversations import load_conversations
 from jaxrl.data.sft import RenderConversation, reference_conversations, sft_dataset
+from jaxrl.models.chat import RendererSpec
 from jaxrl.run_common import TrainingRun
+from jaxrl.samples import TrainingSample
 
 # Loss metrics of the RL and ref-KL components, always 0 in SFT: left out of SFT rows.
 RL_ONLY = (
@@ -20,7 +23,7 @@ RL_ONLY = (
 
 def run_sft(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     data_cfg = cfg.data or DataConfig()
-    run = TrainingRun(cfg, plot_keys=("ce_loss", "ce_nll_max", "grad_norm", "tokens_per_s"))
+    run = TrainingRun(cfg, plot_keys=("ce_loss", "ce_nll_max", "grad_norm", "tokens_per_s"))  # eval shares ce_loss's panel
     skipped = 0
     if data_cfg.path is not None:
         render = RenderConversation(run.tokenizer_dir, run.renderer, data_cfg.content_roles)
@@ -43,6 +46,11 @@ def run_sft(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
         content_roles=data_cfg.content_roles,
     )  # fmt: skip
     batches = iter(dataset.to_iter_dataset())
+    held_out: list[TrainingSample] = []
+    if data_cfg.eval_interval and data_cfg.path is None:
+        held_out = heldout_samples(data_cfg, run.tokenizer_dir, run.renderer)
+    elif data_cfg.eval_interval:
+        print(f"[jaxrl] data.path = {data_cfg.path!r} has no eval split: no held-out eval (data.eval_interval applies to tasksets)")
     meta = run.maybe_resume(resume)
     if meta:
         batches.set_state(meta["data"])
@@ -50,6 +58,8 @@ def run_sft(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     with run.stop_request() as stop:
         for step in range(run.trainer.step + 1, cfg.trainer.steps + 1):
             last = {k: v for k, v in run.trainer.train_step(next(batches)).items() if k not in RL_ONLY}
+            if held_out and (step % data_cfg.eval_interval == 0 or step == cfg.trainer.steps):
+                last |= evaluate(run, held_out)
             run.logger.log(step, last)
             if run.should_checkpoint(step) or stop.requested:
                 run.save({"data": batches.get_state()})
@@ -59,3 +69,19 @@ def run_sft(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
         run.save({"data": batches.get_state()})
     result = run.finish(title=f"SFT {Path(cfg.output_dir).name}", export=not stop.requested)
     return result | {"last": last, "examples": len(conversations), "skipped_rows": skipped}
+
+
+def heldout_samples(data_cfg: DataConfig, tokenizer_dir: str, renderer: RendererSpec) -> list[TrainingSample]:
+    """The taskset's eval-split reference conversations, rendered once: tasks SFT never trains on."""
+    conversations = reference_conversations(
+        data_cfg.taskset or "reverse_text", data_cfg.taskset_args, data_cfg.eval_examples, data_cfg.seed, split="eval"
+    )
+    render = RenderConversation(tokenizer_dir, renderer, data_cfg.content_roles)
+    return [render.map(c) for c in conversations]
+
+
+def evaluate(run: TrainingRun, held_out: list[TrainingSample]) -> dict[str, float]:
+    """``eval/ce_loss`` (NLL per assistant token) and ``eval/ce_tokens`` on the held-out set."""
+    t0 = time.perf_counter()
+    metrics = {f"eval/{k}": v for k, v in run.trainer.eval_loss(held_out).items()}
+    return metrics | {"time/eval_s": time.perf_counter() - t0}

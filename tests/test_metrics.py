@@ -44,3 +44,67 @@ def test_plot_puts_eval_with_its_standard_error_on_the_train_reward_panel(tmp_pa
     rows[-1] |= {"eval_reward_mean": 0.6, "eval_reward_se": 0.02}
     out = plot_metrics(rows, ["reward_mean", "rl_loss"], tmp_path / "m.png", "RL")
     assert out is not None and out.stat().st_size > 0
+
+
+def test_wandb_is_off_by_default_and_its_config_is_checked() -> None:
+    import pydantic
+    import pytest
+
+    from jaxrl.config import LogConfig
+
+    assert LogConfig().wandb is None
+    cfg = LogConfig.model_validate({"wandb": {"project": "p", "entity": "e", "name": "n", "tags": ["a"], "mode": "offline"}})
+    assert cfg.wandb.tags == ["a"] and cfg.wandb.mode == "offline"
+    for bad in ({"project": ""}, {"project": "p", "mode": "sometimes"}, {"project": "p", "samples": -1}):
+        with pytest.raises(pydantic.ValidationError):
+            LogConfig.model_validate({"wandb": bad})
+
+
+def test_wandb_offline_run_logs_metrics_and_sample_tables_and_resumes_by_id(tmp_path, monkeypatch) -> None:
+    """A real offline W&B run (no network): metrics and a samples table go into its run files, and
+    a logger given the stored run id continues that run instead of starting another."""
+    import pytest
+
+    wandb = pytest.importorskip("wandb")
+    from jaxrl.config import WandbConfig
+    from jaxrl.metrics import MetricsLogger
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = WandbConfig(project="jaxrl-test", name="t", tags=["ci"], mode="offline", samples=2)
+    logger = MetricsLogger(tmp_path, 2, progress=False, wandb=cfg, run_config={"x": 1})
+    run_id = logger.wandb_run_id
+    assert run_id
+    records = [{"step": 1, "env": "e", "prompt": [{"role": "user", "content": f"p{i}"}], "completion": [], "reward": i,
+                "fate": "trained"} for i in range(3)]  # fmt: skip
+    logger.log_samples(1, "train", records)
+    logger.log(1, {"ce_loss": 0.5})
+    logger.close()
+    runs = list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    table = json.loads(next((runs[0] / "files" / "media" / "table" / "samples").glob("train_*.table.json")).read_text())
+    assert table["columns"] == ["step", "env", "prompt", "completion", "reward", "fate"] and len(table["data"]) == 2
+
+    resumed = MetricsLogger(tmp_path, 2, start_step=1, progress=False, wandb=cfg, wandb_run_id=run_id)
+    assert resumed.wandb_run_id == run_id
+    resumed.log(2, {"ce_loss": 0.4})
+    resumed.close()
+    assert wandb.run is None
+
+
+def test_rollout_log_sends_train_and_eval_samples_to_wandb(tmp_path, monkeypatch) -> None:
+    import pytest
+
+    pytest.importorskip("wandb")
+    from jaxrl.config import WandbConfig
+    from jaxrl.metrics import MetricsLogger
+    from jaxrl.rl import RolloutLog
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = MetricsLogger(tmp_path, 1, progress=False, wandb=WandbConfig(project="p", mode="offline"))
+    log = RolloutLog(tmp_path / "rollouts.jsonl", append=False, logger=logger)
+    log.write([{"step": 0, "split": "eval", "fate": "eval", "reward": 1.0}])
+    log.write([{"step": 1, "split": "train", "fate": "trained", "reward": 0.0}] * 3)
+    logger.close()
+    tables = sorted(p.name.split("_")[0] for p in (tmp_path / "wandb").rglob("*.table.json"))
+    assert tables == ["eval", "train"]
+    assert len((tmp_path / "rollouts.jsonl").read_text().splitlines()) == 4

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import grain
 from transformers import AutoTokenizer
@@ -26,8 +26,11 @@ Message = dict[str, Any]
 Example = tuple[list[Message], list[dict[str, Any]]]  # (messages, tool specs)
 
 
-def reference_conversations(taskset: str, args: dict[str, Any], num: int, seed: int) -> list[Example]:
-    """``num`` train-split reference episodes (messages, tool specs) of a built-in taskset.
+def reference_conversations(
+    taskset: str, args: dict[str, Any], num: int, seed: int, split: Literal["train", "eval"] = "train"
+) -> list[Example]:
+    """``num`` reference episodes (messages, tool specs) of a built-in taskset's ``split``; the
+    eval split never holds a train task, so it measures held-out loss.
 
     Each built-in env module that supports SFT defines ``reference_conversation(task_data)``:
     the ideal episode for a task (for tool envs: the tool calls, their outputs and the answer).
@@ -43,7 +46,7 @@ def reference_conversations(taskset: str, args: dict[str, Any], num: int, seed: 
     taskset_cls = next(getattr(module, n) for n in module.__all__ if n.endswith("Taskset"))
     _, config_cls = typing.get_args(taskset_cls.__orig_bases__[0])  # vf.Taskset[Task, Config]
     try:
-        config = config_cls(split="train", num_tasks=num, seed=seed, **args)
+        config = config_cls(split=split, num_tasks=num, seed=seed, **args)
     except Exception as e:  # pydantic names the bad field
         raise ValueError(f"data.taskset_args for {taskset!r}: {e}") from e
     return [make(task.data) for task in taskset_cls(config)]

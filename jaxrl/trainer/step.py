@@ -210,6 +210,7 @@ class Trainer:
         self.peak_flops = peak_flops
         self._micro_step, self._apply = self.programs.micro_step, self.programs.apply
         self._zeros: Any = None  # compiled on first use: makes the zeroed accumulators
+        self._loss_sums: Any = None  # compiled on first eval: a micro-batch's loss sums, no gradient
 
     # -- host side -------------------------------------------------------------------------
     def _device_batch(self, batch: PackedBatch) -> dict[str, jax.Array]:
@@ -247,13 +248,32 @@ class Trainer:
             "lr": lr,
             "tokens": tokens,
             "padding_frac": 1.0 - tokens / batch.tokens.size,
-            "step_time_s": elapsed,
+            "time/train_s": elapsed,  # this optimizer step (pack, forward/backward, update); RL adds time/step_s
             "tokens_per_s": tokens / elapsed,
         }
         if self.peak_flops:
             flops = self.arch.flops_per_token(batch.tokens.shape[1]) * tokens
             out["mfu"] = flops / elapsed / (self.peak_flops * self.mesh.size)
         return out
+
+    def eval_loss(self, samples: Sequence[TrainingSample]) -> dict[str, float]:
+        """CE loss (NLL per loss-masked token) and token count of ``samples`` under the current
+        parameters, with no update: packed and split into micro-batches as ``train_step`` does,
+        forward only (one extra compile per row-length bucket)."""
+        batch = self.pack(samples)
+        counts = jax.device_put({k: np.float32(v) for k, v in component_counts(batch).items()}, replicated(self.mesh))
+        if self._loss_sums is None:
+            self._loss_sums = jax.jit(
+                lambda params, mb, counts: micro_batch_loss(params, self.graphdef, mb, counts, self.cfg, self.kernels)[1],
+                out_shardings=replicated(self.mesh),
+            )
+        total = None
+        rows = self.cfg.micro_batch_rows
+        for start in range(0, batch.num_rows, rows):
+            sums = self._loss_sums(self.params, self._device_batch(batch.rows(start, start + rows)), counts)
+            total = sums if total is None else L.add_sums(total, sums)
+        metrics = jax.device_get(L.metrics(total))
+        return {"ce_loss": float(metrics["ce_loss"]), "ce_tokens": float(metrics["ce_tokens"])}
 
     def _zeroed_accumulators(self, batch: PackedBatch) -> tuple[nnx.State, dict[str, jax.Array]]:
         """Zeroed gradient and loss-sum accumulators, made by one compiled program (0 is also

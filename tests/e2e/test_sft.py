@@ -17,7 +17,7 @@ from jaxrl.sft import run_sft
 TINY = {
     "model": {"scratch": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 2,
                           "num_kv_heads": 1, "head_dim": 32, "max_position_embeddings": 256}},
-    "data": {"taskset": "reverse_text", "num_examples": 256, "batch_size": 16},
+    "data": {"taskset": "reverse_text", "num_examples": 256, "batch_size": 16, "eval_examples": 16},
     "trainer": {"seq_len": 256, "micro_batch_rows": 8, "optim": {"lr": 3e-3, "warmup_steps": 3},
                 "mesh": {"num_devices": 1}},
     "log": {"progress": False},
@@ -31,12 +31,18 @@ def tiny_cfg(out, **over):
 
 
 def test_sft_loss_falls_and_exports_a_transformers_model(tmp_path) -> None:
-    cfg = tiny_cfg(tmp_path / "run", trainer={"steps": 40})
+    cfg = tiny_cfg(tmp_path / "run", trainer={"steps": 40}, data={"eval_interval": 25})
     result = run_sft(cfg)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 41))
+    assert all(r["time/train_s"] > 0 and "step_time_s" not in r for r in rows)  # one name, one meaning
     first, last = np.mean([r["ce_loss"] for r in rows[:3]]), np.mean([r["ce_loss"] for r in rows[-3:]])
     assert last < 0.5 * first, (first, last)
+    # Held-out eval at every eval_interval steps and the last: the same 16 eval-split conversations each time.
+    evals = {r["step"]: r for r in rows if "eval/ce_loss" in r}
+    assert sorted(evals) == [25, 40]
+    assert evals[25]["eval/ce_tokens"] == evals[40]["eval/ce_tokens"] > 16
+    assert 0 < evals[40]["eval/ce_loss"] < 0.5 * first, (first, evals)
     assert (tmp_path / "run" / "metrics.png").stat().st_size > 0
     export = tmp_path / "run" / "hf"
     assert result["export"] == str(export)
@@ -67,3 +73,27 @@ def test_resume_reproduces_uninterrupted_run(tmp_path) -> None:
     for a, b in zip(full, part):
         assert a["ce_loss"] == pytest.approx(b["ce_loss"], rel=1e-6, abs=1e-6), a["step"]
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), a["step"]
+
+
+def test_heldout_conversations_are_never_trained_on() -> None:
+    from jaxrl.data.sft import reference_conversations
+
+    train = reference_conversations("reverse_text", {}, 256, 0)
+    held_out = reference_conversations("reverse_text", {}, 64, 0, split="eval")
+    train_prompts = {json.dumps(messages[:-1]) for messages, _ in train}
+    held_out_prompts = {json.dumps(messages[:-1]) for messages, _ in held_out}
+    assert len(held_out_prompts) == 64 and not train_prompts & held_out_prompts
+
+
+def test_wandb_run_id_is_checkpointed_and_resumed(tmp_path, monkeypatch) -> None:
+    """[log.wandb] (offline, a real wandb run): the checkpoint holds the run id and --resume continues it."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    data = {"num_examples": 32, "batch_size": 4, "eval_interval": 0}
+    log = {"progress": False, "plot": False, "wandb": {"project": "jaxrl-test", "mode": "offline"}}
+    over = {"ckpt": {"interval": 1}, "data": data, "log": log}
+    run_sft(tiny_cfg(tmp_path / "run", trainer={"steps": 1}, **over))
+    run_sft(tiny_cfg(tmp_path / "run", trainer={"steps": 2}, **over), resume=True)
+    ids = {p.name.rsplit("-", 1)[1] for p in (tmp_path / "run" / "wandb").glob("offline-run-*")}
+    dirs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(dirs) == 2 and len(ids) == 1, dirs

@@ -6,6 +6,9 @@ nbformat, ipykernel)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,62 @@ def outputs_of(nb, marker: str) -> list[dict]:
 
 def has_png(outputs: list[dict]) -> bool:
     return any("image/png" in o.get("data", {}) for o in outputs)
+
+
+def install_script(nb) -> str:
+    """The parameters and install cells, as one script: the notebook's own clone-and-install code path."""
+    params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    (install,) = [c for c in nb.cells if c.cell_type == "code" and "def installed_from" in c.source]
+    return params.source + "\n" + install.source + "\n"
+
+
+def test_outside_a_checkout_without_repo_url_fails_naming_the_fix(tmp_path) -> None:
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    env = {k: v for k, v in os.environ.items() if k != "JAXRL_REPO_URL"}
+    r = subprocess.run(
+        [sys.executable, "-c", install_script(nb)], cwd=tmp_path, env=env, capture_output=True, text=True, check=False
+    )
+    assert r.returncode != 0 and "set REPO_URL" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "jaxrl").exists()
+
+
+@pytest.mark.slow
+def test_opened_outside_a_checkout_clones_and_installs(tmp_path) -> None:
+    """As in Colab: no checkout around the kernel and jaxrl not installed from one, so the install cell
+    clones REPO_URL and pip-installs the clone. Runs in a venv layered on this environment (its
+    dependencies are there; the shared editable install is not touched), cloning this repository
+    from a file:// URL. A folder named `jaxrl` in the working directory (the clone) must not pass
+    for an installation."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    work = tmp_path / "colab"
+    work.mkdir()
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    env = {**os.environ, "JAXRL_REPO_URL": ROOT.as_uri(), "PYTHONPATH": ""}
+    check = "\nimport jaxrl, jaxrl.train\nprint('IMPORTED', jaxrl.train.__file__)\n"
+    r = subprocess.run(
+        [str(python), "-c", install_script(nb) + check], cwd=work, env=env, capture_output=True, text=True, check=False, timeout=300
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    clone = work / "jaxrl"
+    assert (clone / "jaxrl" / "train.py").exists()
+    assert f"IMPORTED {clone / 'jaxrl' / 'train.py'}" in r.stdout
+    assert f"installed from: {clone}" in r.stdout
+    # Re-running the cell (now inside the clone) neither clones nor installs again.
+    r2 = subprocess.run(
+        [str(python), "-c", install_script(nb) + "\nprint('PIP' if 'pip' in sys.modules else 'NOPIP')"],
+        cwd=clone, env=env, capture_output=True, text=True, check=False, timeout=120,
+    )
+    assert r2.returncode == 0 and f"jaxrl checkout: {clone} | installed from: {clone}" in r2.stdout, r2.stderr[-2000:]
+
+
+def test_readme_badge_opens_this_notebook() -> None:
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    target = "colab.research.google.com/github/"
+    suffix = "/blob/main/launch/colab/jaxrl_colab.ipynb"
+    for text in (nb.cells[0].source, (ROOT / "README.md").read_text()):
+        assert "colab-badge.svg" in text and target in text and suffix in text
 
 
 def test_parameters_cell_is_tagged_for_papermill() -> None:
