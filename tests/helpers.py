@@ -57,3 +57,26 @@ def random_samples(n: int, seed: int = 0, vocab: int = 64, min_len: int = 3, max
             )
         )
     return out
+
+
+def wait_for_serve_url(proc, timeout_s: float = 60.0) -> str:  # type: ignore[no-untyped-def]
+    """The URL a `python -m jaxrl.serve` child announces ("serving NAME at URL"), once it answers
+    /health; fails with the child's output if it exits first."""
+    import time
+
+    import httpx
+
+    lines: list[str] = []
+    while not lines or "serving" not in lines[-1]:
+        lines.append(proc.stdout.readline())
+        assert lines[-1] or proc.poll() is None, "jaxrl.serve exited before serving:\n" + "".join(lines)
+    url = lines[-1].rsplit(" at ", 1)[1].split()[0]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return url
+        except httpx.ConnectError:
+            pass
+        assert time.monotonic() < deadline, f"{url}/health did not answer in {timeout_s} s"
+        time.sleep(0.1)

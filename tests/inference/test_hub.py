@@ -10,10 +10,10 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
+from helpers import wait_for_serve_url
 
 REPO = "jaxrl-test/tiny-qwen3"
 
@@ -59,20 +59,7 @@ def test_serve_loads_a_hub_id_from_the_offline_cache(model_dir, tokenizer_dir, t
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=offline_env(hf_home))
     try:
-        lines = []
-        while not lines or "serving" not in lines[-1]:
-            lines.append(proc.stdout.readline())
-            assert lines[-1] or proc.poll() is None, "".join(lines)
-        url = lines[-1].rsplit(" at ", 1)[1].split()[0]  # "... at URL (warm-up: ...)"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        url = wait_for_serve_url(proc)
         assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == REPO
         body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 3, "logprobs": 1, "ignore_eos": True}}
         out = httpx.post(url + "/inference/v1/generate", json=body, timeout=120).json()

@@ -6,9 +6,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
+from helpers import wait_for_serve_url
 
 
 def test_serve_cli_serves_and_stops_on_sigterm(model_dir, tokenizer_dir) -> None:
@@ -26,21 +26,8 @@ def test_serve_cli_serves_and_stops_on_sigterm(model_dir, tokenizer_dir) -> None
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
     )
     try:
-        line = ""
-        while "serving" not in line:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "jaxrl.serve exited before serving"
-        url = line.rsplit(" at ", 1)[1].split()[0]  # "... at URL (warm-up: ...)"
+        url = wait_for_serve_url(proc)
         assert url.startswith("http://127.0.0.1:")
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
         models = httpx.get(url + "/v1/models").json()["data"]
         assert models[0]["id"] == str(model_dir) and models[0]["max_model_len"] == 64
         body = {
