@@ -48,3 +48,14 @@ def test_inference_does_not_import_orchestrator() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_orchestrator_does_not_import_inference() -> None:
+    """The orchestrator reaches the engine over HTTP only; sampling ranges come from jaxrl.sampling_ranges."""
+    code = (
+        "import sys, jaxrl.orchestrator.orchestrator, jaxrl.orchestrator.config, jaxrl.orchestrator.sampling;"
+        "bad = sorted(m for m in sys.modules if m.startswith('jaxrl.inference'));"
+        "assert not bad, bad"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from jaxrl import renamed
 
 # The HTTP API's own range types: a run cannot configure what the server would refuse.
-from jaxrl.inference.api import MaxTokens, Temperature, TopK, TopP
+from jaxrl.sampling_ranges import MaxTokens, Temperature, TopK, TopP
 from jaxrl.orchestrator.env_server import EnvConfig
 
 
