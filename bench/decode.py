@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tiny_qwen3 import save_tiny_qwen3  # bench/ is on sys.path when run as a script
 
 
 def host_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
@@ -39,25 +40,8 @@ def host_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
 
 
 def make_model(out: Path, args: argparse.Namespace) -> int:
-    import torch
-    import transformers
-
-    cfg = transformers.Qwen3Config(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=3 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=args.hidden // 4,
-        max_position_embeddings=args.prompt_len + args.new_tokens + 64,
-        tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    model.save_pretrained(out)
-    return sum(p.numel() for p in model.parameters())
+    max_len = args.prompt_len + args.new_tokens + 64
+    return save_tiny_qwen3(out, vocab=args.vocab, hidden=args.hidden, layers=args.layers, max_len=max_len)
 
 
 def bench_engine(model_dir: Path, prompts: np.ndarray, args: argparse.Namespace) -> tuple[float, float]:

@@ -31,26 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from tiny_qwen3 import save_tiny_qwen3  # bench/ is on sys.path when run as a script
 
 
 def make_model(out: Path, vocab: int, args: argparse.Namespace) -> None:
-    import torch
-    import transformers
-
-    cfg = transformers.Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=args.hidden,
-        intermediate_size=3 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=args.hidden // 4,
-        max_position_embeddings=args.max_model_len,
-        tie_word_embeddings=False,  # vLLM CPU does not reload a tied lm_head (DESIGN 9)
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-    )
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).float().eval().save_pretrained(out)
+    save_tiny_qwen3(out, vocab=vocab, hidden=args.hidden, layers=args.layers, max_len=args.max_model_len, tied=False)
 
 
 def pin(pid: int, core: int | None) -> None:

@@ -19,28 +19,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tiny_qwen3 import save_tiny_qwen3  # bench/ is on sys.path when run as a script
 
 
 def make_model(out: Path, args: argparse.Namespace) -> int:
-    import torch
-    import transformers
-
-    cfg = transformers.Qwen3Config(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=3 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=args.hidden // 4,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    model.save_pretrained(out)
-    return sum(p.numel() for p in model.parameters())
+    return save_tiny_qwen3(out, vocab=args.vocab, hidden=args.hidden, layers=args.layers, max_len=1024)
 
 
 def median_time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
