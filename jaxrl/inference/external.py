@@ -27,7 +27,6 @@ With several processes (multi-host training) every process takes part in writing
 from __future__ import annotations
 
 import logging
-import shutil
 import tempfile
 import time
 from collections.abc import Mapping
@@ -45,7 +44,7 @@ from jaxrl.inference.config import InferenceConfig
 from jaxrl.inference.proxy import ProxyServer
 from jaxrl.inference.rollout_backend import RolloutServerDead
 from jaxrl.models.decoder import Decoder
-from jaxrl.models.hf_io import export_hf
+from jaxrl.models.hf_io import copy_model_dir, export_hf, is_url
 
 logger = logging.getLogger(__name__)
 
@@ -199,15 +198,12 @@ class ExternalBackend:
 
     def _write(self, model: Decoder, dest: epath.Path) -> epath.Path:
         """HF safetensors at ``dest``: directly on a local path, staged then copied to a URL."""
-        if "://" not in str(dest):
+        if not is_url(dest):
             return epath.Path(export_hf(model, Path(dest), self.hf_config))
         with tempfile.TemporaryDirectory(prefix="jaxrl-weights-") as tmp:
             local = export_hf(model, Path(tmp) / dest.name, self.hf_config)
             if self.main:
-                dest.mkdir(parents=True, exist_ok=True)
-                for f in local.iterdir():
-                    with f.open("rb") as src, (dest / f.name).open("wb") as out:
-                        shutil.copyfileobj(src, out)
+                copy_model_dir(local, dest)
         return dest
 
     def _post_update(self, url: str, body: dict[str, Any]) -> None:
