@@ -38,7 +38,8 @@ class ServerConfig(BaseModel):
     on any other host a random key is generated at start and logged once."""
 
     weights_root: str | None = None
-    """If set, ``/update_weights`` only loads model directories under this one."""
+    """If set, ``/update_weights`` only loads model directories under this one: a local directory,
+    or a ``gs://`` prefix (such directories are copied to local disk, then loaded)."""
 
     allow_request_chat_template: bool = False
     """Accept a chat template in a chat request (``chat_template``, or in

@@ -45,6 +45,7 @@ from jaxrl.inference.proxy import ProxyServer
 from jaxrl.inference.rollout_backend import RolloutServerDead
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import copy_model_dir, export_hf, is_url
+from jaxrl.parallel.distributed import broadcast_from_main
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class ExternalBackend:
         self._graphdef = nnx.graphdef(model)
         self._model: Decoder | None = model
         self._version = -1  # nothing pushed yet
-        self._offset = 0
+        self._offset = self._offset_base = 0
         self._last_dir: epath.Path | None = None
         self._dead: RolloutServerDead | None = None
         self._endpoint: ModelEndpoint | None = None
@@ -96,27 +97,38 @@ class ExternalBackend:
     def start(self, state: nnx.State | Decoder | None = None, version: int = 0) -> ModelEndpoint:
         """Wait for every server, check they serve one model, start the balancer, then push
         ``state`` (or the weights the backend was built with) as ``version``."""
-        model_name = self.config.server.served_model_name
+        failure: Exception | None = None
         if self.main:
-            versions = self._each(self._await_server)
-            names = {u: n for u, (n, _) in versions.items()}
-            if len(set(names.values())) > 1:
-                raise ValueError(f"inference.base_url: the servers serve different models: {names}; serve one model")
-            model_name = model_name or next(iter(names.values()))
-            self._offset = max(v for _, v in versions.values()) + 1 - version
-            self.proxy = ProxyServer(
-                self.urls, self.config.server.host, self.config.server.port,
-                timeout_s=self.ecfg.request_timeout_s, connect_timeout_s=self.ecfg.connect_timeout_s,
-                keep_alive_s=self.config.server.keep_alive_s, on_unreachable=self._unreachable,
-            )  # fmt: skip
-            self.proxy.start()
-            self._endpoint = ModelEndpoint(
-                base_url=f"{self.proxy.url}/v1", model=model_name or "", tokenizer_dir=self.tokenizer_dir,
-                **({"renderer": self.renderer} if self.renderer is not None else {}),
-            )  # fmt: skip
+            try:
+                self._start_main()
+            except Exception as e:  # noqa: BLE001 - told to every process, then raised here
+                failure = e
+        # Every process takes part in the weight export below: they all stop here if process 0 could not start.
+        reason = broadcast_from_main(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        if reason is not None:
+            raise RuntimeError(f"process 0 could not reach the rollout servers: {reason}")
+        self._offset = self._offset_base + 1 - version  # the first push is one above every server's version
         self.update_weights(self._model if state is None else state, version=version)
         self._model = None  # the trainer's state is passed at every update from now on
         return self._endpoint  # type: ignore[return-value]
+
+    def _start_main(self) -> None:
+        """Process 0: every server healthy and serving one model; the balancer in front of them."""
+        versions = self._each(self._await_server)
+        names = {u: n for u, (n, _) in versions.items()}
+        if len(set(names.values())) > 1:
+            raise ValueError(f"inference.base_url: the servers serve different models: {names}; serve one model")
+        self._offset_base = max(v for _, v in versions.values())
+        self.proxy = ProxyServer(
+            self.urls, self.config.server.host, self.config.server.port,
+            timeout_s=self.ecfg.request_timeout_s, connect_timeout_s=self.ecfg.connect_timeout_s,
+            keep_alive_s=self.config.server.keep_alive_s, on_unreachable=self._unreachable,
+        )  # fmt: skip
+        self.proxy.start()
+        model = self.config.server.served_model_name or next(iter(names.values()))
+        self._endpoint = ModelEndpoint.at(self.proxy.url, model, self.tokenizer_dir, self.renderer)
 
     def _await_server(self, url: str) -> tuple[str, int]:
         """(served model id, current policy version) of ``url`` once it answers ``/health``."""

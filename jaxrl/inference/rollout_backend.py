@@ -76,10 +76,7 @@ class EmbeddedBackend:
         self.server.start()
         if state is not None and version != self.engine.policy_version:
             self.engine.update_weights_from_state(state, version=version)
-        self._endpoint = ModelEndpoint(
-            base_url=f"{self.server.url}/v1", model=self.server.model_name, tokenizer_dir=self.tokenizer_dir,
-            **({"renderer": self.renderer} if self.renderer is not None else {}),
-        )  # fmt: skip
+        self._endpoint = ModelEndpoint.at(self.server.url, self.server.model_name, self.tokenizer_dir, self.renderer)
         return self._endpoint
 
     @property

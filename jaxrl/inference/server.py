@@ -43,8 +43,8 @@ from jaxrl.inference.http_thread import BackgroundServer
 from jaxrl.inference.sampling import SamplingParams
 from jaxrl.inference.scheduler import Completion
 from jaxrl.inference.scheduler import Request as EngineRequest
-from jaxrl.models.hf_io import copy_model_dir, is_url
 from jaxrl.inference.template_sandbox import TemplateBudgetError, render_in_sandbox
+from jaxrl.models.hf_io import copy_model_dir, is_url
 
 _MAX_CACHED_RENDERERS = 16
 SESSION_HEADER = "x-session-id"

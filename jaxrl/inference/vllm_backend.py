@@ -187,10 +187,7 @@ class VLLMBackend:
         except BaseException:
             self.stop()
             raise
-        self._endpoint = ModelEndpoint(
-            base_url=f"{self.proxy.url}/v1", model=self.model_name, tokenizer_dir=self.tokenizer_dir,
-            **({"renderer": self.renderer} if self.renderer is not None else {}),
-        )  # fmt: skip
+        self._endpoint = ModelEndpoint.at(self.proxy.url, self.model_name, self.tokenizer_dir, self.renderer)
         return self._endpoint
 
     @property
