@@ -28,7 +28,7 @@ from jaxrl.preemption import RunAborted
 from jaxrl.run_common import TrainingRun
 from jaxrl.trainer.teacher import Teacher
 
-PLOT_KEYS = ("reward_mean", "rl_loss", "mismatch_kl", "entropy", "time/step_s")  # eval shares reward's panel
+PLOT_KEYS = ("train/reward_mean", "train/rl_loss", "train/mismatch_kl", "train/entropy", "time/step_s")  # eval shares reward's panel
 
 
 class RolloutLog:
@@ -113,7 +113,7 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
                 last = _rl_step(run, orch, engine, rollouts, step, ocfg.max_resample, teachers)
                 if eval_every and (step % eval_every == 0 or step == cfg.trainer.steps):
                     last |= _evaluate(orch, rollouts, step)
-                run.logger.log(step, last)
+                last = run.logger.log(step, last)
                 if run.should_checkpoint(step) or stop.requested:
                     run.save(_orch_meta(orch, step))
         run.save(_orch_meta(orch, run.trainer.step))
