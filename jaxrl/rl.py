@@ -36,7 +36,7 @@ from jaxrl.preemption import RunAborted
 from jaxrl.run_common import TrainingRun
 from jaxrl.trainer.teacher import Teacher
 
-PLOT_KEYS = ("reward_mean", "rl_loss", "mismatch_kl", "entropy", "time/step_s")  # eval shares reward's panel
+PLOT_KEYS = ("train/reward_mean", "train/rl_loss", "train/mismatch_kl", "train/entropy", "time/step_s")  # eval shares reward's panel
 
 
 class RolloutLog:
@@ -109,8 +109,7 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
                 last = metrics
                 if orch is not None and eval_every and (step % eval_every == 0 or step == cfg.trainer.steps):
                     last |= _evaluate(orch, rollouts, step)
-                if leader:
-                    run.logger.log(step, last)
+                last = run.logger.log(step, last)  # written by process 0 only
                 if run.should_checkpoint(step):
                     run.save(_orch_meta(orch, step))
         run.save(_orch_meta(orch, run.trainer.step))

@@ -32,7 +32,7 @@ import pytest
 import tomli_w
 
 from jaxrl.config import build_config, deep_merge
-from jaxrl.metrics import read_metrics
+from jaxrl.metrics import NAMESPACES, read_metrics
 from jaxrl.rl import run_rl
 from jaxrl.sft import run_sft
 
@@ -92,16 +92,17 @@ def test_grpo_raises_held_out_reward_and_records_every_rollout(warm_start, tmp_p
     })
     run_rl(build_config(cfg, []))
     rows = read_metrics(out / "metrics.jsonl")
-    evals = [(r["step"], r["eval_reward_mean"]) for r in rows if "eval_reward_mean" in r]
+    evals = [(r["step"], r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
     assert [step for step, _ in evals] == [0, 16]
     before, after = evals[0][1], evals[-1][1]
     assert after > before + 0.015, f"held-out reward did not rise: {evals}"
     assert "eval/reverse_text/pass@8" in rows[-1]
-    train_rows = [r for r in rows if "reward_mean" in r]
+    train_rows = [r for r in rows if "train/reward_mean" in r]
+    assert all(k == "step" or k.split("/", 1)[0] in NAMESPACES for r in rows for k in r), rows[-1].keys()
     assert [r["step"] for r in train_rows] == list(range(1, 17))
-    assert train_rows[-1]["policy_version"] == 16.0
+    assert train_rows[-1]["train/policy_version"] == 16.0
     # Every step is on-policy: trainer and sampler agree to fp32 precision at T = 1.5.
-    assert all(r["policy_lag_max"] == 0.0 and r["mismatch_kl"] < 1e-5 for r in train_rows)
+    assert all(r["train/policy_lag_max"] == 0.0 and r["train/mismatch_kl"] < 1e-5 for r in train_rows)
     records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     fates = Counter((r["split"], r["fate"]) for r in records)
     assert sum(n for (split, _), n in fates.items() if split == "train") == 16 * 64

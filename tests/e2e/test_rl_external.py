@@ -36,9 +36,9 @@ pytestmark = pytest.mark.slow
 MESH = {"data": 1, "fsdp": 4, "tensor": 2}  # 8 devices: one process, or two processes of 4
 DEADLINE_S = 420  # safety net only: each run takes ~30-60 s on a loaded 2-core machine
 # Metrics computed from the rollouts alone (equal when the rollouts are), and the trainer's.
-ROLLOUT_KEYS = ("reward_mean", "reward_std", "rollouts", "rollouts_failed", "rl_tokens", "samples", "policy_version",
-                "sampled_tokens_mean")  # fmt: skip
-TRAIN_KEYS = ("rl_loss", "entropy", "grad_norm", "mismatch_kl", "tokens")
+ROLLOUT_KEYS = ("train/reward_mean", "train/reward_std", "train/rollouts", "train/rollouts_failed", "train/rl_tokens",
+                "train/samples", "train/policy_version", "train/sampled_tokens_mean")  # fmt: skip
+TRAIN_KEYS = ("train/rl_loss", "train/entropy", "train/grad_norm", "train/mismatch_kl", "train/tokens")
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +103,8 @@ def test_two_processes_match_one_process_and_every_server_follows_every_step(mod
             assert a["policy_version"] == b["policy_version"] + 1 + 3, s.url
             assert a["generated_tokens"] > b["generated_tokens"], f"{s.url} served no rollout"
         rows = read_metrics(out / "metrics.jsonl")  # one writer: a second would duplicate lines
-        assert [r["step"] for r in rows] == [1, 2, 3] and [r["policy_version"] for r in rows] == [1.0, 2.0, 3.0]
-        assert all(r["rollouts_failed"] == 0 for r in rows)
+        assert [r["step"] for r in rows] == [1, 2, 3] and [r["train/policy_version"] for r in rows] == [1.0, 2.0, 3.0]
+        assert all(r["train/rollouts_failed"] == 0 for r in rows)
         assert json.loads((out / "result.json").read_text())["steps"] == 3
         assert (out / "hf" / "model.safetensors").exists()
         assert len(list((out / "rollout_weights").iterdir())) == 1  # older policies are removed once served
@@ -151,5 +151,5 @@ def test_a_dead_server_stops_the_run_with_a_checkpoint_that_resumes(model_dir, s
                              env=env_with_devices(1), capture_output=True, text=True, timeout=DEADLINE_S)  # fmt: skip
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     rows = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["policy_version"] == 4.0
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["train/policy_version"] == 4.0
     assert json.loads((out / "result.json").read_text())["steps"] == 4

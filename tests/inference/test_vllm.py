@@ -84,14 +84,14 @@ def test_short_rl_run_with_vllm_backend(tmp_path) -> None:
         "log": {"progress": False},
     }, [])
     run_rl(cfg)
-    rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward_mean" in r]
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "train/reward_mean" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert [r["policy_version"] for r in rows] == [1.0, 2.0, 3.0]
+    assert [r["train/policy_version"] for r in rows] == [1.0, 2.0, 3.0]
     assert all(r["policy_lag_max"] <= 1 for r in rows)
     # Step 1 is on-policy (vLLM served the initial weights): sampler and trainer agree.
-    assert rows[0]["policy_lag_max"] == 0.0 and rows[0]["mismatch_kl"] < 1e-6, rows[0]
+    assert rows[0]["train/policy_lag_max"] == 0.0 and rows[0]["train/mismatch_kl"] < 1e-6, rows[0]
     print("RL weight sync s/step:", [round(r["time/weight_sync_s"], 2) for r in rows],
-          "mismatch_kl:", [r["mismatch_kl"] for r in rows])
+          "mismatch_kl:", [r["train/mismatch_kl"] for r in rows])
     records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     assert len(records) >= 3 * 16 and all(r["fate"] != "failed" for r in records)
     assert not list((out / "vllm" / "weights").glob("update-0000000[12]"))  # only the last export kept
