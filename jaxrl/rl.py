@@ -126,7 +126,8 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
         raise RunAborted(
             f"{aborted}\nA checkpoint of step {run.trainer.step} is in {run.ckpt.dir}: {fix}, then rerun with --resume"
         ) from aborted
-    result = run.finish(title=f"RL {Path(cfg.output_dir).name}", export=not run.stop_request().requested)
+    # Export (a collective) when every step ran: the same answer on every process, whichever got a signal.
+    result = run.finish(title=f"RL {Path(cfg.output_dir).name}", export=run.trainer.step >= cfg.trainer.steps)
     return result | {"last": last}
 
 
