@@ -124,6 +124,14 @@ class ExternalConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
+    server: Literal["jaxrl", "vllm"] = "jaxrl"
+    """What the servers run: ``python -m jaxrl.serve`` (weights through ``POST
+    /update_weights``, version from ``GET /metrics``), or vLLM started with
+    ``VLLM_SERVER_DEV_MODE=1 --enable-scale-out`` (weights through its RL routes: pause,
+    ``reload_weights``, prefix-cache reset, ``update_weight_version``, resume; version from
+    ``GET /weight_info``). vLLM reads ``weights_dir`` as a local path (on GKE, the bucket's
+    mount), not a ``gs://`` URL."""
+
     weights_dir: str | None = None
     """Where each policy version is written as HF safetensors for the servers to load (``POST
     /update_weights``): a local path or a ``gs://`` URL (``etils.epath``) that every server can
@@ -146,6 +154,15 @@ class ExternalConfig(BaseModel):
 
     def resolve_api_key(self) -> str | None:
         return self.api_key or os.environ.get("JAXRL_INFERENCE_API_KEY") or None
+
+    @model_validator(mode="after")
+    def _vllm_loads_local_paths(self) -> ExternalConfig:
+        if self.server == "vllm" and self.weights_dir and "://" in self.weights_dir:
+            raise ValueError(
+                f"inference.external.weights_dir = {self.weights_dir!r}: vLLM servers load weights from a local "
+                "path; mount the bucket on the trainer and the servers (GCS FUSE) and give the mounted path"
+            )
+        return self
 
 
 def server_root(url: str, field: str = "inference.base_url") -> str:

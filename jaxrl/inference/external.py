@@ -1,5 +1,6 @@
 """``[inference] backend = "external"``: rollouts from servers that run elsewhere
-(``python -m jaxrl.serve`` on other hosts), listed in ``inference.base_url``.
+(``python -m jaxrl.serve`` on other hosts, or vLLM with ``inference.external.server = "vllm"``),
+listed in ``inference.base_url``.
 
     env servers -> loopback balancer (``proxy``) -> server 1 .. server N
     trainer     -> HF safetensors in ``inference.external.weights_dir`` -> POST /update_weights to each
@@ -7,7 +8,8 @@
 After every optimizer step the trainer's parameters are written once as HF safetensors to a
 directory every server can read (a shared filesystem, or ``gs://`` through ``etils.epath``),
 then each server is told to load them (``POST /update_weights {"path", "version"}``, with the
-``Authorization: Bearer`` key when one is configured). The step's policy version counts as
+``Authorization: Bearer`` key when one is configured; a vLLM server through its RL routes, as
+``backend = "vllm"`` does). The step's policy version counts as
 served once every server has answered: the orchestrator's bounded off-policy lag is then the
 same as with the embedded engine.
 
@@ -43,6 +45,7 @@ from jaxrl.endpoint import ModelEndpoint
 from jaxrl.inference.config import InferenceConfig
 from jaxrl.inference.proxy import ProxyServer
 from jaxrl.inference.rollout_backend import RolloutServerDead
+from jaxrl.inference.vllm_backend import export_for_vllm, reload_vllm_weights, vllm_weight_version
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import copy_model_dir, export_hf, is_url
 from jaxrl.parallel.distributed import broadcast_from_main
@@ -146,11 +149,13 @@ class ExternalBackend:
                 )
             time.sleep(0.5)
         model = self._get(url, "/v1/models")["data"][0]["id"]
+        if self.ecfg.server == "vllm":
+            return model, vllm_weight_version(lambda method, route, **kw: self._call(url, method, route, **kw))
         metrics = self._get(url, "/metrics")
         if "policy_version" not in metrics:
             raise ValueError(
                 f"rollout server {url}: GET /metrics has no policy_version; backend = \"external\" drives "
-                'jaxrl.serve servers (for one vLLM server use backend = "vllm" with base_url)'
+                'jaxrl.serve servers; for vLLM servers set inference.external.server = "vllm"'
             )
         return model, int(metrics["policy_version"])
 
@@ -210,26 +215,36 @@ class ExternalBackend:
 
     def _write(self, model: Decoder, dest: epath.Path) -> epath.Path:
         """HF safetensors at ``dest``: directly on a local path, staged then copied to a URL."""
+        export = export_for_vllm if self.ecfg.server == "vllm" else export_hf
         if not is_url(dest):
-            return epath.Path(export_hf(model, Path(dest), self.hf_config))
+            return epath.Path(export(model, Path(dest), self.hf_config).resolve())  # servers may run elsewhere
         with tempfile.TemporaryDirectory(prefix="jaxrl-weights-") as tmp:
-            local = export_hf(model, Path(tmp) / dest.name, self.hf_config)
+            local = export(model, Path(tmp) / dest.name, self.hf_config)
             if self.main:
                 copy_model_dir(local, dest)
         return dest
 
     def _post_update(self, url: str, body: dict[str, Any]) -> None:
+        if self.ecfg.server == "vllm":
+            request = lambda method, route, **kw: self._call(url, method, route, **kw)  # noqa: E731
+            reload_vllm_weights(request, body["path"], body["version"], self.config.weight_update)
+        else:
+            self._call(url, "POST", "/update_weights", json=body)
+
+    def _call(self, url: str, method: str, route: str, **kw: Any) -> httpx.Response:
+        """One request to server ``url``; unreachable -> ``RolloutServerDead``, an error status -> RuntimeError."""
         try:
-            resp = self._http.post(f"{url}/update_weights", json=body, headers=self._headers)
+            resp = self._http.request(method, f"{url}{route}", headers=self._headers, **kw)
         except httpx.TransportError as e:
-            self._unreachable(url, f"POST /update_weights: {type(e).__name__}: {e}")
+            self._unreachable(url, f"{method} {route}: {type(e).__name__}: {e}")
             raise self._dead from e  # type: ignore[misc]
-        if resp.status_code != 200:
+        if resp.status_code >= 400:
             raise RuntimeError(
-                f"rollout server {url} refused POST /update_weights ({resp.status_code}): {resp.text[:800]}"
+                f"rollout server {url} refused {method} {route} ({resp.status_code}): {resp.text[:800]}"
                 + (" - set inference.external.api_key (or JAXRL_INFERENCE_API_KEY) to the server's key"
                    if resp.status_code == 401 else "")
             )  # fmt: skip
+        return resp
 
     def _each(self, fn: Any) -> dict[str, Any]:
         """``fn(url)`` for every server at once; the first failure is raised."""

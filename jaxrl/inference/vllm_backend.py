@@ -30,7 +30,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +106,25 @@ def export_for_vllm(model: Decoder, out_dir: Path, hf_config: Mapping[str, Any])
         data["weight_map"]["lm_head.weight"] = "lm_head.safetensors"
         index.write_text(json.dumps(data, indent=2))
     return path
+
+
+def reload_vllm_weights(request: Callable[..., httpx.Response], path: str, version: int, weight_update: str) -> None:
+    """Have a vLLM server (``VLLM_SERVER_DEV_MODE=1``) serve the HF safetensors at ``path`` as
+    ``version``, through ``request(method, route, **httpx_kwargs)`` (which raises on errors).
+    ``weight_update`` "drain" lets requests in flight finish first; "immediate" freezes them."""
+    request("POST", "/pause", params={"mode": "wait" if weight_update == "drain" else "keep"})
+    try:
+        request("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}})
+        request("POST", "/reset_prefix_cache")  # cached prefixes were computed by the old weights
+        request("POST", "/update_weight_version", json={"new_version": str(version)})
+    finally:
+        request("POST", "/resume")
+
+
+def vllm_weight_version(request: Callable[..., httpx.Response]) -> int:
+    """The policy version a vLLM server reports (``GET /weight_info``; 0 before any reload)."""
+    version = request("GET", "/weight_info").json().get("weight_version")
+    return int(version) if isinstance(version, str) and version.isdigit() else 0
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -227,6 +246,12 @@ class VLLMBackend:
             "--runner",
             "generate",
             "--enable-scale-out",  # serves POST /inference/v1/generate
+            # vLLM 0.32 rewinds a seeded request's generator (set_offset) when it discards the
+            # token sampled after a partial (chunked) prefill; torch's CPU generator has no
+            # offset, so one seeded rollout arriving in a busy batch kills the engine core
+            # ("CPU Generator does not use offset"). Every rollout is seeded (jaxrl fixes
+            # sampling seeds per rollout), so on CPU prompts are prefilled whole.
+            *(["--no-enable-chunked-prefill"] if _target_device(self.vcfg.target_device) == "cpu" else []),
             *self.vcfg.extra_args,
         ]
 
@@ -333,15 +358,7 @@ class VLLMBackend:
             raise ValueError(f"weight update version {version} must be greater than {self._version}")
         model = state if isinstance(state, Decoder) else nnx.merge(self._graphdef, state)
         path = export_for_vllm(model, self.weights_root / f"update-{version:08d}", self.hf_config)
-        mode = "wait" if self.config.weight_update == "drain" else "keep"
-        self._request("POST", "/pause", params={"mode": mode})
-        try:
-            rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(path.resolve())}}
-            self._request("POST", "/collective_rpc", json=rpc)
-            self._request("POST", "/reset_prefix_cache")
-            self._request("POST", "/update_weight_version", json={"new_version": str(version)})
-        finally:
-            self._request("POST", "/resume")
+        reload_vllm_weights(self._request, str(path.resolve()), version, self.config.weight_update)
         if self._last_update_dir is not None:
             shutil.rmtree(self._last_update_dir, ignore_errors=True)
         self._last_update_dir = path

@@ -58,6 +58,11 @@ def vllm_like_app(seen: list[dict], completion: list[int]) -> FastAPI:
     async def health() -> JSONResponse:
         return JSONResponse({})
 
+    @app.get("/weight_info")
+    async def weight_info() -> JSONResponse:
+        versions = [c["json"]["new_version"] for c in seen if c.get("route") == "update_weight_version"]
+        return JSONResponse({"weight_version": versions[-1] if versions else None})
+
     @app.api_route("/{route}", methods=["POST"])
     async def control(route: str, request: Request) -> JSONResponse:
         """The RL routes a weight sync uses (VLLM_SERVER_DEV_MODE=1)."""
@@ -244,6 +249,39 @@ def test_attached_backend_syncs_weights_with_vllm_routes_in_order(upstream, mode
     assert not backend.running
 
 
+def test_external_vllm_servers_get_every_version_through_vllm_routes(model_dir, tokenizer_dir, tmp_path, completion) -> None:
+    """backend = "external" with inference.external.server = "vllm" (the GKE layout: several
+    vLLM servers): each server reloads every version through vLLM's RL routes, in order."""
+    from jaxrl.inference.external import ExternalBackend
+
+    seen: list[list[dict]] = [[], []]
+    ups = [Upstream(vllm_like_app(s, completion)) for s in seen]
+    cfg = InferenceConfig(backend="external", base_url=[u.url + "/v1" for u in ups], server={"port": 0},
+                          external={"server": "vllm", "weights_dir": str(tmp_path / "w")})  # fmt: skip
+    model = load_decoder(model_dir)
+    backend = ExternalBackend(model, json.loads((model_dir / "config.json").read_text()), cfg, output_dir=tmp_path,
+                              tokenizer_dir=tokenizer_dir)  # fmt: skip
+    try:
+        assert backend.start(version=0).model == "tiny"
+        backend.update_weights(model, version=1)
+        path = tmp_path / "w" / "policy-00000001"
+        for s in seen:
+            calls = [(c["route"], c["json"]) for c in s if "route" in c]
+            assert calls[-5:] == [
+                ("pause", None),
+                ("collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}),
+                ("reset_prefix_cache", None),
+                ("update_weight_version", {"new_version": "2"}),  # start pushed "1" (the server had none)
+                ("resume", None),
+            ]
+        assert backend.policy_version == 1
+        assert json.loads((path / "config.json").read_text())["tie_word_embeddings"] is False  # vLLM's export
+    finally:
+        backend.stop()
+        for u in ups:
+            u.stop()
+
+
 def test_attach_timeout_names_the_setting(model_dir, tokenizer_dir, tmp_path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -333,6 +371,7 @@ def test_balancer_is_sticky_per_session_spreads_the_rest_and_names_a_dead_server
     ({"backend": "vllm", "base_url": ["http://a:1", "http://b:1"]}, 'needs backend = "external"'),
     ({"external": {"request_timeout_s": 0}}, "request_timeout_s"),
     ({"external": {"api_key": "short"}}, "api_key"),
+    ({"external": {"server": "vllm", "weights_dir": "gs://b/w"}}, "vLLM servers load weights from a local path"),
 ])  # fmt: skip
 def test_external_config_is_checked_when_loaded(over, needle) -> None:
     with pytest.raises(ValidationError, match=needle):
