@@ -23,6 +23,14 @@ _QWEN3 = {
 PRESETS = tuple(_QWEN3)
 
 
+def preset_heads(name: str) -> tuple[int, int] | None:
+    """(attention heads, KV heads) of the released checkpoint ``name`` (as ``preset_hf_config``
+    matches it); None when it is not one of ``PRESETS``. Needs nothing beyond the standard
+    library, so ``launch/gke/render.py`` can size vLLM's tensor parallelism from it."""
+    key = name.rstrip("/").split("/")[-1]
+    return (_QWEN3[key][3], _QWEN3[key][4]) if key in _QWEN3 else None
+
+
 def preset_hf_config(name: str) -> dict[str, Any] | None:
     """config.json of the released checkpoint ``name`` ("Qwen3-8B", "Qwen/Qwen3-8B" or a path
     ending in it); None when it is not one of ``PRESETS``."""

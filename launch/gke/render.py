@@ -8,7 +8,8 @@ One replicated Job ("trainer") runs ``launch/gke/entrypoint.py`` - i.e. ``python
 jaxrl.train --config ... --distributed.enabled true`` - on every host of the slice; JAX finds
 its peers from the TPU_WORKER_* variables GKE injects. With ``--rollout-slice`` a second
 replicated Job ("rollout") runs vllm-tpu servers, one per single-host slice, and the trainer
-talks to the first of them as an external engine (see launch/gke/README.md). Everything a run
+spreads its rollouts over all of them as external servers, pushing new weights to each after
+every step (see launch/gke/README.md). Everything a run
 writes lands in the bucket, mounted at /data by the GCS FUSE CSI driver.
 
 Only the standard library and PyYAML: the renderer runs wherever kubectl does.
@@ -17,6 +18,8 @@ Only the standard library and PyYAML: the renderer runs wherever kubectl does.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -29,9 +32,23 @@ REPO = Path(__file__).resolve().parents[2]
 DATA = "/data"  # the bucket's mount point in every container
 APP = "/app"  # the repository inside the image (launch/gke/Dockerfile)
 VLLM_PORT = 8000
+# The vllm-tpu release the rollout servers run: pinned (never `latest`), and the vLLM release
+# whose RL routes (pause / reload_weights / update_weight_version) and `--enable-scale-out`
+# generate API jaxrl's weight sync is tested against (the CPU build of the same release).
+VLLM_TPU_IMAGE = "vllm/vllm-tpu:v0.32.0"
+TRAINER_CONTAINER = "jaxrl"
+EXIT_INTERRUPTED = 75  # launch/gke/entrypoint.py: stopped by SIGTERM after a checkpoint; run again to resume
 
 # GKE node-selector value per TPU generation.
 ACCELERATORS = {"v5e": "tpu-v5-lite-podslice", "v6e": "tpu-v6e-slice"}
+# GKE machine type per (generation, chips per host). A topology can come in two VM shapes
+# (v5e/v6e 2x4: one 8-chip VM, or two 4-chip VMs), so the node selector names the machine type
+# too: without it a 2x4 pod asking for 8 chips could be scheduled on nothing, or the pool
+# chosen could be the multi-host one.
+MACHINE_TYPES = {
+    ("v5e", 1): "ct5lp-hightpu-1t", ("v5e", 4): "ct5lp-hightpu-4t", ("v5e", 8): "ct5lp-hightpu-8t",
+    ("v6e", 1): "ct6e-standard-1t", ("v6e", 4): "ct6e-standard-4t", ("v6e", 8): "ct6e-standard-8t",
+}  # fmt: skip
 # chips -> (topology, chips per host). v5e and v6e share shapes; above 8 chips every host has 4.
 SHAPES = {
     1: ("1x1", 1),
@@ -54,6 +71,7 @@ class Slice:
     topology: str
     chips: int
     chips_per_host: int
+    machine_type: str
 
     @property
     def hosts(self) -> int:
@@ -66,7 +84,7 @@ class Slice:
             supported = ", ".join(f"{g}-{c}" for g in ACCELERATORS for c in SHAPES)
             raise ValueError(f"--slice {name!r}: expected one of {supported}")
         topology, per_host = SHAPES[int(n)]
-        return cls(name, ACCELERATORS[gen], topology, int(n), per_host)
+        return cls(name, ACCELERATORS[gen], topology, int(n), per_host, MACHINE_TYPES[gen, per_host])
 
 
 def tpu_pod_spec(
@@ -86,6 +104,7 @@ def tpu_pod_spec(
         "nodeSelector": {
             "cloud.google.com/gke-tpu-accelerator": s.accelerator,
             "cloud.google.com/gke-tpu-topology": s.topology,
+            "node.kubernetes.io/instance-type": s.machine_type,
         },
         "containers": [container],
         "volumes": [
@@ -105,14 +124,40 @@ def tpu_pod_spec(
 
 
 def replicated_job(name: str, s: Slice, pod: dict[str, Any], replicas: int = 1) -> dict[str, Any]:
-    """``replicas`` Jobs, each one whole slice: one pod per host, all started together."""
+    """``replicas`` Jobs, each one whole slice: one pod per host, all started together.
+
+    A preempted attempt (the entry point's exit 75 after its checkpoint, or a pod the node's
+    maintenance or a spot reclaim evicted: condition DisruptionTarget) fails its Job with reason
+    ``PodFailurePolicy``; the JobSet's failure policy restarts everything for that reason
+    without counting it against ``maxRestarts`` (``restart_policy``), which is left for real
+    failures (backoffLimit 0: any other exit fails the Job, and the JobSet restarts it counted)."""
+    on_preemption: list[dict[str, Any]] = [
+        {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    ]
+    if (container := pod["spec"]["containers"][0]["name"]) == TRAINER_CONTAINER:  # vLLM has no such exit
+        on_preemption.append(
+            {"action": "FailJob", "onExitCodes": {"containerName": container, "operator": "In", "values": [EXIT_INTERRUPTED]}}
+        )  # fmt: skip
     return {
         "name": name,
         "replicas": replicas,
         "template": {
-            "spec": {"parallelism": s.hosts, "completions": s.hosts, "backoffLimit": 0, "template": pod}
+            "spec": {
+                "parallelism": s.hosts, "completions": s.hosts, "backoffLimit": 0,
+                "podFailurePolicy": {"rules": on_preemption}, "template": pod,
+            }
         },
-    }
+    }  # fmt: skip
+
+
+def restart_policy(max_restarts: int) -> dict[str, Any]:
+    """JobSet ``failurePolicy`` (JobSet >= 0.6): preemptions restart for free, failures count."""
+    return {
+        "maxRestarts": max_restarts,
+        "rules": [
+            {"name": "preempted", "action": "RestartJobSetAndIgnoreMaxRestarts", "onJobFailureReasons": ["PodFailurePolicy"]}
+        ],
+    }  # fmt: skip
 
 
 def read_recipe(config: str) -> dict[str, Any]:
@@ -152,7 +197,7 @@ def trainer_container(args: argparse.Namespace, s: Slice, overrides: list[str]) 
         *overrides,
     ]
     return {
-        "name": "jaxrl",
+        "name": TRAINER_CONTAINER,
         "image": args.image,
         "workingDir": APP,
         "command": command,
@@ -163,11 +208,74 @@ def trainer_container(args: argparse.Namespace, s: Slice, overrides: list[str]) 
     }
 
 
-def rollout_container(args: argparse.Namespace, s: Slice, model: str, max_len: int) -> dict[str, Any]:
+def _presets() -> Any:
+    """jaxrl/models/presets.py loaded by path: importing the jaxrl package would import JAX, and
+    the renderer runs wherever kubectl does (standard library + PyYAML)."""
+    spec = importlib.util.spec_from_file_location("jaxrl_presets", REPO / "jaxrl" / "models" / "presets.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def model_heads(recipe: dict[str, Any]) -> tuple[int, int] | None:
+    """(attention heads, KV heads) of the model a recipe trains: its ``[model.scratch]``, the
+    ``config.json`` of a local ``[model] name``, a released checkpoint's preset (``Qwen3-8B``),
+    or else what its ``[warmstart]`` recipe trains; None when none of them says."""
+    model = recipe.get("model", {})
+    if scratch := model.get("scratch"):
+        return scratch["num_heads"], scratch.get("num_kv_heads", scratch["num_heads"])
+    if name := model.get("name"):
+        config = (Path(name) if Path(name).is_absolute() else REPO / name) / "config.json"
+        if config.exists():
+            hf = json.loads(config.read_text())
+            return hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
+        if heads := _presets().preset_heads(name):
+            return heads
+    if warm := recipe.get("warmstart", {}).get("config"):
+        return model_heads(read_recipe(warm))
+    return None
+
+
+def tensor_parallel(heads: int, kv_heads: int, chips: int) -> int:
+    """The largest tensor-parallel size vLLM accepts on ``chips``: it divides the chips and the
+    attention heads, and either divides the KV heads or is a multiple of them (vLLM then
+    replicates each KV head)."""
+    return max(
+        d for d in range(1, chips + 1)
+        if chips % d == 0 and heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)
+    )  # fmt: skip
+
+
+def rollout_tensor_parallel(args: argparse.Namespace, recipe: dict[str, Any], s: Slice) -> int:
+    heads = model_heads(recipe)
+    if args.rollout_tensor_parallel:
+        tp = args.rollout_tensor_parallel
+        if s.chips_per_host % tp or (heads and tensor_parallel(*heads, tp) != tp):
+            raise ValueError(
+                f"--rollout-tensor-parallel {tp}: must divide the {s.chips_per_host} chips of {s.name}"
+                + (f" and fit {heads[0]} heads / {heads[1]} KV heads" if heads else "")
+            )
+        return tp
+    if heads is None:
+        raise ValueError("cannot tell the model's head counts from the recipe; give --rollout-tensor-parallel")
+    tp = tensor_parallel(*heads, s.chips_per_host)
+    if tp < s.chips_per_host:
+        print(
+            f"note: vLLM tensor parallel {tp} of {s.chips_per_host} chips per server ({heads[0]} heads, "
+            f"{heads[1]} KV heads); the other chips of each rollout slice stay idle",
+            file=sys.stderr,
+        )
+    return tp
+
+
+def rollout_container(args: argparse.Namespace, model: str, max_len: int, tp: int) -> dict[str, Any]:
+    # --logprobs-mode processed_logprobs: log-probs of logits / temperature, what the trainer's
+    # loss compares against (vLLM's default is the raw distribution's).
     serve = (
         f"until [ -f {model}/config.json ]; do echo waiting for {model}; sleep 15; done; "
-        f"exec vllm serve {model} --host 0.0.0.0 --port {VLLM_PORT} --tensor-parallel-size {s.chips_per_host} "
-        f"--max-model-len {max_len} --enable-scale-out --return-tokens-as-token-ids"
+        f"exec vllm serve {model} --host 0.0.0.0 --port {VLLM_PORT} --tensor-parallel-size {tp} "
+        f"--max-model-len {max_len} --enable-scale-out --return-tokens-as-token-ids "
+        f"--logprobs-mode processed_logprobs"
     )
     return {
         "name": "vllm",
@@ -189,7 +297,7 @@ def render(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     train = Slice.parse(args.slice)
     jobs = []
     spec: dict[str, Any] = {
-        "failurePolicy": {"maxRestarts": args.max_restarts},
+        "failurePolicy": restart_policy(args.max_restarts),
         "network": {"enableDNSHostnames": True},
     }
     if args.rollout_slice:
@@ -203,16 +311,19 @@ def render(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
         max_len = args.rollout_max_model_len or recipe.get("inference", {}).get("max_model_len")
         if not max_len:
             raise ValueError("the recipe has no [inference] max_model_len; give --rollout-max-model-len")
+        urls = [rollout_url(args.name, i) for i in range(args.rollout_replicas)]
         overrides = [
-            "--inference.backend",
-            "external",
-            "--inference.base_url",
-            rollout_url(args.name, 0),
+            "--inference.backend", "external",
+            "--inference.base_url", urls[0] if len(urls) == 1 else json.dumps(urls),  # every server
+            "--inference.external.server", "vllm",
+            # On the bucket mount, which the servers read at the same path.
+            "--inference.external.weights_dir", f"{DATA}/{args.name}/rollout_weights",
+            # The servers start after the warm start's export exists, then load and compile it.
+            "--inference.external.startup_timeout_s", "3600",
             *overrides,
-        ]
-        pod = tpu_pod_spec(
-            roll, rollout_container(args, roll, model, max_len), args.service_account, args.bucket
-        )
+        ]  # fmt: skip
+        tp = rollout_tensor_parallel(args, recipe, roll)
+        pod = tpu_pod_spec(roll, rollout_container(args, model, max_len, tp), args.service_account, args.bucket)
         jobs.append(replicated_job("rollout", roll, pod, replicas=args.rollout_replicas))
         # The run is over when the trainer is; the servers are then torn down with the JobSet.
         spec["successPolicy"] = {"operator": "All", "targetReplicatedJobs": ["trainer"]}
@@ -250,7 +361,11 @@ def parser() -> argparse.ArgumentParser:
         "--rollout-slice", default=None, help="disaggregated: vllm-tpu servers on their own slices"
     )
     p.add_argument("--rollout-replicas", type=int, default=1, help="vLLM servers (one slice each)")
-    p.add_argument("--rollout-image", default="vllm/vllm-tpu:latest")
+    p.add_argument("--rollout-image", default=VLLM_TPU_IMAGE, help=f"vLLM server image (default {VLLM_TPU_IMAGE})")
+    p.add_argument(
+        "--rollout-tensor-parallel", type=int, default=None,
+        help="chips per vLLM server (default: the most that the model's head counts allow)",
+    )  # fmt: skip
     p.add_argument(
         "--rollout-model", default=None, help="model dir the servers load (default: from the config)"
     )

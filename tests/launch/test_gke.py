@@ -119,17 +119,28 @@ def test_trainer_jobset(tmp_path, slice_name, hosts, chips) -> None:
         m["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"]
         == "cloud.google.com/gke-nodepool"
     )
-    assert m["spec"]["failurePolicy"]["maxRestarts"] == 3
+    assert m["spec"]["failurePolicy"] == {"maxRestarts": 3, "rules": [{
+        "name": "preempted", "action": "RestartJobSetAndIgnoreMaxRestarts", "onJobFailureReasons": ["PodFailurePolicy"]}]}
     assert list(jobs(m)) == ["trainer"]
     job = jobs(m)["trainer"]
     assert job["replicas"] == 1
     spec = job["template"]["spec"]
     assert spec["parallelism"] == spec["completions"] == hosts  # one pod per host of the slice
+    # A preemption (exit 75 after the checkpoint, or an eviction) fails the Job by its pod failure
+    # policy, which the JobSet restarts without counting; any other failure counts.
+    assert spec["backoffLimit"] == 0 and spec["podFailurePolicy"]["rules"] == [
+        {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        {"action": "FailJob", "onExitCodes": {"containerName": "jaxrl", "operator": "In", "values": [75]}},
+    ]
+    assert entrypoint.EXIT_INTERRUPTED == render.EXIT_INTERRUPTED == 75
     p = pod(job)
     gen = slice_name.split("-")[0]
     assert p["nodeSelector"] == {
         "cloud.google.com/gke-tpu-accelerator": render.ACCELERATORS[gen],
         "cloud.google.com/gke-tpu-topology": render.Slice.parse(slice_name).topology,
+        # 2x4 is one 8-chip VM or two 4-chip VMs: the machine type picks the shape.
+        "node.kubernetes.io/instance-type": {4: f"ct{'5lp-hightpu' if gen == 'v5e' else '6e-standard'}-4t",
+                                             8: f"ct{'5lp-hightpu' if gen == 'v5e' else '6e-standard'}-8t"}[chips],
     }
     (c,) = p["containers"]
     assert c["resources"]["limits"]["google.com/tpu"] == c["resources"]["requests"]["google.com/tpu"] == chips
@@ -156,14 +167,63 @@ def test_disaggregated_jobset(tmp_path) -> None:
     (c,) = p["containers"]
     assert c["resources"]["limits"]["google.com/tpu"] == 8
     serve = c["command"][-1]
-    # The servers wait for the warm start's export on the bucket, then serve it over all 8 chips.
+    # The servers wait for the warm start's export on the bucket, then serve it. The recipe's
+    # model has 4 heads / 2 KV heads: tensor parallel 4 (8 would not divide the heads).
     assert "vllm serve /data/rt/reverse_text/sft/hf " in serve
-    assert "--tensor-parallel-size 8" in serve and "--max-model-len 256" in serve
+    assert "--tensor-parallel-size 4 " in serve and "--max-model-len 256" in serve
+    assert "--logprobs-mode processed_logprobs" in serve
+    assert c["image"] == render.VLLM_TPU_IMAGE and not c["image"].endswith(":latest")
     assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in c["env"]
+    assert [r["action"] for r in roll["template"]["spec"]["podFailurePolicy"]["rules"]] == ["FailJob"]  # evictions
     cfg, _ = load_config(train_args(jobs(m)["trainer"]))
-    assert cfg.inference.backend == "external"
-    assert cfg.inference.base_url == "http://rt-rollout-0-0.rt:8000/v1"  # JobSet's DNS name of server 0
+    assert cfg.inference.backend == "external" and cfg.inference.external.server == "vllm"
+    # Every server, by the DNS name JobSet gives pod 0 of rollout Job i.
+    assert cfg.inference.base_url == [f"http://rt-rollout-{i}-0.rt:8000/v1" for i in range(3)]
+    assert cfg.inference.external.weights_dir == "/data/rt/rollout_weights"  # the servers' mount too
     assert cfg.distributed.enabled
+
+
+@pytest.mark.parametrize(("heads", "kv", "chips", "tp"), [
+    (16, 8, 8, 8),  # Qwen3-0.6B / 1.7B on v6e-8
+    (64, 8, 8, 8),  # Qwen3-32B
+    (40, 8, 8, 8),  # Qwen3-14B
+    (4, 2, 8, 4),  # the reverse_text recipe's model
+    (12, 4, 8, 4),
+    (14, 2, 4, 2),  # Qwen2.5-0.5B-like
+    (3, 1, 4, 1),
+])  # fmt: skip
+def test_tensor_parallel_follows_head_counts(heads, kv, chips, tp) -> None:
+    assert render.tensor_parallel(heads, kv, chips) == tp
+
+
+def test_head_counts_come_from_the_recipe_or_its_preset() -> None:
+    assert render.model_heads(render.read_recipe("configs/qwen3_8b/rl.toml")) == (32, 8)  # preset, no download
+    assert render.model_heads(render.read_recipe("configs/reverse_text/rl.toml")) == (4, 2)  # via its warm start
+    assert render.model_heads({"model": {"name": "models/MyModel"}}) is None
+
+
+def test_rollout_tensor_parallel_override_is_checked(capsys) -> None:
+    args = ["--slice", "v6e-16", *BASE, "--rollout-slice", "v6e-8", "--rollout-tensor-parallel", "8"]
+    assert render.main(args) == 2
+    assert "--rollout-tensor-parallel 8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_each_example_command_starts_through_the_real_entry_point(tmp_path, name, monkeypatch) -> None:
+    """The trainer container's command, as rendered, through launch/gke/entrypoint.py and
+    `python -m jaxrl.train` (the whole CLI and config validation, --dry-run so nothing trains)."""
+    manifest = yaml.safe_load((ROOT / "launch" / "gke" / "examples" / name).read_text())
+    cmd = pod(jobs(manifest)["trainer"])["containers"][0]["command"]
+    args = cmd[2:]
+    args[args.index("--output-root") + 1] = str(tmp_path / "bucket")
+    args[args.index("--config") + 1] = str(ROOT / args[args.index("--config") + 1])
+    monkeypatch.chdir(tmp_path)  # the entry point links ./outputs to the bucket
+    out = subprocess.run([sys.executable, str(ROOT / "launch/gke/entrypoint.py"), *args, "--dry-run"],
+                         capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    resolved = json.loads(out.stdout[out.stdout.index("{"):])
+    assert Path("outputs").resolve() == (tmp_path / "bucket").resolve()
+    assert resolved["distributed"]["enabled"] == (render.Slice.parse(name.split("-rl")[0].split("-sft")[0]).hosts > 1)
 
 
 def test_rollout_slice_must_be_single_host(capsys) -> None:
