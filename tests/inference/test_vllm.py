@@ -87,7 +87,7 @@ def test_short_rl_run_with_vllm_backend(tmp_path) -> None:
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "train/reward_mean" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["train/policy_version"] for r in rows] == [1.0, 2.0, 3.0]
-    assert all(r["policy_lag_max"] <= 1 for r in rows)
+    assert all(r["train/policy_lag_max"] <= 1 for r in rows)
     # Step 1 is on-policy (vLLM served the initial weights): sampler and trainer agree.
     assert rows[0]["train/policy_lag_max"] == 0.0 and rows[0]["train/mismatch_kl"] < 1e-6, rows[0]
     print("RL weight sync s/step:", [round(r["time/weight_sync_s"], 2) for r in rows],
