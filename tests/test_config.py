@@ -176,3 +176,18 @@ def test_help_names_the_flags_and_configs_merge_left_to_right(tmp_path, capsys) 
     over.write_text("[trainer.optim]\nlr = 0.2\n")
     cfg, _ = load_config(["--config", str(base), "--config", str(over), "--trainer.steps", "9"])
     assert (cfg.output_dir, cfg.trainer.steps, cfg.trainer.optim.lr) == ("a", 9, 0.2)
+
+
+@pytest.mark.parametrize(("over", "needle"), [
+    ({"elastic": True}, "set pool_size >= 2"),
+    ({"elastic": True, "pool_size": 2, "address": "tcp://127.0.0.1:5555"}, "not one at `address`"),
+    ({"pool_size": 2, "worker_capacity": 0}, "worker_capacity"),
+])  # fmt: skip
+def test_elastic_env_pool_is_checked(over, needle) -> None:
+    import pydantic
+
+    from jaxrl.orchestrator.env_server import EnvConfig
+
+    with pytest.raises(pydantic.ValidationError, match=needle):
+        EnvConfig(id="reverse_text", **over)
+    assert EnvConfig(id="reverse_text", pool_size=4, elastic=True).worker_capacity == 128

@@ -78,6 +78,14 @@ class EnvConfig(BaseModel):
     pool_size: int = Field(1, ge=1)
     """Worker processes of a spawned server (1: one in-process server; more: verifiers'
     `EnvServerPool` spreads rollouts over that many processes)."""
+    elastic: bool = False
+    """Grow the pool with load (verifiers' elastic `EnvServerPool`): start with one worker and
+    spawn another whenever rollouts in flight reach 90% of `workers * worker_capacity`, up to
+    `pool_size`. verifiers 0.4 only grows a pool: workers are not reclaimed when load falls
+    (they idle until the run ends). False: all `pool_size` workers start at once."""
+    worker_capacity: int = Field(128, ge=1, le=1_000_000)
+    """Rollouts one worker is expected to carry, the unit of the elastic scale-up trigger
+    (verifiers' `multiplex`); with `elastic = false` it has no effect."""
     max_concurrent: int | None = Field(None, ge=1)
     """Episodes in flight per worker (None: no bound)."""
     group_size: int | None = Field(None, ge=1)
@@ -116,6 +124,10 @@ class EnvConfig(BaseModel):
             self.name = self.id
         if "/" in self.name or self.name in (".", ".."):
             raise ValueError(f"env name {self.name!r} must be usable as a file name; set `name`")
+        if self.elastic and self.pool_size < 2:
+            raise ValueError(f"env {self.name!r}: elastic = true grows the pool up to pool_size; set pool_size >= 2")
+        if self.elastic and self.address is not None:
+            raise ValueError(f"env {self.name!r}: elastic applies to a server jaxrl spawns, not one at `address`")
         return self
 
 
@@ -205,6 +217,8 @@ class EnvServer:
             "config": env_config_data(self.vf_config),
             "aliases": {taskset_id: module} if module else {},
             "pool_size": self.config.pool_size,
+            "elastic": self.config.elastic,
+            "worker_capacity": self.config.worker_capacity,
             "max_concurrent": self.config.max_concurrent,
         }
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -532,7 +546,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         address="tcp://127.0.0.1:0",
         address_queue=_AddressPipe(args.address_fd),
         log_setup=functools.partial(_child_setup, spec["aliases"]),
-        elastic=False,
+        elastic=spec["elastic"],
+        multiplex=spec["worker_capacity"],
         config_data=spec["config"],
         max_concurrent=spec["max_concurrent"],
     )

@@ -56,3 +56,26 @@ def test_pool_shuts_down_with_its_workers(loop, server, output_dir):
     log = (output_dir / "logs" / "envs" / "eval" / "sort.log").read_text()
     assert "workers=2/2" in log and "EnvServerPool down" in log
     assert log.count("EnvServer down") == 2 and "Fatal Python error" not in log
+
+
+def test_elastic_pool_grows_with_load_and_rollouts_stay_correct(loop, endpoint, tmp_path):
+    """verifiers' elastic EnvServerPool: one worker at start, another once rollouts in flight
+    reach 90% of workers * worker_capacity, up to pool_size (verifiers 0.4 never shrinks it)."""
+    config = EnvConfig(
+        id="alphabet_sort", name="sort", pool_size=3, elastic=True, worker_capacity=1,
+        args={"split": "eval", "num_tasks": 10, "min_turns": 2, "max_turns": 2},
+    )  # fmt: skip
+    server = EnvServer(config, output_dir=tmp_path, kind="eval")
+    loop.run_until_complete(server.start())
+    try:
+        log_path = tmp_path / "logs" / "envs" / "eval" / "sort.log"
+        assert "workers=1/3" in log_path.read_text()  # elastic: one worker to begin with
+        tasks = [task_data(t) for t in server.taskset().take(3)]
+        groups = loop.run_until_complete(gather(*(server.run_group(t, endpoint, SAMPLING, 2) for t in tasks)))
+        assert [[r.error for r in g] for g in groups] == [[None, None]] * 3
+        assert [[r.reward for r in g] for g in groups] == [[1.0, 1.0]] * 3
+    finally:
+        loop.run_until_complete(server.aclose())
+    log = log_path.read_text()
+    assert "elastic=True" in log and "scaled up to 2/3" in log, log[-3000:]
+    assert "scaled up to 4/" not in log  # capped at pool_size
