@@ -188,6 +188,11 @@ class RunShapes:
 def run_shapes(cfg: RunConfig, topo: Topology, *, engine: bool | None = None) -> RunShapes:
     """The run's abstract state on ``topo``. ``engine``: include the embedded engine (default:
     for RL configs whose ``inference.backend`` is "embedded")."""
+    if cfg.trainer.lora is not None:
+        raise ValueError(
+            "jaxrl.aot does not model [trainer.lora] yet; without it the full fine-tuning programs compile, "
+            "an upper bound on LoRA's memory (run with --trainer.lora null)"
+        )
     hf_config, _ = model_hf_config(cfg.model)
     arch = arch_from_hf_config(hf_config)
     param_dtype, dtype = DTYPES[cfg.model.param_dtype], DTYPES[cfg.model.dtype]

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from jaxrl.parallel.mesh import MeshConfig
+from jaxrl.trainer.lora import LoraConfig
 from jaxrl.trainer.loss import LossConfig
 from jaxrl.trainer.optim import OptimConfig
 
@@ -37,6 +38,9 @@ class TrainerConfig(BaseModel):
     ("pallas" on a backend without the kernels fails at start-up). "pallas_interpret": the kernels
     in Pallas interpret mode on any backend (slow; for tests)."""
     optim: OptimConfig = OptimConfig()
+    lora: LoraConfig | None = None
+    """``[trainer.lora]``: train low-rank adapters on the attention/MLP projections with the base
+    weights frozen (``jaxrl.trainer.lora``); unset: full fine-tuning."""
     loss: LossConfig = LossConfig()
     mesh: MeshConfig = MeshConfig()
     peak_tflops: float | None = None

@@ -27,6 +27,7 @@ from jaxrl.models.decoder import Decoder
 from jaxrl.models.sharding import state_shardings
 from jaxrl.parallel.mesh import batch_sharding, replicated
 from jaxrl.samples import TrainingSample
+from jaxrl.trainer import lora
 from jaxrl.trainer import loss as L
 from jaxrl.trainer.config import TrainerConfig
 from jaxrl.trainer.logprobs import token_logprobs
@@ -68,20 +69,26 @@ def packed_logprobs(
 
 
 def micro_batch_loss(
-    params: nnx.State,
+    params: Any,
     graphdef: nnx.GraphDef,
     mb: dict[str, jax.Array],
     counts: dict[str, jax.Array],
     cfg: TrainerConfig,
     kernels: Kernels | None = None,
+    frozen: nnx.State | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Loss of one micro-batch, normalised by the step's global counts, and its sums.
 
+    ``params``: the trained state - the model's parameters, or with ``[trainer.lora]`` the
+    adapters, merged here into the ``frozen`` base weights (so gradients reach only them).
     ``kernels``: log-prob and attention implementations (default: ``cfg.kernels`` resolved for
     JAX's default backend, with Pallas calls unsharded; the ``Trainer`` passes its mesh).
     """
     if kernels is None:
         kernels = Kernels.create(cfg.kernels, field="trainer.kernels")
+    if frozen is not None:
+        assert cfg.lora is not None
+        params = lora.merged(frozen, params, cfg.lora.scale)
     logp, entropy = packed_logprobs(nnx.merge(graphdef, params), mb, kernels, cfg.vocab_block)
     sums = L.loss_sums(
         logp,
@@ -98,9 +105,9 @@ def micro_batch_loss(
     return L.normalized_loss(sums, counts), sums
 
 
-def _micro_step_impl(params, grad_acc, sums_acc, mb, counts, *, graphdef, cfg, kernels):  # type: ignore[no-untyped-def]
-    grad_fn = jax.grad(micro_batch_loss, has_aux=True)
-    grads, sums = grad_fn(params, graphdef, mb, counts, cfg, kernels)
+def _micro_step_impl(params, grad_acc, sums_acc, mb, counts, frozen=None, *, graphdef, cfg, kernels):  # type: ignore[no-untyped-def]
+    grad_fn = jax.grad(micro_batch_loss, has_aux=True)  # w.r.t. the trained state only
+    grads, sums = grad_fn(params, graphdef, mb, counts, cfg, kernels, frozen)
     return jax.tree.map(jnp.add, grad_acc, grads), L.add_sums(sums_acc, sums)
 
 
@@ -136,7 +143,7 @@ class TrainPrograms:
 
     graphdef: nnx.GraphDef
     kernels: Kernels
-    param_shardings: Any
+    param_shardings: Any  # of the trained state: the parameters, or the LoRA adapters
     opt_shardings: Any
     tx: optax.GradientTransformation
     schedule: optax.Schedule
@@ -157,7 +164,11 @@ class TrainPrograms:
         model.remat = cfg.remat_policy(platform)
         kernels = Kernels.create(cfg.kernels, field="trainer.kernels", mesh=mesh)
         graphdef, params = nnx.split(model)
-        param_shardings = state_shardings(params, mesh)
+        if cfg.lora is not None:  # the optimizer sees the adapters alone
+            param_shardings = lora.adapter_shardings(params, cfg.lora, mesh)
+            params = jax.eval_shape(lambda: lora.init_adapters(params, cfg.lora, mesh))
+        else:
+            param_shardings = state_shardings(params, mesh)
         tx, schedule = make_optimizer(cfg.optim, cfg.steps)
         # Moments are sharded as their parameters (fsdp: never a full copy per chip); the
         # step counts and other scalars are replicated explicitly: left uncommitted they would
@@ -185,11 +196,13 @@ class TrainPrograms:
         o = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), opt, self.opt_shardings)
         return p, o
 
-    def sums_shapes(self, params: Any, mb: dict[str, Any], cfg: TrainerConfig) -> dict[str, jax.ShapeDtypeStruct]:
+    def sums_shapes(
+        self, params: Any, mb: dict[str, Any], cfg: TrainerConfig, frozen: Any = None
+    ) -> dict[str, jax.ShapeDtypeStruct]:
         """Shapes of the micro-step's loss-sum accumulator (traced, not run)."""
         counts = {c: jax.ShapeDtypeStruct((), jnp.float32) for c in L.COMPONENTS}
         return jax.eval_shape(
-            lambda p, m, c: micro_batch_loss(p, self.graphdef, m, c, cfg, self.kernels)[1], params, mb, counts
+            lambda p, m, c, f: micro_batch_loss(p, self.graphdef, m, c, cfg, self.kernels, f)[1], params, mb, counts, frozen
         )
 
 
@@ -202,10 +215,17 @@ class Trainer:
         self.arch = model.arch
         self.programs = TrainPrograms.build(model, cfg, mesh)
         self.kernels = self.programs.kernels
-        self.graphdef, self.params = self.programs.graphdef, nnx.state(model)
+        self.graphdef, params = self.programs.graphdef, nnx.state(model)
+        # The trained state: the parameters, or with [trainer.lora] the adapters on a frozen base.
+        self.frozen: nnx.State | None = None
+        self.trainable: Any = params
+        self._merge: Any = None
+        if cfg.lora is not None:
+            self.frozen, self.trainable = params, lora.init_adapters(params, cfg.lora, mesh)
+            self._merge = jax.jit(partial(lora.merged, scale=cfg.lora.scale), out_shardings=state_shardings(params, mesh))
         self.param_shardings = self.programs.param_shardings
         self.tx, self.schedule = self.programs.tx, self.programs.schedule
-        self.opt_state = jax.jit(self.tx.init, out_shardings=self.programs.opt_shardings)(self.params)
+        self.opt_state = jax.jit(self.tx.init, out_shardings=self.programs.opt_shardings)(self.trainable)
         self.step = 0
         self.peak_flops = peak_flops
         self._micro_step, self._apply = self.programs.micro_step, self.programs.apply
@@ -237,9 +257,9 @@ class Trainer:
         rows = self.cfg.micro_batch_rows
         for start in range(0, batch.num_rows, rows):
             mb = self._device_batch(batch.rows(start, start + rows))
-            grads, total = self._micro_step(self.params, grads, total, mb, counts)
+            grads, total = self._micro_step(self.trainable, grads, total, mb, counts, self.frozen)
         lr = float(self.schedule(self.step))
-        self.params, self.opt_state, metrics = self._apply(self.params, self.opt_state, grads, total)
+        self.trainable, self.opt_state, metrics = self._apply(self.trainable, self.opt_state, grads, total)
         self.step += 1
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         elapsed = time.perf_counter() - t0
@@ -264,13 +284,15 @@ class Trainer:
         counts = jax.device_put({k: np.float32(v) for k, v in component_counts(batch).items()}, replicated(self.mesh))
         if self._loss_sums is None:
             self._loss_sums = jax.jit(
-                lambda params, mb, counts: micro_batch_loss(params, self.graphdef, mb, counts, self.cfg, self.kernels)[1],
+                lambda params, mb, counts, frozen: micro_batch_loss(
+                    params, self.graphdef, mb, counts, self.cfg, self.kernels, frozen
+                )[1],
                 out_shardings=replicated(self.mesh),
             )
         total = None
         rows = self.cfg.micro_batch_rows
         for start in range(0, batch.num_rows, rows):
-            sums = self._loss_sums(self.params, self._device_batch(batch.rows(start, start + rows)), counts)
+            sums = self._loss_sums(self.trainable, self._device_batch(batch.rows(start, start + rows)), counts, self.frozen)
             total = sums if total is None else L.add_sums(total, sums)
         metrics = jax.device_get(L.metrics(total))
         return {"ce_loss": float(metrics["ce_loss"]), "ce_tokens": float(metrics["ce_tokens"])}
@@ -279,19 +301,27 @@ class Trainer:
         """Zeroed gradient and loss-sum accumulators, made by one compiled program (0 is also
         right for the ``*_max`` sums: NLLs are >= 0). The sums' structure is traced once."""
         if self._zeros is None:
-            sums = self.programs.sums_shapes(self.params, micro_batch_shapes(self.mesh, self.cfg.micro_batch_rows, batch.tokens.shape[1]), self.cfg)
+            sums = self.programs.sums_shapes(self.trainable, micro_batch_shapes(self.mesh, self.cfg.micro_batch_rows, batch.tokens.shape[1]), self.cfg, self.frozen)
             self._zeros = jax.jit(
                 lambda params: (jax.tree.map(jnp.zeros_like, params), {k: jnp.zeros(v.shape, v.dtype) for k, v in sums.items()}),
                 out_shardings=(self.param_shardings, replicated(self.mesh)),
             )
-        return self._zeros(self.params)
+        return self._zeros(self.trainable)
 
     def model(self) -> Decoder:
         """A Decoder view of the current parameters (shares the arrays; no copy)."""
         return nnx.merge(self.graphdef, self.params)
 
+    @property
+    def params(self) -> nnx.State:
+        """The policy's full parameters: what rollout backends serve and ``export_hf`` writes
+        (with ``[trainer.lora]`` the base merged with the adapters, a new sharded state)."""
+        return self.trainable if self._merge is None else self._merge(self.frozen, self.trainable)
+
     def state_for_checkpoint(self) -> dict[str, Any]:
-        return {"params": self.params, "opt_state": self.opt_state}
+        """What a checkpoint holds: the trained state (the adapters alone with LoRA: the frozen
+        base is the model the run starts from) and the optimizer state."""
+        return {"params": self.trainable, "opt_state": self.opt_state}
 
     def restore(self, state: dict[str, Any], step: int) -> None:
-        self.params, self.opt_state, self.step = state["params"], state["opt_state"], step
+        self.trainable, self.opt_state, self.step = state["params"], state["opt_state"], step
