@@ -75,7 +75,14 @@ class BackgroundServer:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as e:  # taken since start-up's check_port_free (e.g. during a warm start)
+            sock.close()
+            raise PortInUse(
+                f"{self.name}: cannot listen on {self.host}:{self.port} ({e.strerror}); another process took it "
+                "after start-up: pick another port (inference.server.port), or 0 for a free one"
+            ) from None
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             self.app,

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 from helpers import wait_for_serve_url
 
 
@@ -70,3 +71,20 @@ def test_serve_config_errors_exit_2_with_one_message_before_loading(model_dir, t
             assert r.returncode == 2, r.stderr[-2000:]
             assert r.stderr.startswith("error: ") and needle in r.stderr, r.stderr[-2000:]
             assert "Traceback" not in r.stderr
+
+
+def test_a_port_taken_after_start_up_checks_is_named() -> None:
+    """A port free at the start-up check but taken before the server binds (e.g. during a warm
+    start) is reported as PortInUse naming the field, which the entry points turn into exit 2."""
+    import socket
+
+    from fastapi import FastAPI
+
+    from jaxrl.inference.http_thread import BackgroundServer, PortInUse
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(PortInUse, match=rf"127.0.0.1:{port} .*inference.server.port"):
+            BackgroundServer(FastAPI(), "127.0.0.1", port, name="jaxrl-engine-http", keep_alive_s=5).start()
