@@ -51,7 +51,7 @@ QUIET = {"log": {"progress": False}, "ckpt": {"interval": 0}}
 # the pipeline in a few minutes and measures nothing.
 BUDGETS: dict[str, dict[str, dict[str, Any]]] = {
     "small": {
-        "lookup_sft": {"trainer": {"steps": 100}},
+        "lookup_sft": {},  # the recipe as it is (200 steps)
         # lookup evals are greedy (T = 0): one sample per task, so every eval sample is independent
         "lookup": {"trainer": {"steps": 10}, "log": {"rollout_episodes": True},
                    "orchestrator": {"eval": {"interval": 10, "num_tasks": 64, "k": 1}}},
@@ -215,7 +215,7 @@ def lookup_report(root: Path, runs: dict[str, Path]) -> list[dict[str, Any]]:
         diffs[seed] = cmp["diff"]
         pooled_a |= {(seed, s): v for s, v in e_end.items()}
         pooled_b |= {(seed, s): v for s, v in g_end.items()}
-        nll_steps = [r["ce_nll_mean"] for r in _metrics(runs[f"echo/s{seed}"]) if r.get("ce_tokens", 0) > 0]
+        nll_steps = [r["ce_nll_mean"] for r in _metrics(runs[f"echo/s{seed}"]) if r.get("ce_tokens", 0) > 0] or [math.nan]
         held_out = tool_output_nll(
             runs[f"echo/s{seed}"], {"sft": root / "lookup_sft" / "hf", "grpo": runs[f"grpo/s{seed}"] / "hf",
                                     "echo": runs[f"echo/s{seed}"] / "hf"})
