@@ -181,9 +181,10 @@ def opd_metrics(out: Path) -> dict[str, Any]:
 
 
 def _metrics(out: Path) -> list[dict[str, Any]]:
+    """A run's metrics rows, train metrics by their plain names (``train/ce_tokens`` -> ``ce_tokens``)."""
     from jaxrl.metrics import read_metrics
 
-    return read_metrics(out / "metrics.jsonl")
+    return [{k.removeprefix("train/"): v for k, v in r.items()} for r in read_metrics(out / "metrics.jsonl")]
 
 
 # ---- lookup: echo vs GRPO --------------------------------------------------------------------------------------
@@ -215,19 +216,32 @@ def lookup_report(root: Path, runs: dict[str, Path]) -> list[dict[str, Any]]:
         diffs[seed] = cmp["diff"]
         pooled_a |= {(seed, s): v for s, v in e_end.items()}
         pooled_b |= {(seed, s): v for s, v in g_end.items()}
-        nll_steps = [r["ce_nll_mean"] for r in _metrics(runs[f"echo/s{seed}"]) if r.get("ce_tokens", 0) > 0] or [math.nan]
+        first_half, second_half = train_tool_nll(runs[f"echo/s{seed}"])
         held_out = tool_output_nll(
             runs[f"echo/s{seed}"], {"sft": root / "lookup_sft" / "hf", "grpo": runs[f"grpo/s{seed}"] / "hf",
                                     "echo": runs[f"echo/s{seed}"] / "hf"})
         rows.append(emit({"env": "lookup", "seed": seed, "steps": max(echo), "before": statistics.mean(grpo[0].values()),
                           "grpo_after": statistics.mean(g_end.values()), "echo_after": statistics.mean(e_end.values()),
-                          "echo_vs_grpo": cmp, "train_tool_nll_first": nll_steps[0], "train_tool_nll_last": nll_steps[-1],
+                          "echo_vs_grpo": cmp, "train_tool_nll_first_half": first_half, "train_tool_nll_second_half": second_half,
                           "heldout_tool_nll": held_out}))
     pooled = paired(pooled_a, pooled_b)
     across = mean_se(list(diffs.values()))
     rows.append(emit({"env": "lookup", "seed": "all", "echo_vs_grpo": pooled, "echo_vs_grpo_across_seeds": across,
                       "criterion_not_below_by_1se": pooled["diff"] >= -pooled["se"]}))
     return rows
+
+
+def train_tool_nll(out: Path) -> tuple[float, float]:
+    """The trainer's tool-output NLL (``ce_nll_mean``: fresh rollouts, before that step's update),
+    token-weighted over the first and the second half of an echo run's steps."""
+    rows = [r for r in _metrics(out) if "ce_tokens" in r]  # train steps (the step-0 eval row has none)
+    half = len(rows) // 2
+
+    def weighted(part: list[dict[str, Any]]) -> float:
+        n = sum(r["ce_tokens"] for r in part)
+        return sum(r["ce_nll_mean"] * r["ce_tokens"] for r in part) / n if n else math.nan
+
+    return weighted(rows[:half]), weighted(rows[half:])
 
 
 # ---- table -----------------------------------------------------------------------------------------------------
@@ -248,7 +262,7 @@ def table(reverse: list[dict[str, Any]], lookup: list[dict[str, Any]]) -> str:
                          f"{fmt(r['gain'])} | {fmt(r.get('vs_grpo'))} | {kl} |")
     if lookup:
         lines += ["", "| lookup | steps | held-out before | GRPO after | echo after | echo - GRPO (paired ± SE) | "
-                  "echo train tool NLL first → last | held-out tool NLL SFT / GRPO / echo |", "|---|---|---|---|---|---|---|---|"]
+                  "echo train tool NLL, steps 1-5 → 6-10 | held-out tool NLL SFT / GRPO / echo |", "|---|---|---|---|---|---|---|---|"]
         for r in lookup:
             if r["seed"] == "all":
                 m, se = r["echo_vs_grpo_across_seeds"]
