@@ -129,6 +129,7 @@ class VLLMPeer:
             tokenizer_dir=build_tokenizer(tmp / "tokenizer"),
             model_name="bench",
         )
+        self.backend.start()
         self.args = args
 
     def tok_s(self, prompts: np.ndarray) -> float:

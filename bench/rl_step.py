@@ -33,7 +33,7 @@ def main() -> None:
         rows = [r for r in read_metrics(f"{out}/metrics.jsonl") if "time/step_s" in r]
     steady = rows[1:] or rows  # the first step includes compilation
     for r in rows:
-        print(json.dumps({"bench": "rl_step", "step": r["step"], **{k: r[k] for k in KEYS}, "reward_mean": r["reward_mean"]}))
+        print(json.dumps({"bench": "rl_step", "step": r["step"], **{k: r[k] for k in KEYS}, "train/reward_mean": r["train/reward_mean"]}))
     summary = {k.split("/")[1]: statistics.mean(r[k] for r in steady) for k in KEYS}
     total = summary["step_s"]
     print(json.dumps({"bench": "rl_step_mean", "steps_averaged": len(steady), **summary,

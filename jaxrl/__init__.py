@@ -20,4 +20,28 @@ def _fast_cpu_matmuls() -> None:
         os.environ["XLA_FLAGS"] = f"{flags} {_CPU_DOT_FLAG}".strip()
 
 
+def _skip_absent_tpu() -> None:
+    """On a host with no accelerator, use the CPU backend without first trying libtpu.
+
+    With the ``tpu`` extra installed (for ``python -m jaxrl.aot``), JAX's default platform list
+    makes every CPU run initialize libtpu, which finds no chip and prints several lines of
+    TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES warnings before the run's own output. Only when
+    JAX sees no TPU chip and no GPU, and the user set no ``JAX_PLATFORMS``, do we name "cpu";
+    compiling for a TPU topology (``jaxrl.aot``) does not need the TPU backend and still works.
+    """
+    if os.environ.get("JAX_PLATFORMS") is not None:
+        return
+    from jax._src import hardware_utils  # JAX's own probe (PCI ids), the one cloud_tpu_init uses
+
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0] or hardware_utils.has_visible_nvidia_gpu():
+        return
+    if hardware_utils.num_available_amd_gpus():
+        return
+    import jax
+
+    if jax.config.jax_platforms is None:
+        jax.config.update("jax_platforms", "cpu")
+
+
 _fast_cpu_matmuls()
+_skip_absent_tpu()

@@ -212,6 +212,8 @@ class RunConfig(BaseModel):
             )
         if self.data is not None and self.orchestrator is not None:
             raise ValueError("set only one of `[data]` (SFT) and `[orchestrator]` (RL)")
+        if self.orchestrator is not None and (self.distributed.num_processes or 1) > 1:
+            check_multihost_rl(self.inference.backend)
         if self.inference.max_model_len is None:
             return self  # an SFT run whose model is not there yet: nothing below applies
         if self.orchestrator is not None and self.trainer.seq_len < self.inference.max_model_len:
@@ -239,6 +241,18 @@ class RunConfig(BaseModel):
     def mode(self) -> Literal["sft", "rl"]:
         """RL when `[orchestrator]` is set, else SFT (with `[data]` or its defaults)."""
         return "rl" if self.orchestrator is not None else "sft"
+
+
+def check_multihost_rl(backend: str) -> None:
+    """Multi-process RL samples from external servers only (the embedded engine and a launched
+    vLLM server live in one process); called at config time and again once the process count is
+    known (a TPU slice discovers it at start-up)."""
+    if backend != "external":
+        raise ValueError(
+            f'inference.backend = "{backend}" with several processes: multi-host RL samples rollouts from '
+            'servers outside the trainer; set inference.backend = "external" and inference.base_url to '
+            "`python -m jaxrl.serve` servers (README: Multi-host RL)"
+        )
 
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # "org/model": left to the model loader, not a local path

@@ -34,6 +34,12 @@ class ModelEndpoint:
     headers: Mapping[str, str] = field(default_factory=dict)
     """Extra HTTP headers on every engine request."""
 
+    @classmethod
+    def at(cls, server_url: str, model: str, tokenizer_dir: str, renderer: Mapping[str, Any] | None) -> ModelEndpoint:
+        """The endpoint of a server root (``/v1`` appended); ``renderer`` None keeps the default."""
+        extra = {"renderer": dict(renderer)} if renderer is not None else {}
+        return cls(base_url=f"{server_url}/v1", model=model, tokenizer_dir=str(tokenizer_dir), **extra)
+
     def client_config(self) -> vf.TrainClientConfig:
         """verifiers' train-client config: client-side rendering, token-in/token-out generate."""
         from verifiers.v1 import TrainClientConfig

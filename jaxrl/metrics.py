@@ -26,10 +26,23 @@ if TYPE_CHECKING:
 # Columns of the W&B sample tables (a flat rollouts.jsonl record's readable fields).
 SAMPLE_COLUMNS = ("step", "env", "prompt", "completion", "reward", "fate")
 
+# One naming scheme for every logged metric: `train/...` (the optimizer step and the batch it
+# trained on), `eval/...` (held out), `time/...` (seconds), `engine/...` (the rollout backend's
+# own view), `samples/...` (W&B rollout tables). Components return plain names ("ce_loss");
+# `scoped` files them under `train/` when the run logs them, so every output (metrics.jsonl,
+# the progress line, W&B, TensorBoard, the plot) uses the same names.
+NAMESPACES = ("train", "eval", "time", "engine", "samples")
+
+
+def scoped(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics`` with every key not already under a namespace moved under ``train/``."""
+    return {(k if k.split("/", 1)[0] in NAMESPACES and "/" in k else f"train/{k}"): v for k, v in metrics.items()}
+
+
 # Shown on the progress bar / plain progress line when present in a row, in this order.
 _BAR_KEYS = (
-    "reward_mean", "ce_loss", "eval/ce_loss", "rl_loss", "mismatch_kl", "grad_norm", "rollouts_failed", "tokens_per_s",
-    "time/rollout_wait_s", "time/train_s", "time/step_s",
+    "train/reward_mean", "train/ce_loss", "eval/ce_loss", "train/rl_loss", "train/mismatch_kl", "train/grad_norm",
+    "train/rollouts_failed", "train/tokens_per_s", "time/rollout_wait_s", "time/train_s", "time/step_s",
 )  # fmt: skip
 
 
@@ -79,7 +92,7 @@ def ema(values: list[float], decay: float = 0.9) -> list[float]:
 
 
 # Train metric -> (its held-out eval metric, that metric's standard error or None): drawn on one panel.
-_HELD_OUT = {"reward_mean": ("eval_reward_mean", "eval_reward_se"), "ce_loss": ("eval/ce_loss", None)}
+_HELD_OUT = {"train/reward_mean": ("eval/reward_mean", "eval/reward_se"), "train/ce_loss": ("eval/ce_loss", None)}
 
 
 def _finite(v: Any) -> bool:
@@ -182,9 +195,11 @@ class MetricsLogger:
 
             self._tb = SummaryWriter(str(self.dir / "tb"))
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
+    def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Write one step's metrics (``scoped``: the names every output uses) and return them."""
+        metrics = scoped(metrics)
         if not self.main:
-            return
+            return metrics
         row = {"step": step, **metrics}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
@@ -198,6 +213,7 @@ class MetricsLogger:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)
+        return metrics
 
     @property
     def wandb_run_id(self) -> str | None:

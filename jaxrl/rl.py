@@ -1,11 +1,17 @@
-"""The RL loop on one machine: trainer + embedded engine (HTTP on loopback) + env servers.
+"""The RL loop: trainer + rollout backend + env servers.
 
-    orchestrator thread: env servers run rollouts against the engine's HTTP API
-    main thread:         batch for step n -> samples -> train step -> weights -> engine
+    orchestrator thread: env servers run rollouts against the backend's HTTP API
+    main thread:         batch for step n -> samples -> train step -> weights -> backend
 
-After every optimizer step the new parameters go to the engine in-process (one batched
-reshard, no files) as policy version n. Timings per step are split into rollout wait,
-scoring, train and weight sync (``bench/rl_step.py`` reads them).
+The rollout backend (``jaxrl.inference.rollout_backend``) is the embedded engine (weights
+handed over in memory), a vLLM server, or external ``jaxrl.serve`` servers (weights through
+files); after every optimizer step it serves the new parameters as policy version n.
+Timings per step are split into rollout wait, scoring, train and weight sync
+(``bench/rl_step.py`` reads them).
+
+Multi-host (``[distributed]``, backend "external"): the trainer spans every process; the
+orchestrator, env servers, rollout log and metrics live on process 0, which sends each step's
+samples to all processes; all run the same train step and weight export.
 """
 
 from __future__ import annotations
@@ -15,20 +21,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jaxrl.config import RunConfig
-from jaxrl.endpoint import ModelEndpoint
+import jax
+
+from jaxrl.config import RunConfig, check_multihost_rl
 from jaxrl.inference.http_thread import check_port_free
+from jaxrl.inference.rollout_backend import RolloutBackend, RolloutServerDead, start_rollout_backend
 from jaxrl.metrics import MetricsLogger
 from jaxrl.orchestrator.algo import OPDConfig
 from jaxrl.orchestrator.batch import build_batch
 from jaxrl.orchestrator.env_server import EnvServerDead
 from jaxrl.orchestrator.orchestrator import Orchestrator
-from jaxrl.parallel.distributed import is_main_process
+from jaxrl.parallel.distributed import broadcast_from_main, initialize, is_main_process
 from jaxrl.preemption import RunAborted
 from jaxrl.run_common import TrainingRun
 from jaxrl.trainer.teacher import Teacher
 
-PLOT_KEYS = ("reward_mean", "rl_loss", "mismatch_kl", "entropy", "time/step_s")  # eval shares reward's panel
+PLOT_KEYS = ("train/reward_mean", "train/rl_loss", "train/mismatch_kl", "train/entropy", "time/step_s")  # eval shares reward's panel
 
 
 class RolloutLog:
@@ -56,81 +64,70 @@ class RolloutLog:
                     self.logger.log_samples(picked[0]["step"], split, picked)
 
 
-def start_engine(run: TrainingRun) -> tuple[Any, Any, ModelEndpoint]:
-    """The rollout backend serving the trainer's current weights: the embedded engine + its HTTP
-    server on loopback, or (``inference.backend = "vllm"``) a vLLM server behind a loopback proxy."""
-    from jaxrl.inference.engine import Engine
-    from jaxrl.inference.serving import build_engine_server
-    from jaxrl.models.hub import resolve_model_dir
+STOPPING = (EnvServerDead, RolloutServerDead)  # the run checkpoints, writes result.json and exits 1
 
-    cfg = run.cfg
-    if cfg.inference.backend == "vllm":
-        from jaxrl.inference.vllm_backend import start_vllm
 
-        return start_vllm(run)
-    if cfg.inference.backend != "embedded":
-        raise NotImplementedError(
-            f"inference.backend = {cfg.inference.backend!r}: the RL loop drives the embedded engine or a vLLM "
-            'server it launches; use backend = "embedded" or "vllm"'
-        )
-    engine = Engine(run.trainer.model(), cfg.inference)
-    model_dir = resolve_model_dir(cfg.model.name, cfg.model.revision) if cfg.model.name else None
-    server = build_engine_server(
-        engine, cfg.inference, tokenizer_dir=run.tokenizer_dir, model_dir=model_dir,
-        model_name=cfg.model.name or "jaxrl", renderer=run.renderer,
-    )  # fmt: skip
-    server.start()
-    endpoint = ModelEndpoint(
-        base_url=f"{server.url}/v1", model=server.model_name, tokenizer_dir=run.tokenizer_dir, renderer=run.renderer
-    )
-    return engine, server, endpoint
+class LeaderStopped(RuntimeError):
+    """On processes other than 0: process 0 stopped the run (its reason is the message)."""
 
 
 def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     assert cfg.orchestrator is not None
     ocfg = cfg.orchestrator
-    if cfg.inference.backend in ("embedded", "vllm"):  # before the model loads
-        check_port_free(cfg.inference.server.host, cfg.inference.server.port)
+    initialize(cfg.distributed)
+    if jax.process_count() > 1:  # a TPU slice knows its process count only now
+        check_multihost_rl(cfg.inference.backend)
+    if is_main_process():  # the engine's server, vLLM's proxy or the external balancer listens here
+        check_port_free(cfg.inference.server.host, cfg.inference.server.port)  # before the model loads
     run = TrainingRun(cfg, plot_keys=PLOT_KEYS)
     meta = run.maybe_resume(resume)
-    engine, server, endpoint = start_engine(run)
-    if run.trainer.step:
-        engine.update_weights_from_state(run.trainer.params, version=run.trainer.step)
-    orch = Orchestrator(ocfg, endpoint, output_dir=run.out, seed=cfg.seed, policy_version=lambda: engine.policy_version)
+    leader = is_main_process()  # runs the orchestrator and env servers; every process trains
+    backend = start_rollout_backend(run)
+    orch = (
+        Orchestrator(ocfg, backend.endpoint, output_dir=run.out, seed=cfg.seed, policy_version=lambda: backend.policy_version)
+        if leader
+        else None
+    )
     teachers = load_teachers(ocfg, run.trainer)
     rollouts = RolloutLog(run.out / "rollouts.jsonl", append=bool(meta), episodes=cfg.log.rollout_episodes, logger=run.logger)
     assert run.logger is not None
     last: dict[str, Any] = {}
-    aborted: EnvServerDead | None = None
+    aborted: Exception | None = None
     try:
-        orch.start(first_step=run.trainer.step + 1, sampler_state=meta.get("orchestrator", {}).get("sampler"))
+        if orch is not None:
+            orch.start(first_step=run.trainer.step + 1, sampler_state=meta.get("orchestrator", {}).get("sampler"))
         eval_every = ocfg.eval.interval if ocfg.eval else 0
-        if eval_every and not meta:
+        if orch is not None and eval_every and not meta:
             run.logger.log(run.trainer.step, _evaluate(orch, rollouts, run.trainer.step))
+        stepper = _Stepper(run, orch, backend, rollouts, teachers, ocfg.max_resample)
         with run.stop_request() as stop:
-            while run.trainer.step < cfg.trainer.steps and not stop.requested:
+            while run.trainer.step < cfg.trainer.steps:
                 step = run.trainer.step + 1
-                last = _rl_step(run, orch, engine, rollouts, step, ocfg.max_resample, teachers)
-                if eval_every and (step % eval_every == 0 or step == cfg.trainer.steps):
+                metrics = stepper.step(step, stop_requested=stop.requested)
+                if metrics is None:  # a stop request (SIGTERM/SIGINT), decided by process 0
+                    break
+                last = metrics
+                if orch is not None and eval_every and (step % eval_every == 0 or step == cfg.trainer.steps):
                     last |= _evaluate(orch, rollouts, step)
-                run.logger.log(step, last)
-                if run.should_checkpoint(step) or stop.requested:
+                last = run.logger.log(step, last)  # written by process 0 only
+                if run.should_checkpoint(step):
                     run.save(_orch_meta(orch, step))
         run.save(_orch_meta(orch, run.trainer.step))
-    except EnvServerDead as e:  # keep what was learnt: checkpoint, result.json, then stop with the cause
+    except (*STOPPING, LeaderStopped) as e:  # keep what was learnt: checkpoint, result.json, then stop with the cause
         aborted = e
         run.save(_orch_meta(orch, run.trainer.step))
     finally:
-        orch.close()
-        server.stop()
-        engine.stop()
+        if orch is not None:
+            orch.close()
+        backend.stop()
     if aborted is not None:
         run.finish(title=f"RL {Path(cfg.output_dir).name}", export=False, error=str(aborted))
+        fix = "restart that server" if isinstance(aborted, RolloutServerDead) else "fix the cause"
         raise RunAborted(
-            f"{aborted}\nA checkpoint of step {run.trainer.step} is in {run.ckpt.dir}: fix the env, then rerun "
-            "with --resume"
+            f"{aborted}\nA checkpoint of step {run.trainer.step} is in {run.ckpt.dir}: {fix}, then rerun with --resume"
         ) from aborted
-    result = run.finish(title=f"RL {Path(cfg.output_dir).name}", export=not run.stop_request().requested)
+    # Export (a collective) when every step ran: the same answer on every process, whichever got a signal.
+    result = run.finish(title=f"RL {Path(cfg.output_dir).name}", export=run.trainer.step >= cfg.trainer.steps)
     return result | {"last": last}
 
 
@@ -146,54 +143,104 @@ def score_references(samples: list[Any], teachers: dict[str, Teacher]) -> None:
         teacher.score([s for s in samples if s.needs_reference and s.metadata.get("teacher") == name])
 
 
-def _orch_meta(orch: Orchestrator, step: int) -> dict[str, Any]:
-    return {"orchestrator": {"sampler": orch.sampler_state_for(step + 1)}}
+def _orch_meta(orch: Orchestrator | None, step: int) -> dict[str, Any]:
+    return {"orchestrator": {"sampler": orch.sampler_state_for(step + 1)}} if orch is not None else {}
 
 
-def _rl_step(run: TrainingRun, orch: Orchestrator, engine: Any, rollouts: RolloutLog, step: int, max_resample: int, teachers: dict[str, Teacher]) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    groups = orch.next_batch(step)
-    t_rollout = time.perf_counter() - t0
-    batch = build_batch(groups, orch.algorithms, step)
-    for attempt in range(max_resample):
-        if batch.has_signal:
-            break
-        batch.mark_resampled()
-        rollouts.write(batch.records)
-        orch.request_more(step)
-        batch = build_batch(orch.next_batch(step), orch.algorithms, step)
-    if not batch.has_signal:
-        rollouts.write(batch.records)
-        raise RuntimeError(
-            f"step {step}: {max_resample + 1} batches in a row had no learning signal (every group's rewards "
-            "were identical and no CE tokens were selected); check the env's reward, raise the temperature, "
-            "or raise orchestrator.max_resample. Rollouts are in rollouts.jsonl"
-        )
-    score_references(batch.samples, teachers)
-    t_score = time.perf_counter() - t0 - t_rollout
-    train = run.trainer.train_step(batch.samples)
-    t_train = time.perf_counter() - t0 - t_rollout - t_score
-    engine.update_weights_from_state(run.trainer.params, version=run.trainer.step)
-    t_sync = time.perf_counter() - t0 - t_rollout - t_score - t_train
-    rollouts.write(batch.records)
-    metrics = batch.metrics | train | {
-        "policy_version": float(engine.policy_version),
-        "time/rollout_wait_s": t_rollout,
-        "time/scoring_s": t_score,
-        "time/train_s": t_train,  # the whole train_step call (the trainer's own time/train_s, plus the host hand-off)
-        "time/weight_sync_s": t_sync,
-        "time/step_s": time.perf_counter() - t0,
-    }
-    return metrics | engine_metrics(engine)
+class _Stepper:
+    """One RL step on every process: process 0 collects the batch (orchestrator, resampling,
+    rollout log) and hands its samples to all processes; all score, train and export weights
+    together; process 0 pushes them to the rollout servers. With one process nothing is sent.
+
+    A stop (a signal, a dead env or rollout server, a crash) is decided by process 0 and sent
+    in place of a batch, so every process leaves the loop at the same collective."""
+
+    def __init__(self, run: TrainingRun, orch: Orchestrator | None, backend: RolloutBackend, rollouts: RolloutLog,
+                 teachers: dict[str, Teacher], max_resample: int):  # fmt: skip
+        self.run, self.orch, self.backend, self.rollouts = run, orch, backend, rollouts
+        self.teachers, self.max_resample = teachers, max_resample
+        self._pending: Exception | None = None  # a weight push that failed: stops the next step
+
+    def step(self, step: int, *, stop_requested: bool) -> dict[str, Any] | None:
+        """This step's metrics (full on process 0), or None when the run stops on request."""
+        t0 = time.perf_counter()
+        failure: BaseException | None = None
+        message: dict[str, Any] = {}
+        if self.orch is not None:
+            try:
+                if self._pending is not None:
+                    raise self._pending
+                message = {"kind": "stop"} if stop_requested else self._collect(step)
+            except BaseException as e:  # noqa: BLE001 - sent to every process, then raised here
+                failure = e
+                message = {"kind": "abort" if isinstance(e, STOPPING) else "crash", "error": str(e)}
+        message = broadcast_from_main(message)
+        if failure is not None:
+            raise failure
+        if message["kind"] == "stop":
+            return None
+        if message["kind"] != "batch":
+            cls = LeaderStopped if message["kind"] == "abort" else RuntimeError
+            raise cls(f"process 0 stopped the run: {message['error']}")
+        t_rollout = time.perf_counter() - t0
+        samples = message["samples"]
+        score_references(samples, self.teachers)
+        t_score = time.perf_counter() - t0 - t_rollout
+        train = self.run.trainer.train_step(samples)
+        t_train = time.perf_counter() - t0 - t_rollout - t_score
+        try:
+            self.backend.update_weights(self.run.trainer.params, version=self.run.trainer.step)
+        except STOPPING as e:  # logged with this step; the next step stops the run on every process
+            self._pending = e
+        t_sync = time.perf_counter() - t0 - t_rollout - t_score - t_train
+        if self.orch is None:
+            return train
+        self.rollouts.write(message["records"])
+        metrics = message["metrics"] | train | {
+            "policy_version": float(self.backend.policy_version),
+            "time/rollout_wait_s": t_rollout,  # on process 0 (more processes: also the hand-off of the batch)
+            "time/scoring_s": t_score,
+            "time/train_s": t_train,  # the whole train_step call (the trainer's own time/train_s, plus the host hand-off)
+            "time/weight_sync_s": t_sync,
+            "time/step_s": time.perf_counter() - t0,
+        }
+        return metrics | engine_metrics(self.backend)
+
+    def _collect(self, step: int) -> dict[str, Any]:
+        """Process 0: a batch with learning signal for ``step`` (resampling up to max_resample)."""
+        assert self.orch is not None
+        orch = self.orch
+        batch = build_batch(self._next_batch(step), orch.algorithms, step)
+        for _ in range(self.max_resample):
+            if batch.has_signal:
+                break
+            batch.mark_resampled()
+            self.rollouts.write(batch.records)
+            orch.request_more(step)
+            batch = build_batch(self._next_batch(step), orch.algorithms, step)
+        if not batch.has_signal:
+            self.rollouts.write(batch.records)
+            raise RuntimeError(
+                f"step {step}: {self.max_resample + 1} batches in a row had no learning signal (every group's rewards "
+                "were identical and no CE tokens were selected); check the env's reward, raise the temperature, "
+                "or raise orchestrator.max_resample. Rollouts are in rollouts.jsonl"
+            )
+        return {"kind": "batch", "samples": batch.samples, "records": batch.records, "metrics": batch.metrics}
+
+    def _next_batch(self, step: int) -> list[Any]:
+        assert self.orch is not None
+        groups = self.orch.next_batch(step)
+        self.backend.check()  # rollouts a server failed must not be trained on
+        return groups
 
 
 ENGINE_KEYS = ("waiting", "running", "tokens_per_s", "prefix_hit_rate", "cached_prompt_tokens", "prompt_tokens",
                "generated_tokens", "compiles")
 
 
-def engine_metrics(engine: Any) -> dict[str, float]:
+def engine_metrics(backend: RolloutBackend) -> dict[str, float]:
     """The rollout backend's own view (``GET /metrics`` of the embedded engine) as ``engine/...`` keys."""
-    snapshot = engine.metrics()
+    snapshot = backend.metrics()
     if snapshot is None:
         return {}
     return {f"engine/{k}": float(v) for k, v in snapshot.model_dump(include=set(ENGINE_KEYS)).items()}

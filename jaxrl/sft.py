@@ -23,7 +23,7 @@ RL_ONLY = (
 
 def run_sft(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     data_cfg = cfg.data or DataConfig()
-    run = TrainingRun(cfg, plot_keys=("ce_loss", "ce_nll_max", "grad_norm", "tokens_per_s"))  # eval shares ce_loss's panel
+    run = TrainingRun(cfg, plot_keys=("train/ce_loss", "train/ce_nll_max", "train/grad_norm", "train/tokens_per_s"))  # eval shares ce_loss's panel
     skipped = 0
     if data_cfg.path is not None:
         render = RenderConversation(run.tokenizer_dir, run.renderer, data_cfg.content_roles)
@@ -60,7 +60,7 @@ def run_sft(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
             last = {k: v for k, v in run.trainer.train_step(next(batches)).items() if k not in RL_ONLY}
             if held_out and (step % data_cfg.eval_interval == 0 or step == cfg.trainer.steps):
                 last |= evaluate(run, held_out)
-            run.logger.log(step, last)
+            last = run.logger.log(step, last)
             if run.should_checkpoint(step) or stop.requested:
                 run.save({"data": batches.get_state()})
             if stop.requested:

@@ -25,7 +25,7 @@ def test_off_a_terminal_progress_is_a_plain_line_every_interval_steps(tmp_path, 
     logger.close()
     lines = capsys.readouterr().out.splitlines()
     assert lines == [
-        f"[jaxrl] step {s}/5 ce_loss={1.0 / s:.4g} grad_norm=0.5 eval/lookup/avg@4=0.25" for s in (2, 4, 5)
+        f"[jaxrl] step {s}/5 train/ce_loss={1.0 / s:.4g} train/grad_norm=0.5 eval/lookup/avg@4=0.25" for s in (2, 4, 5)
     ]
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
         1,
@@ -36,13 +36,21 @@ def test_off_a_terminal_progress_is_a_plain_line_every_interval_steps(tmp_path, 
     ]
 
 
+def test_one_naming_scheme_files_plain_names_under_train() -> None:
+    from jaxrl.metrics import scoped
+
+    got = scoped({"ce_loss": 1, "reward/lookup": 2, "time/train_s": 3, "eval/ce_loss": 4, "engine/compiles": 5, "train/lr": 6})
+    assert got == {"train/ce_loss": 1, "train/reward/lookup": 2, "time/train_s": 3, "eval/ce_loss": 4,
+                   "engine/compiles": 5, "train/lr": 6}  # fmt: skip
+
+
 def test_plot_puts_eval_with_its_standard_error_on_the_train_reward_panel(tmp_path) -> None:
     from jaxrl.metrics import ema, plot_metrics
 
     assert ema([1.0, 1.0, 1.0]) == [1.0, 1.0, 1.0]  # bias-corrected: no pull towards 0
-    rows = [{"step": s, "reward_mean": 0.5 + 0.01 * s, "rl_loss": 0.1} for s in range(1, 11)]
-    rows[-1] |= {"eval_reward_mean": 0.6, "eval_reward_se": 0.02}
-    out = plot_metrics(rows, ["reward_mean", "rl_loss"], tmp_path / "m.png", "RL")
+    rows = [{"step": s, "train/reward_mean": 0.5 + 0.01 * s, "train/rl_loss": 0.1} for s in range(1, 11)]
+    rows[-1] |= {"eval/reward_mean": 0.6, "eval/reward_se": 0.02}
+    out = plot_metrics(rows, ["train/reward_mean", "train/rl_loss"], tmp_path / "m.png", "RL")
     assert out is not None and out.stat().st_size > 0
 
 
@@ -108,3 +116,19 @@ def test_rollout_log_sends_train_and_eval_samples_to_wandb(tmp_path, monkeypatch
     tables = sorted(p.name.split("_")[0] for p in (tmp_path / "wandb").rglob("*.table.json"))
     assert tables == ["eval", "train"]
     assert len((tmp_path / "rollouts.jsonl").read_text().splitlines()) == 4
+
+
+def test_a_cpu_run_does_not_start_libtpu() -> None:
+    """With the tpu extra installed (as CI installs it), a CPU host's run output starts with the
+    run's own lines, not libtpu's TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES warnings."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    out = subprocess.run(
+        [sys.executable, "-c", "import jaxrl, jax; print(jax.devices()[0].platform)"],
+        capture_output=True, text=True, env=env, timeout=120, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == "cpu"
+    assert "TPU_ACCELERATOR_TYPE" not in out.stderr and "TPU_WORKER_HOSTNAMES" not in out.stderr, out.stderr

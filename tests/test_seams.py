@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
         ("jaxrl.parallel.mesh, jaxrl.parallel.rules, jaxrl.parallel.distributed",
          ("jaxrl.models", "jaxrl.trainer", "jaxrl.inference")),
         # Rollout backends produce a `jaxrl.endpoint.ModelEndpoint`; none of them knows the orchestrator.
-        ("jaxrl.inference.vllm_backend, jaxrl.inference.serving, jaxrl.inference.server", ("jaxrl.orchestrator",)),
+        ("jaxrl.inference.vllm_backend, jaxrl.inference.serving, jaxrl.inference.server, "
+         "jaxrl.inference.external, jaxrl.inference.rollout_backend", ("jaxrl.orchestrator",)),
         # The orchestrator reaches the engine over HTTP only (sampling ranges: jaxrl.sampling_ranges).
         ("jaxrl.orchestrator.orchestrator, jaxrl.orchestrator.config, jaxrl.orchestrator.sampling",
          ("jaxrl.inference",)),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -37,7 +38,8 @@ class ServerConfig(BaseModel):
     on any other host a random key is generated at start and logged once."""
 
     weights_root: str | None = None
-    """If set, ``/update_weights`` only loads model directories under this one."""
+    """If set, ``/update_weights`` only loads model directories under this one: a local directory,
+    or a ``gs://`` prefix (such directories are copied to local disk, then loaded)."""
 
     allow_request_chat_template: bool = False
     """Accept a chat template in a chat request (``chat_template``, or in
@@ -114,6 +116,53 @@ class VLLMConfig(BaseModel):
         return python
 
 
+class ExternalConfig(BaseModel):
+    """``[inference.external]``: rollout servers already running elsewhere (``backend =
+    "external"``), e.g. ``python -m jaxrl.serve`` on other hosts, listed in ``inference.base_url``.
+    The trainer reaches them through a loopback balancer (where ``[inference.server]`` says) and
+    pushes new weights to every one of them after each optimizer step."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    weights_dir: str | None = None
+    """Where each policy version is written as HF safetensors for the servers to load (``POST
+    /update_weights``): a local path or a ``gs://`` URL (``etils.epath``) that every server can
+    read. Default ``<output_dir>/rollout_weights``, which only servers on this host can read."""
+
+    api_key: str | None = Field(None, min_length=16)
+    """Sent as ``Authorization: Bearer <key>`` with every ``/update_weights`` (the servers'
+    ``inference.server.api_key``); default: the ``JAXRL_INFERENCE_API_KEY`` environment variable
+    (also the key env servers send with rollouts), none when unset."""
+
+    connect_timeout_s: float = Field(10.0, gt=0, le=600)
+    """Connecting to a server longer than this counts as the server being gone."""
+
+    request_timeout_s: float = Field(600.0, gt=0, le=86400)
+    """A rollout request (or a weight update) answered later than this counts as the server
+    being gone: the run stops with a checkpoint, naming the server."""
+
+    startup_timeout_s: float = Field(300.0, gt=0, le=86400)
+    """How long to wait at start for every server's ``GET /health``."""
+
+    def resolve_api_key(self) -> str | None:
+        return self.api_key or os.environ.get("JAXRL_INFERENCE_API_KEY") or None
+
+
+def server_root(url: str, field: str = "inference.base_url") -> str:
+    """``url`` (``http(s)://host[:port][/v1]``) as a server root without ``/v1`` or a trailing
+    slash; a URL that does not parse fails naming ``field``."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"{field} must start with http:// or https://, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises for a port that is not a number in 0-65535
+    except ValueError as e:
+        raise ValueError(f"{field}: {url!r} is not a valid URL ({e})") from None
+    if not parts.hostname or parts.query or parts.fragment:
+        raise ValueError(f"{field}: {url!r} must be http(s)://host[:port][/v1], without query or fragment")
+    return url.rstrip("/").removesuffix("/v1").rstrip("/")
+
+
 def _powers_of_two(lo: int, hi: int, factor: int = 2) -> list[int]:
     """Powers of ``factor`` from ``lo`` up to ``hi``, with ``hi`` itself always last."""
     out, b = [], 1
@@ -134,10 +183,11 @@ class InferenceConfig(BaseModel):
     memory). "vllm": a vLLM server started beside the run. "external": an already running
     OpenAI/vLLM-compatible server at ``base_url``."""
 
-    base_url: str | None = None
-    """Root URL of the server (e.g. "http://10.0.0.2:8000/v1"): required when ``backend =
-    "external"``; with ``backend = "vllm"``, a running vLLM server to attach to instead of
-    launching one."""
+    base_url: str | list[str] | None = None
+    """Root URL of the server (e.g. "http://10.0.0.2:8000/v1"), or with ``backend = "external"``
+    a list of several (load-balanced per rollout, each rollout's turns sticky to one server by
+    its ``X-Session-ID``): required when ``backend = "external"``; with ``backend = "vllm"``, one
+    running vLLM server to attach to instead of launching one."""
 
     max_model_len: int | None = Field(None, ge=2)
     """Longest prompt + completion, in tokens. Also the KV cache row length. Default: the model's
@@ -220,12 +270,19 @@ class InferenceConfig(BaseModel):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     """The vLLM server, when ``backend = "vllm"``."""
 
+    external: ExternalConfig = Field(default_factory=ExternalConfig)
+    """The servers of ``backend = "external"``."""
+
     @model_validator(mode="after")
     def _check(self) -> InferenceConfig:
+        self.server_urls()  # every URL parses, none repeats, a list is not empty
         if self.backend == "external" and not self.base_url:
             raise ValueError('inference.base_url is required when inference.backend = "external"')
-        if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"inference.base_url must start with http:// or https://, got {self.base_url!r}")
+        if isinstance(self.base_url, list) and self.backend != "external":
+            raise ValueError(
+                f'inference.base_url: a list of servers needs backend = "external" (backend = "{self.backend}" '
+                "attaches to one server): give one URL or set backend"
+            )
         for name in (
             "decode_batch_buckets",
             "decode_len_buckets",
@@ -254,6 +311,18 @@ class InferenceConfig(BaseModel):
                 f"chunk ({self.prefill_lengths()[-1]}); raise it or lower prefill_len_buckets"
             )
         return self
+
+    def server_urls(self) -> list[str]:
+        """``base_url`` as a list of server roots (no ``/v1``); checked: each parses, none repeats."""
+        if self.base_url is None:
+            return []
+        urls = [self.base_url] if isinstance(self.base_url, str) else self.base_url
+        if not urls:
+            raise ValueError("inference.base_url: the list of servers is empty; name at least one")
+        roots = [server_root(u, f"inference.base_url[{i}]" if len(urls) > 1 else "inference.base_url") for i, u in enumerate(urls)]
+        if dupes := sorted({r for r in roots if roots.count(r) > 1}):
+            raise ValueError(f"inference.base_url lists {dupes} more than once; name each server once")
+        return roots
 
     def with_model_len(self, context_len: int) -> InferenceConfig:
         """This config with ``max_model_len`` defaulted to a model's context length (validated)."""

@@ -19,6 +19,7 @@ import logging
 import re
 import secrets
 import signal
+import tempfile
 import threading
 import time
 import uuid
@@ -43,6 +44,7 @@ from jaxrl.inference.sampling import SamplingParams
 from jaxrl.inference.scheduler import Completion
 from jaxrl.inference.scheduler import Request as EngineRequest
 from jaxrl.inference.template_sandbox import TemplateBudgetError, render_in_sandbox
+from jaxrl.models.hf_io import copy_model_dir, is_url
 
 _MAX_CACHED_RENDERERS = 16
 SESSION_HEADER = "x-session-id"
@@ -206,7 +208,10 @@ class EngineServer:
         self.request_template_timeout_s = request_template_timeout_s
         self._sandbox_slots = asyncio.Semaphore(SANDBOX_SLOTS)
         self._max_prompt_chars = PROMPT_CHARS_PER_TOKEN * engine.max_model_len
-        self.weights_root = Path(weights_root).resolve() if weights_root is not None else None
+        # A local root admits only local directories under it; a URL root (gs://...) only URLs under it.
+        self.weights_root: Path | str | None = None
+        if weights_root is not None:
+            self.weights_root = str(weights_root).rstrip("/") if is_url(weights_root) else Path(weights_root).resolve()
         self.tokenizer = tokenizer
         # The run's `renderers` config (`[model] renderer`): chat prompts render and completions
         # parse exactly as the env servers' do. None: the tokenizer's chat template.
@@ -539,9 +544,7 @@ class EngineServer:
             self._authorize(request)
             path = self._weights_dir(body.path)
             try:
-                version = await asyncio.to_thread(
-                    self.engine.update_weights_from_path, path, version=body.version
-                )
+                version = await asyncio.to_thread(self._load_weights, path, body.version)
             except RuntimeError as e:  # the engine failed or stops
                 raise Unavailable(f"update_weights: {e}") from None
             except Exception as e:  # noqa: BLE001 - the client's directory does not load: the old weights stay
@@ -565,10 +568,24 @@ class EngineServer:
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
-    def _weights_dir(self, path: str) -> Path:
+    def _load_weights(self, path: Path | str, version: int | None) -> int:
+        """Load a model directory as the new weights; a URL (``gs://...``, shared storage of an
+        external rollout backend) is first copied to a local temporary directory."""
+        if isinstance(path, Path):
+            return self.engine.update_weights_from_path(path, version=version)
+        with tempfile.TemporaryDirectory(prefix="jaxrl-update-") as tmp:
+            copy_model_dir(path, tmp)
+            return self.engine.update_weights_from_path(tmp, version=version)
+
+    def _weights_dir(self, path: str) -> Path | str:
         """The model directory an update names, checked before anything is read from it."""
+        root = self.weights_root
+        if is_url(path):  # checked by name here; its config.json when it is copied
+            if ".." in path.split("/") or (root is not None and not path.startswith(f"{root}/")):
+                raise BadRequest(f"path: {path} is outside the allowed weights directory {root}")
+            return path
         p = Path(path).resolve()
-        if self.weights_root is not None and not p.is_relative_to(self.weights_root):
+        if root is not None and not (isinstance(root, Path) and p.is_relative_to(root)):
             raise BadRequest(f"path: {path} is outside the allowed weights directory {self.weights_root}")
         if not (p / "config.json").is_file():
             raise BadRequest(f"path: {path} is not a model directory (no config.json)")

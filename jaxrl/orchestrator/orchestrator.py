@@ -280,7 +280,7 @@ class Orchestrator:
             everything += [r for g in groups for r in g]
         means = [v for k, v in metrics.items() if "/avg@" in k and not k.endswith("_se") and not math.isnan(v)]
         ses = [v for k, v in metrics.items() if "/avg@" in k and k.endswith("_se")]
-        metrics["eval_reward_mean"] = sum(means) / len(means) if means else math.nan
+        metrics["eval/reward_mean"] = sum(means) / len(means) if means else math.nan
         # standard error of that mean over envs (independent task draws per env)
-        metrics["eval_reward_se"] = math.sqrt(sum(s * s for s in ses)) / len(ses) if ses else math.nan
+        metrics["eval/reward_se"] = math.sqrt(sum(s * s for s in ses)) / len(ses) if ses else math.nan
         return metrics, everything

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pickle
+from typing import Any
+
 import jax
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -41,3 +45,16 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+def broadcast_from_main(obj: Any) -> Any:
+    """Process 0's ``obj`` on every process (pickled; the others' argument is ignored): how
+    multi-host RL hands process 0's batch to every process. Identity with one process."""
+    if jax.process_count() == 1:
+        return obj
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(pickle.dumps(obj), np.uint8) if is_main_process() else np.zeros(0, np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(data.size)))
+    buf = data if is_main_process() else np.zeros(size, np.uint8)
+    return pickle.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes())

@@ -132,4 +132,4 @@ def test_sft_on_a_llama3_tool_conversation_file(tmp_path) -> None:
         assert text.endswith(f'"{code}"{code}<|eot_id|>')  # the tool body (JSON-quoted), then the answer
         expected += int(np.sum(mask))
     steps = read_metrics(out / "metrics.jsonl")
-    assert [m["ce_tokens"] for m in steps] == [expected, expected]
+    assert [m["train/ce_tokens"] for m in steps] == [expected, expected]

@@ -129,7 +129,7 @@ def test_echo_weights_exactly_the_allowed_tool_output_bodies(echo_run, warm_star
                     echoed.append(tok.decode(sample.token_ids[run]))
             assert sorted(echoed) == sorted(expected), (step, echoed, expected)
         # The trainer trained exactly the tokens echo selected.
-        assert metrics[step]["ce_tokens"] == ce_tokens, (step, metrics[step]["ce_tokens"], ce_tokens)
+        assert metrics[step]["train/ce_tokens"] == ce_tokens, (step, metrics[step]["train/ce_tokens"], ce_tokens)
     # Seen 17-45 calls in 80 rollouts (rollout order, and so sampling seeds, varies per run).
     assert calls >= 2 * STEPS, f"the warm start made only {calls} tool calls in {16 * STEPS} rollouts"
 
@@ -137,6 +137,6 @@ def test_echo_weights_exactly_the_allowed_tool_output_bodies(echo_run, warm_star
 def test_echo_lowers_tool_output_nll(echo_run) -> None:
     rows = read_metrics(echo_run / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert all(r["ce_tokens"] > 0 for r in rows)
-    nll = [r["ce_nll_mean"] for r in rows]
+    assert all(r["train/ce_tokens"] > 0 for r in rows)
+    nll = [r["train/ce_nll_mean"] for r in rows]
     assert nll[-1] < 0.8 * nll[0], nll

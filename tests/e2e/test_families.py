@@ -60,7 +60,7 @@ def test_family_sft_and_rl_step_use_its_chat_template(family, tmp_path) -> None:
         "log": {"progress": False, "plot": False, "rollout_episodes": True},
     }, []))  # fmt: skip
     (rl_metrics,) = read_metrics(rl_out / "metrics.jsonl")
-    assert rl_metrics["step"] == 1 and rl_metrics["rl_tokens"] > 0 and rl_metrics["policy_version"] == 1.0
+    assert rl_metrics["step"] == 1 and rl_metrics["train/rl_tokens"] > 0 and rl_metrics["train/policy_version"] == 1.0
 
     # The env server rendered every prompt exactly as the family's own chat template does.
     record = json.loads((rl_out / "rollouts.jsonl").read_text().splitlines()[0])

@@ -33,7 +33,7 @@ import pytest
 import tomli_w
 
 from jaxrl.config import build_config, deep_merge
-from jaxrl.metrics import read_metrics
+from jaxrl.metrics import NAMESPACES, read_metrics
 from jaxrl.orchestrator.algo import GRPOConfig, make_algorithm
 from jaxrl.orchestrator.traces import Rollout, trace_reward
 from jaxrl.rl import run_rl
@@ -95,16 +95,17 @@ def test_grpo_raises_held_out_reward_and_records_every_rollout(warm_start, tmp_p
     })
     run_rl(build_config(cfg, []))
     rows = read_metrics(out / "metrics.jsonl")
-    evals = [(r["step"], r["eval_reward_mean"]) for r in rows if "eval_reward_mean" in r]
+    evals = [(r["step"], r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
     assert [step for step, _ in evals] == [0, 16]
     before, after = evals[0][1], evals[-1][1]
     assert after > before + 0.015, f"held-out reward did not rise: {evals}"
     assert "eval/reverse_text/pass@8" in rows[-1]
-    train_rows = [r for r in rows if "reward_mean" in r]
+    train_rows = [r for r in rows if "train/reward_mean" in r]
+    assert all(k == "step" or k.split("/", 1)[0] in NAMESPACES for r in rows for k in r), rows[-1].keys()
     assert [r["step"] for r in train_rows] == list(range(1, 17))
-    assert train_rows[-1]["policy_version"] == 16.0
+    assert train_rows[-1]["train/policy_version"] == 16.0
     # Every step is on-policy: trainer and sampler agree to fp32 precision at T = 1.5.
-    assert all(r["policy_lag_max"] == 0.0 and r["mismatch_kl"] < 1e-5 for r in train_rows)
+    assert all(r["train/policy_lag_max"] == 0.0 and r["train/mismatch_kl"] < 1e-5 for r in train_rows)
     records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     fates = Counter((r["split"], r["fate"]) for r in records)
     assert sum(n for (split, _), n in fates.items() if split == "train") == 16 * 64
@@ -171,12 +172,12 @@ def test_opd_distills_a_longer_sft_teacher(warm_start, tmp_path) -> None:
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         # every sampled token of every rollout is distilled, nothing else trains
-        assert r["ref_kl_tokens"] == r["sampled_tokens_mean"] * r["samples"] > 0, r
-        assert r["rl_tokens"] == 0 and r["ce_tokens"] == 0
+        assert r["train/ref_kl_tokens"] == r["train/sampled_tokens_mean"] * r["train/samples"] > 0, r
+        assert r["train/rl_tokens"] == 0 and r["train/ce_tokens"] == 0
         # mean(logp - logr) over the policy's own samples: a KL estimate, > 0 as the models differ
-        assert 0.01 < r["teacher_kl"] < 10, r["teacher_kl"]
-        assert math.isfinite(r["ref_kl_loss"]) and r["ref_kl_loss"] != 0.0
-        assert r["mismatch_kl"] < 1e-5  # on-policy: the importance ratio is 1, so the loss is the teacher's signal
+        assert 0.01 < r["train/teacher_kl"] < 10, r["train/teacher_kl"]
+        assert math.isfinite(r["train/ref_kl_loss"]) and r["train/ref_kl_loss"] != 0.0
+        assert r["train/mismatch_kl"] < 1e-5  # on-policy: the importance ratio is 1, so the loss is the teacher's signal
 
 
 def test_both_seats_of_a_duel_train(warm_start, tmp_path) -> None:
@@ -206,8 +207,8 @@ def test_both_seats_of_a_duel_train(warm_start, tmp_path) -> None:
         by_seat = {seat: [s for s in samples if s.metadata["role"] == seat] for seat in ("first", "second")}
         for seat, seat_samples in by_seat.items():  # each seat has tokens with a non-zero advantage
             assert sum(int((s.rl_w[1:] != 0).sum()) for s in seat_samples if s.advantage != 0) > 0, (step, seat)
-        assert metrics[step]["rl_tokens"] == sum(int((s.rl_w[1:] != 0).sum()) for s in samples)
-        assert math.isfinite(metrics[step]["rl_loss"]) and metrics[step]["grad_norm"] > 0
+        assert metrics[step]["train/rl_tokens"] == sum(int((s.rl_w[1:] != 0).sum()) for s in samples)
+        assert math.isfinite(metrics[step]["train/rl_loss"]) and metrics[step]["train/grad_norm"] > 0
 
 
 def _steps_done(out: Path) -> int:

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from jaxrl.config import build_config
-from jaxrl.metrics import read_metrics
+from jaxrl.metrics import NAMESPACES, read_metrics
 from jaxrl.sft import run_sft
 
 TINY = {
@@ -36,7 +36,8 @@ def test_sft_loss_falls_and_exports_a_transformers_model(tmp_path) -> None:
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 41))
     assert all(r["time/train_s"] > 0 and "step_time_s" not in r for r in rows)  # one name, one meaning
-    first, last = np.mean([r["ce_loss"] for r in rows[:3]]), np.mean([r["ce_loss"] for r in rows[-3:]])
+    assert all(k == "step" or k.split("/", 1)[0] in NAMESPACES for r in rows for k in r)  # one naming scheme
+    first, last = np.mean([r["train/ce_loss"] for r in rows[:3]]), np.mean([r["train/ce_loss"] for r in rows[-3:]])
     assert last < 0.5 * first, (first, last)
     # Held-out eval at every eval_interval steps and the last: the same 16 eval-split conversations each time.
     evals = {r["step"]: r for r in rows if "eval/ce_loss" in r}
@@ -71,8 +72,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path) -> None:
     part = read_metrics(tmp_path / "part" / "metrics.jsonl")
     assert [r["step"] for r in part] == list(range(1, 5))
     for a, b in zip(full, part):
-        assert a["ce_loss"] == pytest.approx(b["ce_loss"], rel=1e-6, abs=1e-6), a["step"]
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), a["step"]
+        assert a["train/ce_loss"] == pytest.approx(b["train/ce_loss"], rel=1e-6, abs=1e-6), a["step"]
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5), a["step"]
 
 
 def test_heldout_conversations_are_never_trained_on() -> None:

@@ -495,8 +495,20 @@ def test_update_weights_needs_the_api_key(model_dir, tokenizer, make_config, tmp
         assert (
             r.status_code == 400 and "outside the allowed weights directory" in r.json()["error"]["message"]
         )
+        # A URL (shared storage of an external rollout backend) is refused under a local root.
+        r = httpx.post(srv.url + "/update_weights", json={"path": "gs://bucket/w/policy-1"}, headers=right)
+        assert r.status_code == 400 and "outside the allowed weights directory" in r.json()["error"]["message"]
         generate = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}}
         assert httpx.post(srv.url + "/inference/v1/generate", json=generate, timeout=120).status_code == 200
+    finally:
+        srv.stop()
+    # Under a URL root only URLs below it pass (reading one needs the bucket: not exercised here).
+    srv = EngineServer(engine, tokenizer, weights_root="gs://bucket/w/")
+    srv.start()
+    try:
+        for path in (str(model_dir), "gs://bucket/other/p", "gs://bucket/w/../x"):
+            r = httpx.post(srv.url + "/update_weights", json={"path": path})
+            assert r.status_code == 400 and "outside the allowed" in r.json()["error"]["message"], path
     finally:
         srv.stop()
     # Bound to a non-loopback address with no key configured: a key is generated, never an open route.

@@ -84,14 +84,14 @@ def test_short_rl_run_with_vllm_backend(tmp_path) -> None:
         "log": {"progress": False},
     }, [])
     run_rl(cfg)
-    rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward_mean" in r]
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "train/reward_mean" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert [r["policy_version"] for r in rows] == [1.0, 2.0, 3.0]
+    assert [r["train/policy_version"] for r in rows] == [1.0, 2.0, 3.0]
     assert all(r["policy_lag_max"] <= 1 for r in rows)
     # Step 1 is on-policy (vLLM served the initial weights): sampler and trainer agree.
-    assert rows[0]["policy_lag_max"] == 0.0 and rows[0]["mismatch_kl"] < 1e-6, rows[0]
+    assert rows[0]["train/policy_lag_max"] == 0.0 and rows[0]["train/mismatch_kl"] < 1e-6, rows[0]
     print("RL weight sync s/step:", [round(r["time/weight_sync_s"], 2) for r in rows],
-          "mismatch_kl:", [r["mismatch_kl"] for r in rows])
+          "mismatch_kl:", [r["train/mismatch_kl"] for r in rows])
     records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     assert len(records) >= 3 * 16 and all(r["fate"] != "failed" for r in records)
     assert not list((out / "vllm" / "weights").glob("update-0000000[12]"))  # only the last export kept
@@ -109,6 +109,7 @@ def backend(models, tokenizer_dir, tmp_path_factory):
                           server={"port": 0})
     b = VLLMBackend(load_decoder(model_dir), json.loads((model_dir / "config.json").read_text()), cfg,
                     output_dir=tmp_path_factory.mktemp("vllm_out"), tokenizer_dir=tokenizer_dir, model_name="tiny")
+    b.start()
     print(f"\nvLLM start-up: {b.startup_s:.1f} s")
     yield b
     b.stop()
@@ -173,7 +174,7 @@ def test_weight_reload_changes_outputs_resets_prefix_cache_and_versions(backend,
     assert hits >= 128  # the second request reused the cached prompt: a stale cache would matter
 
     t0 = time.perf_counter()
-    assert backend.update_weights_from_state(nnx.state(load_decoder(models[1])), version=1) == 1
+    assert backend.update_weights(nnx.state(load_decoder(models[1])), version=1) == 1
     print(f"weight reload (export + reload + cache reset): {time.perf_counter() - t0:.2f} s")
     assert backend.policy_version == 1 and backend.served_weight_version() == "1"
     after = chat(backend, tokenizer_dir, None, prompt, 0.0, 0, max_tokens=4)
@@ -182,7 +183,7 @@ def test_weight_reload_changes_outputs_resets_prefix_cache_and_versions(backend,
     assert max_logprob_diff(models[1], after, 0.0) < LOGPROB_ATOL  # served = new weights, all positions
     assert "ParallelLMHead: Failed to load weights" not in backend.log_path.read_text()  # the head reloaded too
     with pytest.raises(ValueError, match="must be greater than 1"):
-        backend.update_weights_from_state(nnx.state(load_decoder(models[0])), version=1)
+        backend.update_weights(nnx.state(load_decoder(models[0])), version=1)
     assert len(list((backend.weights_root).glob("update-*"))) == 1  # older exports are removed
 
 
@@ -191,5 +192,5 @@ def test_a_server_that_fails_to_start_names_its_log(models, tokenizer_dir, tmp_p
                           vllm={"extra_args": ["--no-such-flag"], "startup_timeout_s": 120})
     with pytest.raises(RuntimeError, match=r"(?s)exited with code \d+ during start-up.*vllm\.log.*no-such-flag"):
         VLLMBackend(load_decoder(models[0]), json.loads((models[0] / "config.json").read_text()), cfg,
-                    output_dir=tmp_path, tokenizer_dir=tokenizer_dir, model_name="tiny")
+                    output_dir=tmp_path, tokenizer_dir=tokenizer_dir, model_name="tiny").start()
     assert (tmp_path / "logs" / "vllm.log").exists()

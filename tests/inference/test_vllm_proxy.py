@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 
 from jaxrl.inference.config import InferenceConfig, VLLMConfig
 from jaxrl.inference.vllm_backend import VLLMBackend
-from jaxrl.inference.vllm_proxy import ProxyServer, rewrite_generate_response
+from jaxrl.inference.proxy import ProxyServer, rewrite_generate_response
 from jaxrl.models.hf_io import load_decoder
 
 LOGPROBS = [-0.25, -1.5, -0.125]
@@ -216,12 +216,13 @@ def test_attached_backend_syncs_weights_with_vllm_routes_in_order(upstream, mode
     model = load_decoder(model_dir)
     backend = VLLMBackend(model, json.loads((model_dir / "config.json").read_text()), cfg, output_dir=tmp_path,
                           tokenizer_dir=tokenizer_dir, model_name="ignored")
+    backend.start()
     try:
         assert backend.endpoint.model == "tiny"  # read from the attached server's /v1/models
         assert backend.endpoint.base_url == f"{backend.proxy.url}/v1" and backend.policy_version == 0
         for version in (3, 4):
             del upstream.seen[:]
-            assert backend.update_weights_from_state(model, version=version) == version
+            assert backend.update_weights(model, version=version) == version
             calls = [(c["route"], c["query"], c["json"]) for c in upstream.seen]
             path = tmp_path / "w" / f"update-{version:08d}"
             assert calls == [
@@ -237,7 +238,7 @@ def test_attached_backend_syncs_weights_with_vllm_routes_in_order(upstream, mode
         assert json.loads((path / "config.json").read_text())["tie_word_embeddings"] is False
         assert (path / "lm_head.safetensors").exists() and (path / "model.safetensors").exists()
         with pytest.raises(ValueError, match="version 4 must be greater than 4"):
-            backend.update_weights_from_state(model, version=4)
+            backend.update_weights(model, version=4)
     finally:
         backend.stop()
     assert not backend.running
@@ -249,7 +250,7 @@ def test_attach_timeout_names_the_setting(model_dir, tokenizer_dir, tmp_path) ->
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     cfg = InferenceConfig(backend="vllm", base_url=dead + "/v1", vllm={"startup_timeout_s": 1})
     with pytest.raises(TimeoutError, match=r"not healthy after 1 s \(inference.vllm.startup_timeout_s\)"):
-        VLLMBackend(load_decoder(model_dir), {}, cfg, output_dir=tmp_path, tokenizer_dir=tokenizer_dir, model_name="m")
+        VLLMBackend(load_decoder(model_dir), {}, cfg, output_dir=tmp_path, tokenizer_dir=tokenizer_dir, model_name="m").start()
 
 
 # -- config -------------------------------------------------------------------------------
@@ -277,3 +278,77 @@ def test_vllm_config_fields_and_errors(monkeypatch, tmp_path) -> None:
     os.chmod(not_exec, 0o755)
     assert VLLMConfig().resolve_python() == str(not_exec)
     assert VLLMConfig(python="/usr/bin/env").resolve_python() == "/usr/bin/env"  # the field wins
+
+
+# -- several upstreams (backend = "external") -----------------------------------------------
+
+
+def test_balancer_is_sticky_per_session_spreads_the_rest_and_names_a_dead_server(completion) -> None:
+    seen = [[], []]
+    ups = [Upstream(vllm_like_app(s, completion)) for s in seen]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    reported: list[tuple[str, str]] = []
+    srv = ProxyServer([u.url for u in ups], on_unreachable=lambda url, why: reported.append((url, why)))
+    srv.start()
+    body = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}}
+    try:
+        for turn in range(3):  # three sessions of three turns each, interleaved
+            for session in ("a", "b", "c"):
+                resp = httpx.post(f"{srv.url}/inference/v1/generate", json=body, headers={"X-Session-ID": session})
+                assert resp.status_code == 200
+        by_session = [{r["session"] for r in s} for s in seen]
+        assert by_session[0] | by_session[1] == {"a", "b", "c"} and not by_session[0] & by_session[1]  # sticky
+        assert by_session[0] and by_session[1]  # new sessions spread over both servers
+        for s in seen:
+            del s[:]
+        for _ in range(4):  # no session: each request to the least busy, ties in turn
+            assert httpx.post(f"{srv.url}/inference/v1/generate", json=body).status_code == 200
+        assert [len(s) for s in seen] == [2, 2]
+        srv.stop()
+        assert not reported
+        srv = ProxyServer([ups[0].url, dead], on_unreachable=lambda url, why: reported.append((url, why)))
+        srv.start()
+        codes = [
+            httpx.post(f"{srv.url}/inference/v1/generate", json=body, headers={"X-Session-ID": s}).status_code
+            for s in ("x", "y")
+        ]
+        assert codes == [200, 502]  # the first session went to the live server, the second to the dead one
+        resp = httpx.post(f"{srv.url}/inference/v1/generate", json=body, headers={"X-Session-ID": "y"})
+        assert resp.status_code == 502 and dead in resp.json()["error"]["message"]
+    finally:
+        srv.stop()
+        for u in ups:
+            u.stop()
+    assert {url for url, _ in reported} == {dead} and "ConnectError" in reported[0][1]
+
+
+@pytest.mark.parametrize(("over", "needle"), [
+    ({"base_url": []}, "list of servers is empty"),
+    ({"base_url": ["http://a:8000/v1", "http://a:8000/"]}, "more than once"),
+    ({"base_url": ["http://a:8000", "a:8001"]}, r"inference.base_url\[1\] must start with http"),
+    ({"base_url": "http://a:99999/v1"}, "not a valid URL"),
+    ({"base_url": "http:///v1"}, "must be http"),
+    ({"backend": "vllm", "base_url": ["http://a:1", "http://b:1"]}, 'needs backend = "external"'),
+    ({"external": {"request_timeout_s": 0}}, "request_timeout_s"),
+    ({"external": {"api_key": "short"}}, "api_key"),
+])  # fmt: skip
+def test_external_config_is_checked_when_loaded(over, needle) -> None:
+    with pytest.raises(ValidationError, match=needle):
+        InferenceConfig.model_validate({"backend": "external", "base_url": "http://a:8000/v1"} | over)
+    ok = InferenceConfig(backend="external", base_url=["http://a:8000/v1", "https://b/"])
+    assert ok.server_urls() == ["http://a:8000", "https://b"]
+
+
+def test_multihost_rl_needs_external_servers(tmp_path) -> None:
+    from jaxrl.config import build_config
+
+    rl = {"model": {"scratch": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 1,
+                                "num_kv_heads": 1, "head_dim": 32, "max_position_embeddings": 64}},
+          "trainer": {"seq_len": 64}, "orchestrator": {"train": {"env": [{"id": "reverse_text"}],
+                                                                 "sampling": {"max_completion_tokens": 8}}},
+          "distributed": {"enabled": True, "num_processes": 2, "process_id": 0, "coordinator_address": "h:1"}}  # fmt: skip
+    with pytest.raises(ValueError, match=r'inference.backend = "embedded" with several processes.*"external"'):
+        build_config(rl, [])
+    assert build_config(rl | {"inference": {"backend": "external", "base_url": "http://h:8000"}}, []).inference.backend == "external"

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.sampling import SamplingParams
 from jaxrl.inference.scheduler import Request
-from jaxrl.models.hf_io import load_decoder
+from jaxrl.models.hf_io import copy_model_dir, load_decoder
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
@@ -168,3 +168,14 @@ def test_immediate_update_switches_requests_in_flight(model_dir, other_model_dir
         assert (out.policy_version, out.policy_version_final) == (0, 1)
     finally:
         engine.stop()
+
+
+def test_copy_model_dir_copies_a_loadable_model_and_refuses_a_non_model(model_dir, tmp_path) -> None:
+    """The copy external rollout backends use for shared storage (here local -> local, the same
+    ``etils.epath`` calls a gs:// URL goes through)."""
+    copy_model_dir(model_dir, tmp_path / "a" / "b")
+    want, got = nnx.state(load_decoder(model_dir)), nnx.state(load_decoder(tmp_path / "a" / "b"))
+    for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        copy_model_dir(tmp_path / "a", tmp_path / "c")

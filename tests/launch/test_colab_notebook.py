@@ -118,6 +118,6 @@ def test_notebook_runs_top_to_bottom_on_cpu(tmp_path, monkeypatch) -> None:
 
     assert has_png(outputs_of(nb, "rl = run(")), "RL plot not shown inline"
     rl_rows = [json.loads(x) for x in (runs / "rl" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rl_rows if "reward_mean" in r] == [1, 2]
+    assert [r["step"] for r in rl_rows if "train/reward_mean" in r] == [1, 2]
     listing = "".join(o.get("text", "") for o in outputs_of(nb, "rollouts[-4:]"))
     assert listing.count("reward") == 4

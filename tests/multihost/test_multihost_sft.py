@@ -168,9 +168,9 @@ def test_two_processes_match_one_process(tmp_path: Path) -> None:
     }
     assert [r["step"] for r in rows["multi"]] == list(range(1, STEPS + 1))
     for a, b in zip(rows["ref"], rows["multi"], strict=True):
-        for key in ("ce_loss", "ce_nll_max", "entropy", "grad_norm", "ce_tokens", "tokens"):
+        for key in ("train/ce_loss", "train/ce_nll_max", "train/entropy", "train/grad_norm", "train/ce_tokens", "train/tokens"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (a["step"], key)
-    assert rows["multi"][-1]["ce_loss"] < rows["multi"][0]["ce_loss"]
+    assert rows["multi"][-1]["train/ce_loss"] < rows["multi"][0]["train/ce_loss"]
     assert json.loads((multi / "result.json").read_text())["steps"] == STEPS
     assert (multi / "metrics.png").stat().st_size > 0
 

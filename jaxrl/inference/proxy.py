@@ -1,7 +1,19 @@
-"""A loopback HTTP proxy in front of a vLLM server that makes its generate answers readable by
-``renderers`` 0.1.12 (DESIGN contract 6).
+"""The loopback HTTP proxy env servers reach rollout servers through: in front of a vLLM server
+(``backend = "vllm"``) or of one or more external servers (``backend = "external"``).
 
-Why it exists: vLLM 0.32's ``POST /inference/v1/generate`` answers in its "tokens" output mode
+Two jobs:
+
+- **Balancing** over several servers: a request with an ``X-Session-ID`` (verifiers' train
+  client sends the rollout's trace id, the same every turn) goes to the server that session
+  was first sent to, so a multi-turn rollout stays on one server and its growing prefix stays
+  in that server's KV cache; a new session or a request without one goes to the server with
+  the fewest requests in flight. With seeded sampling a rollout's tokens do not depend on
+  which server produced them.
+- **A server that stops answering** (connection refused or reset, or no answer within the
+  timeout) is reported once through ``on_unreachable(url, reason)`` and the request answers
+  502 naming it: the RL loop stops the run with a checkpoint (``jaxrl.inference.external``).
+
+And for vLLM, log-probs readable by ``renderers`` 0.1.12 (DESIGN contract 6). Why: vLLM 0.32's ``POST /inference/v1/generate`` answers in its "tokens" output mode
 unless the request says otherwise, with log-prob entries ``{"token_id": 7, "logprob": x, ...}``.
 ``renderers`` 0.1.12 (the parser verifiers' train client uses) requires
 ``{"token": "token_id:7", "logprob": x}`` and rejects anything else, and verifiers sends no
@@ -16,7 +28,10 @@ through unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import itertools
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -26,6 +41,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jaxrl.inference.http_thread import BackgroundServer
 
 GENERATE_PATH = "inference/v1/generate"
+SESSION_HEADER = "x-session-id"
+MAX_SESSIONS = 65536  # sticky-session entries kept (oldest forgotten first): far more than rollouts in flight
+Unreachable = Callable[[str, str], None]
 # Hop-by-hop headers and those httpx recomputes; never forwarded.
 _DROP_HEADERS = {
     "host",
@@ -80,24 +98,65 @@ def _forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in _DROP_HEADERS}
 
 
-def build_proxy_app(upstream: str, *, timeout_s: float = 600.0) -> FastAPI:
-    """An app forwarding every request to ``upstream`` (a server root, no ``/v1``)."""
-    upstream = upstream.rstrip("/")
-    app = FastAPI(title="jaxrl vLLM proxy")
+class Balancer:
+    """Which upstream serves a request: sticky per session, else the least busy (ties in turn)."""
+
+    def __init__(self, upstreams: Sequence[str]):
+        if not upstreams:
+            raise ValueError("the proxy needs at least one upstream server")
+        self.upstreams = [u.rstrip("/") for u in upstreams]
+        self.in_flight = dict.fromkeys(self.upstreams, 0)
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._turn = itertools.count()
+        self._lock = threading.Lock()
+
+    def acquire(self, session: str | None) -> str:
+        with self._lock:
+            upstream = self._sessions.get(session) if session else None
+            if upstream is None:
+                start = next(self._turn)
+                order = self.upstreams[start % len(self.upstreams) :] + self.upstreams[: start % len(self.upstreams)]
+                upstream = min(order, key=self.in_flight.__getitem__)
+            if session:
+                self._sessions[session] = upstream
+                self._sessions.move_to_end(session)
+                while len(self._sessions) > MAX_SESSIONS:
+                    self._sessions.popitem(last=False)
+            self.in_flight[upstream] += 1
+            return upstream
+
+    def release(self, upstream: str) -> None:
+        with self._lock:
+            self.in_flight[upstream] -= 1
+
+
+def build_proxy_app(
+    upstreams: str | Sequence[str],
+    *,
+    timeout_s: float = 600.0,
+    connect_timeout_s: float | None = None,
+    on_unreachable: Unreachable | None = None,
+) -> FastAPI:
+    """An app forwarding every request to one of ``upstreams`` (server roots, no ``/v1``)."""
+    balancer = Balancer([upstreams] if isinstance(upstreams, str) else upstreams)
+    app = FastAPI(title="jaxrl rollout proxy")
     # Pooled connections to vLLM are dropped after 2 s idle, before vLLM's own keep-alive (5 s by
     # default) closes them: reusing a connection the server is closing fails the request.
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64, keepalive_expiry=2.0)
+    timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s or timeout_s)
     state: dict[str, httpx.AsyncClient] = {}
+    app.state.balancer = balancer
 
     def client() -> httpx.AsyncClient:
         # Created lazily inside the server's event loop (an AsyncClient is bound to its loop).
         if "c" not in state:
-            state["c"] = httpx.AsyncClient(timeout=timeout_s, limits=limits)
+            state["c"] = httpx.AsyncClient(timeout=timeout, limits=limits)
         return state["c"]
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def forward(path: str, request: Request) -> Response:
         body = await request.body()
+        upstream = balancer.acquire(request.headers.get(SESSION_HEADER))
         upstream_req = client().build_request(
             request.method,
             f"{upstream}/{path}",
@@ -107,24 +166,24 @@ def build_proxy_app(upstream: str, *, timeout_s: float = 600.0) -> FastAPI:
         )
         try:
             resp = await client().send(upstream_req, stream=True)
+            headers = _forward_headers(resp.headers)
+            is_json = resp.headers.get("content-type", "").startswith("application/json")
+            if path == GENERATE_PATH and resp.status_code == 200 and is_json:
+                raw = await resp.aread()
+                await resp.aclose()
+                payload = rewrite_generate_response(httpx.Response(200, content=raw).json())
+                headers.pop("content-type", None)
+                return JSONResponse(payload, status_code=200, headers=headers)
         except httpx.HTTPError as exc:
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if on_unreachable is not None:
+                on_unreachable(upstream, f"{request.method} /{path}: {reason}")
             return JSONResponse(
-                {
-                    "error": {
-                        "message": f"vLLM server at {upstream} unreachable: {exc!r}",
-                        "type": "BadGateway",
-                    }
-                },
+                {"error": {"message": f"rollout server {upstream} unreachable: {reason}", "type": "BadGateway"}},
                 status_code=502,
             )
-        headers = _forward_headers(resp.headers)
-        is_json = resp.headers.get("content-type", "").startswith("application/json")
-        if path == GENERATE_PATH and resp.status_code == 200 and is_json:
-            raw = await resp.aread()
-            await resp.aclose()
-            payload = rewrite_generate_response(httpx.Response(200, content=raw).json())
-            headers.pop("content-type", None)
-            return JSONResponse(payload, status_code=200, headers=headers)
+        finally:
+            balancer.release(upstream)
         return StreamingResponse(
             resp.aiter_raw(), status_code=resp.status_code, headers=headers, background=_Closer(resp)
         )
@@ -147,18 +206,22 @@ class ProxyServer:
 
     def __init__(
         self,
-        upstream: str,
+        upstreams: str | Sequence[str],
         host: str = "127.0.0.1",
         port: int = 0,
         *,
         timeout_s: float = 600.0,
+        connect_timeout_s: float | None = None,
         keep_alive_s: float = 600.0,
+        on_unreachable: Unreachable | None = None,
     ):
-        self.upstream = upstream
-        self.app = build_proxy_app(upstream, timeout_s=timeout_s)
+        self.upstreams = [upstreams] if isinstance(upstreams, str) else list(upstreams)
+        self.app = build_proxy_app(
+            self.upstreams, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, on_unreachable=on_unreachable
+        )
         # A long keep-alive towards the env servers: they pool connections and do not retry
         # (see ``ServerConfig.keep_alive_s``).
-        self._http = BackgroundServer(self.app, host, port, name="jaxrl-vllm-proxy", keep_alive_s=keep_alive_s)
+        self._http = BackgroundServer(self.app, host, port, name="jaxrl-rollout-proxy", keep_alive_s=keep_alive_s)
 
     @property
     def url(self) -> str:

@@ -1,0 +1,238 @@
+"""``[inference] backend = "external"``: rollouts from servers that run elsewhere
+(``python -m jaxrl.serve`` on other hosts), listed in ``inference.base_url``.
+
+    env servers -> loopback balancer (``proxy``) -> server 1 .. server N
+    trainer     -> HF safetensors in ``inference.external.weights_dir`` -> POST /update_weights to each
+
+After every optimizer step the trainer's parameters are written once as HF safetensors to a
+directory every server can read (a shared filesystem, or ``gs://`` through ``etils.epath``),
+then each server is told to load them (``POST /update_weights {"path", "version"}``, with the
+``Authorization: Bearer`` key when one is configured). The step's policy version counts as
+served once every server has answered: the orchestrator's bounded off-policy lag is then the
+same as with the embedded engine.
+
+Servers keep their own version counters across runs (a server may have served another run or
+an earlier attempt of this one), so the trainer's version ``v`` is sent as ``offset + v``, with
+the offset chosen at start above every server's current version; the trainer's weights are
+pushed at start, so every server serves exactly the trainer's policy from the first rollout.
+
+A server that stops answering - a rollout request or a weight update refused, reset, or not
+answered within ``request_timeout_s`` - is reported by its URL as ``RolloutServerDead``; the RL
+loop then checkpoints and stops, and ``--resume`` continues once the server is back.
+
+With several processes (multi-host training) every process takes part in writing the weights
+(a cross-host gather), and process 0 alone talks to the servers.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jax
+from etils import epath
+from flax import nnx
+
+from jaxrl.endpoint import ModelEndpoint
+from jaxrl.inference.config import InferenceConfig
+from jaxrl.inference.proxy import ProxyServer
+from jaxrl.inference.rollout_backend import RolloutServerDead
+from jaxrl.models.decoder import Decoder
+from jaxrl.models.hf_io import copy_model_dir, export_hf, is_url
+from jaxrl.parallel.distributed import broadcast_from_main
+
+logger = logging.getLogger(__name__)
+
+
+class ExternalBackend:
+    """Servers at ``inference.base_url`` behind a loopback balancer, fed weights through files."""
+
+    def __init__(
+        self,
+        model: Decoder,
+        hf_config: Mapping[str, Any],
+        config: InferenceConfig,
+        *,
+        output_dir: str | Path,
+        tokenizer_dir: str | Path,
+        renderer: Mapping[str, Any] | None = None,
+    ):
+        self.config = config
+        self.ecfg = config.external
+        self.urls = config.server_urls()
+        self.hf_config = dict(hf_config)
+        self.tokenizer_dir = str(tokenizer_dir)
+        self.renderer = dict(renderer) if renderer is not None else None
+        self.weights_dir = epath.Path(self.ecfg.weights_dir or Path(output_dir) / "rollout_weights")
+        self.main = jax.process_index() == 0  # only process 0 talks to the servers
+        self._graphdef = nnx.graphdef(model)
+        self._model: Decoder | None = model
+        self._version = -1  # nothing pushed yet
+        self._offset = self._offset_base = 0
+        self._last_dir: epath.Path | None = None
+        self._dead: RolloutServerDead | None = None
+        self._endpoint: ModelEndpoint | None = None
+        self.proxy: ProxyServer | None = None
+        key = self.ecfg.resolve_api_key()
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._timeout = httpx.Timeout(self.ecfg.request_timeout_s, connect=self.ecfg.connect_timeout_s)
+        self._http = httpx.Client(timeout=self._timeout)
+
+    @classmethod
+    def for_run(cls, run: Any) -> ExternalBackend:
+        """The (not yet started) backend for ``run`` (a ``jaxrl.run_common.TrainingRun``)."""
+        return cls(
+            run.trainer.model(), run.hf_config, run.cfg.inference, output_dir=run.out,
+            tokenizer_dir=run.tokenizer_dir, renderer=run.renderer,
+        )  # fmt: skip
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self, state: nnx.State | Decoder | None = None, version: int = 0) -> ModelEndpoint:
+        """Wait for every server, check they serve one model, start the balancer, then push
+        ``state`` (or the weights the backend was built with) as ``version``."""
+        failure: Exception | None = None
+        if self.main:
+            try:
+                self._start_main()
+            except Exception as e:  # noqa: BLE001 - told to every process, then raised here
+                failure = e
+        # Every process takes part in the weight export below: they all stop here if process 0 could not start.
+        reason = broadcast_from_main(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        if reason is not None:
+            raise RuntimeError(f"process 0 could not reach the rollout servers: {reason}")
+        self._offset = self._offset_base + 1 - version  # the first push is one above every server's version
+        self.update_weights(self._model if state is None else state, version=version)
+        self._model = None  # the trainer's state is passed at every update from now on
+        return self._endpoint  # type: ignore[return-value]
+
+    def _start_main(self) -> None:
+        """Process 0: every server healthy and serving one model; the balancer in front of them."""
+        versions = self._each(self._await_server)
+        names = {u: n for u, (n, _) in versions.items()}
+        if len(set(names.values())) > 1:
+            raise ValueError(f"inference.base_url: the servers serve different models: {names}; serve one model")
+        self._offset_base = max(v for _, v in versions.values())
+        self.proxy = ProxyServer(
+            self.urls, self.config.server.host, self.config.server.port,
+            timeout_s=self.ecfg.request_timeout_s, connect_timeout_s=self.ecfg.connect_timeout_s,
+            keep_alive_s=self.config.server.keep_alive_s, on_unreachable=self._unreachable,
+        )  # fmt: skip
+        self.proxy.start()
+        model = self.config.server.served_model_name or next(iter(names.values()))
+        self._endpoint = ModelEndpoint.at(self.proxy.url, model, self.tokenizer_dir, self.renderer)
+
+    def _await_server(self, url: str) -> tuple[str, int]:
+        """(served model id, current policy version) of ``url`` once it answers ``/health``."""
+        deadline = time.monotonic() + self.ecfg.startup_timeout_s
+        while True:
+            try:
+                if self._http.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"rollout server {url} (inference.base_url) not healthy after "
+                    f"{self.ecfg.startup_timeout_s:g} s (inference.external.startup_timeout_s); is it running?"
+                )
+            time.sleep(0.5)
+        model = self._get(url, "/v1/models")["data"][0]["id"]
+        metrics = self._get(url, "/metrics")
+        if "policy_version" not in metrics:
+            raise ValueError(
+                f"rollout server {url}: GET /metrics has no policy_version; backend = \"external\" drives "
+                'jaxrl.serve servers (for one vLLM server use backend = "vllm" with base_url)'
+            )
+        return model, int(metrics["policy_version"])
+
+    def _get(self, url: str, path: str) -> Any:
+        resp = self._http.get(f"{url}{path}")
+        if resp.status_code != 200:
+            raise RuntimeError(f"rollout server {url}: GET {path} answered {resp.status_code}: {resp.text[:500]}")
+        return resp.json()
+
+    def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+            self.proxy = None
+        self._http.close()
+
+    @property
+    def endpoint(self) -> ModelEndpoint:
+        assert self._endpoint is not None, "start() first (on process 0)"
+        return self._endpoint
+
+    # -- health ----------------------------------------------------------------------------
+
+    def _unreachable(self, url: str, reason: str) -> None:
+        if self._dead is None:
+            logger.error("rollout server %s stopped answering: %s", url, reason)
+            self._dead = RolloutServerDead(url, reason)
+
+    def check(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+
+    def metrics(self) -> None:
+        """Each server has its own ``GET /metrics``; the RL loop logs no ``engine/...`` keys."""
+        return
+
+    # -- weights ---------------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def update_weights(self, state: nnx.State | Decoder, *, version: int) -> int:
+        """Write ``state`` once, have every server load it as ``version``. Every process calls this."""
+        if version <= self._version:
+            raise ValueError(f"weight update version {version} must be greater than {self._version}")
+        model = state if isinstance(state, Decoder) else nnx.merge(self._graphdef, state)
+        path = self._write(model, self.weights_dir / f"policy-{version:08d}")
+        if self.main:
+            self.check()
+            body = {"path": str(path), "version": self._offset + version}
+            self._each(lambda url: self._post_update(url, body))
+            if self._last_dir is not None:
+                self._last_dir.rmtree(missing_ok=True)
+            self._last_dir = path
+        self._version = version
+        return version
+
+    def _write(self, model: Decoder, dest: epath.Path) -> epath.Path:
+        """HF safetensors at ``dest``: directly on a local path, staged then copied to a URL."""
+        if not is_url(dest):
+            return epath.Path(export_hf(model, Path(dest), self.hf_config))
+        with tempfile.TemporaryDirectory(prefix="jaxrl-weights-") as tmp:
+            local = export_hf(model, Path(tmp) / dest.name, self.hf_config)
+            if self.main:
+                copy_model_dir(local, dest)
+        return dest
+
+    def _post_update(self, url: str, body: dict[str, Any]) -> None:
+        try:
+            resp = self._http.post(f"{url}/update_weights", json=body, headers=self._headers)
+        except httpx.TransportError as e:
+            self._unreachable(url, f"POST /update_weights: {type(e).__name__}: {e}")
+            raise self._dead from e  # type: ignore[misc]
+        if resp.status_code != 200:
+            raise RuntimeError(
+                f"rollout server {url} refused POST /update_weights ({resp.status_code}): {resp.text[:800]}"
+                + (" - set inference.external.api_key (or JAXRL_INFERENCE_API_KEY) to the server's key"
+                   if resp.status_code == 401 else "")
+            )  # fmt: skip
+
+    def _each(self, fn: Any) -> dict[str, Any]:
+        """``fn(url)`` for every server at once; the first failure is raised."""
+        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
+            futures = {url: pool.submit(fn, url) for url in self.urls}
+            return {url: f.result() for url, f in futures.items()}

@@ -1,0 +1,104 @@
+"""Real ``python -m jaxrl.serve`` processes on 127.0.0.1 for the external-backend RL tests, and
+the RL config that trains over them (a tiny random Qwen3 checkpoint on reverse_text)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import tomli_w
+
+ROOT = Path(__file__).resolve().parents[1]
+# One set of engine sizes for servers and runs: every shape is compiled at server start.
+ENGINE = {"max_model_len": 256, "max_seqs": 8, "prefill_len_buckets": [128, 256], "prefill_batch_buckets": [4],
+          "decode_len_buckets": [256], "decode_batch_buckets": [8]}  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_with_devices(devices: int) -> dict[str, str]:
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+
+
+class Serve:
+    """One ``python -m jaxrl.serve`` process (own process group, output in ``log``)."""
+
+    def __init__(self, model_dir: Path, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        args = [a for k, v in ENGINE.items() for a in (f"--inference.{k}", json.dumps(v))]
+        with log.open("w") as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "jaxrl.serve", "--model.name", str(model_dir),
+                 "--inference.server.port", str(self.port), *args],
+                env=env_with_devices(1), stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
+            )  # fmt: skip
+
+    def wait_healthy(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.proc.poll() is None, f"jaxrl.serve exited:\n{self.log.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"{self.url} not healthy:\n{self.log.read_text()[-3000:]}"
+            time.sleep(0.2)
+
+    def metrics(self) -> dict:
+        return httpx.get(f"{self.url}/metrics", timeout=10).json()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def start_servers(model_dir: Path, logs: Path, n: int = 2) -> list[Serve]:
+    servers = [Serve(model_dir, logs / f"serve{i}.log") for i in range(n)]
+    try:
+        for s in servers:
+            s.wait_healthy()
+    except BaseException:
+        for s in servers:
+            s.kill()
+        raise
+    return servers
+
+
+def rl_toml(path: Path, model_dir: Path, out: Path, urls: list[str], *, steps: int, mesh: dict, **extra) -> Path:
+    """An RL config over ``urls``: GRPO on reverse_text, 2 groups of 4, on-policy (lag 0)."""
+    cfg = {
+        "output_dir": str(out),
+        "seed": 0,
+        "model": {"name": str(model_dir)},
+        "trainer": {"steps": steps, "seq_len": 256, "seq_len_buckets": [256], "micro_batch_rows": 4, "mesh": mesh,
+                    "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"}},
+        "inference": {"backend": "external", "base_url": urls, "server": {"port": 0},
+                      "external": {"request_timeout_s": 60, "startup_timeout_s": 30}, **ENGINE},
+        "orchestrator": {"batch_size": 8, "group_size": 4, "max_async_level": 0, "max_resample": 3,
+                         "train": {"sampling": {"max_completion_tokens": 8, "temperature": 1.0},
+                                   "env": [{"id": "reverse_text", "args": {"seed": 3}}]}},
+        "log": {"progress": False, "plot": False},
+    }  # fmt: skip
+    for key, value in extra.items():
+        cfg[key] = value
+    path.write_text(tomli_w.dumps(cfg))
+    return path
+
+
+def train_cmd(config: Path, *more: str) -> list[str]:
+    return [sys.executable, "-m", "jaxrl.train", "--config", str(config), *more]
