@@ -270,7 +270,7 @@ def table(reverse: list[dict[str, Any]], lookup: list[dict[str, Any]]) -> str:
                 continue
             h = r["heldout_tool_nll"]
             lines.append(f"| seed {r['seed']} | {r['steps']} | {r['before']:.3f} | {r['grpo_after']:.3f} | {r['echo_after']:.3f} | "
-                         f"{fmt(r['echo_vs_grpo'])} | {r['train_tool_nll_first']:.3f} → {r['train_tool_nll_last']:.3f} | "
+                         f"{fmt(r['echo_vs_grpo'])} | {r['train_tool_nll_first_half']:.3f} → {r['train_tool_nll_second_half']:.3f} | "
                          f"{h['sft']:.3f} / {h['grpo']:.3f} / {h['echo']:.3f} |")
     return "\n".join(lines)
 
