@@ -19,6 +19,7 @@ standard errors.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import statistics
@@ -33,6 +34,8 @@ import tomli_w
 
 from jaxrl.config import build_config, deep_merge
 from jaxrl.metrics import NAMESPACES, read_metrics
+from jaxrl.orchestrator.algo import GRPOConfig, make_algorithm
+from jaxrl.orchestrator.traces import Rollout, trace_reward
 from jaxrl.rl import run_rl
 from jaxrl.sft import run_sft
 
@@ -147,6 +150,65 @@ def test_sigterm_checkpoints_and_resume_finishes(warm_start, tmp_path) -> None:
     steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
     assert steps == list(range(1, 7))
     assert json.loads((out / "result.json").read_text())["steps"] == 6
+
+
+def test_opd_distills_a_longer_sft_teacher(warm_start, tmp_path) -> None:
+    """OPD end to end: the teacher (the warm start SFT'd 10 steps more, its own HF dir) is loaded
+    on the trainer's mesh, scores every sampled token, and only the ref-KL component trains."""
+    teacher = Path(run_sft(build_config({
+        "output_dir": str(tmp_path / "teacher"),
+        "model": {"name": str(warm_start)},
+        "data": {"taskset": "reverse_text", "num_examples": 512, "batch_size": 16, "seed": 1},
+        "trainer": {"steps": 10, "seq_len": 128, "micro_batch_rows": 8, "mesh": ONE_DEVICE,
+                    "optim": {"lr": 5e-3, "warmup_steps": 0}},
+        "log": {"progress": False},
+    }, []))["export"])
+    out = tmp_path / "opd"
+    opd = {"id": "reverse_text", "algo": {"type": "opd", "teacher": {"name": str(teacher)}}}
+    cfg = rl_config(warm_start, out, trainer={"steps": 2}, orchestrator={"max_async_level": 0, "train": {"env": [opd]}})
+    del cfg["orchestrator"]["eval"]
+    run_rl(build_config(cfg, []))
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        # every sampled token of every rollout is distilled, nothing else trains
+        assert r["train/ref_kl_tokens"] == r["train/sampled_tokens_mean"] * r["train/samples"] > 0, r
+        assert r["train/rl_tokens"] == 0 and r["train/ce_tokens"] == 0
+        # mean(logp - logr) over the policy's own samples: a KL estimate, > 0 as the models differ
+        assert 0.01 < r["train/teacher_kl"] < 10, r["train/teacher_kl"]
+        assert math.isfinite(r["train/ref_kl_loss"]) and r["train/ref_kl_loss"] != 0.0
+        assert r["train/mismatch_kl"] < 1e-5  # on-policy: the importance ratio is 1, so the loss is the teacher's signal
+
+
+def test_both_seats_of_a_duel_train(warm_start, tmp_path) -> None:
+    """reverse_duel through the whole loop: two seats of one policy, zero-sum rewards. Per-member
+    credit gives each seat its own advantage, and the trainer trains both seats' tokens (its
+    ``rl_tokens`` equal what re-scoring the logged rollouts gives for the two seats together)."""
+    out = tmp_path / "duel"
+    cfg = rl_config(warm_start, out, trainer={"steps": 2}, log={"rollout_episodes": True}, orchestrator={
+        "batch_size": 16, "group_size": 4, "max_async_level": 0,
+        "train": {"env": [{"id": "reverse_duel", "args": {"num_tasks": 64}, "algo": {"type": "grpo"}}]}})
+    del cfg["orchestrator"]["eval"]
+    run_rl(build_config(cfg, []))
+    metrics = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
+    groups: dict[tuple[int, str], list[Rollout]] = {}
+    for line in (out / "rollouts.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        assert r["fate"] != "failed", r["error"]
+        if r["fate"] == "trained" and not r.get("resampled"):
+            rollout = Rollout(r["env"], r["group_id"], r["task"], r["episode"], r["error"], r["policy_version"],
+                              r["temperature"])
+            seats = {t["agent"]["name"]: trace_reward(t) for t in rollout.traces}
+            assert set(seats) == {"first", "second"} and seats["first"] == pytest.approx(-seats["second"])
+            groups.setdefault((r["step"], r["group_id"]), []).append(rollout)
+    grpo = make_algorithm(GRPOConfig())
+    for step in (1, 2):
+        samples = [s for (st, _), g in groups.items() if st == step for s in grpo.samples(g)]
+        by_seat = {seat: [s for s in samples if s.metadata["role"] == seat] for seat in ("first", "second")}
+        for seat, seat_samples in by_seat.items():  # each seat has tokens with a non-zero advantage
+            assert sum(int((s.rl_w[1:] != 0).sum()) for s in seat_samples if s.advantage != 0) > 0, (step, seat)
+        assert metrics[step]["train/rl_tokens"] == sum(int((s.rl_w[1:] != 0).sum()) for s in samples)
+        assert math.isfinite(metrics[step]["train/rl_loss"]) and metrics[step]["train/grad_norm"] > 0
 
 
 def _steps_done(out: Path) -> int:

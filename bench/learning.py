@@ -1,0 +1,308 @@
+"""Learning evidence for the algorithms beyond GRPO, on CPU-sized runs of the shipped recipes.
+
+    python bench/learning.py [--scale small|smoke] [--lookup-seeds 0 1 2] [--reverse-seeds 0 1]
+    python bench/learning.py --report-only      # re-read finished runs, print the tables
+
+Each run is ``python -m jaxrl.train`` on a recipe in ``configs/`` with a smaller budget merged
+over it (steps, batch, eval size: ``BUDGETS``), its merged config written beside its outputs.
+Runs that finished (``result.json``) are not run again, so the script can be resumed.
+
+Pairing (as ``tests/e2e/test_rl.py``): a run seed fixes the task order and every rollout's
+sampling seed (``orchestrator.rollout_seeds``), and evals reuse their seeds, so with the same
+run seed two algorithms start from identical rollouts and are evaluated on identical held-out
+(task, seed) samples; differences are taken sample by sample (paired standard errors).
+
+1. lookup (tool env), ``configs/lookup/{grpo,echo}.toml``, each run seed: held-out reward of
+   echo vs GRPO after training, and the NLL of tool-output tokens (echo's CE target): the
+   trainer's per-step ``ce_nll_mean`` on fresh rollouts, and a held-out score of the SFT, GRPO
+   and echo models on the same tool-output tokens (the step-0 eval rollouts, identical for both
+   runs of a seed).
+2. reverse_text, ``configs/reverse_text/{rl,maxrl,opd}.toml``, each run seed: held-out reward
+   before (the SFT warm start) and after. OPD's teacher is the same SFT continued to the end of
+   its 300-step schedule (``sft.toml`` stops at 200 on purpose), produced here first; its
+   held-out reward on the same eval samples is measured too.
+
+Prints one JSON line per run and per comparison, then a markdown table (bench/LEARNING.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+import tomllib
+
+from jaxrl.config import deep_merge
+
+ROOT = Path(__file__).resolve().parents[1]
+QUIET = {"log": {"progress": False}, "ckpt": {"interval": 0}}
+
+# Budgets merged over the recipes. "small" fits ~70 min of 2 shared CPU cores; "smoke" checks
+# the pipeline in a few minutes and measures nothing.
+BUDGETS: dict[str, dict[str, dict[str, Any]]] = {
+    "small": {
+        "lookup_sft": {},  # the recipe as it is (200 steps)
+        # lookup evals are greedy (T = 0): one sample per task, so every eval sample is independent
+        "lookup": {"trainer": {"steps": 10}, "log": {"rollout_episodes": True},
+                   "orchestrator": {"eval": {"interval": 10, "num_tasks": 64, "k": 1}}},
+        "reverse": {"trainer": {"steps": 20}, "orchestrator": {"eval": {"interval": 20, "num_tasks": 64, "k": 4}}},
+    },
+    "smoke": {
+        "lookup_sft": {"trainer": {"steps": 30}},  # enough to make some tool calls
+        "lookup": {"trainer": {"steps": 2}, "log": {"rollout_episodes": True},
+                   "orchestrator": {"eval": {"interval": 2, "num_tasks": 4, "k": 1}}},
+        "reverse": {"trainer": {"steps": 2}, "orchestrator": {"batch_size": 16, "eval": {"interval": 2, "num_tasks": 4, "k": 2}}},
+    },
+}
+REVERSE_ALGOS = {"grpo": "configs/reverse_text/rl.toml", "max_rl": "configs/reverse_text/maxrl.toml",
+                 "opd": "configs/reverse_text/opd.toml"}
+LOOKUP_ALGOS = {"grpo": "configs/lookup/grpo.toml", "echo": "configs/lookup/echo.toml"}
+
+
+def log(msg: str) -> None:
+    print(f"[learning {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def train(config: str, out: Path, over: dict[str, Any], *, resume: bool = False) -> Path:
+    """One ``python -m jaxrl.train`` run of ``config`` with ``over`` merged in; skipped when done."""
+    if (out / "result.json").exists() and json.loads((out / "result.json").read_text()).get("stopped_by") is None:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    merged = deep_merge(deep_merge(tomllib.loads((ROOT / config).read_text()), QUIET), over)
+    merged["output_dir"] = str(out)
+    cfg_file = out / "bench_config.toml"
+    cfg_file.write_text(tomli_w.dumps(merged))
+    cmd = [sys.executable, "-m", "jaxrl.train", "--config", str(cfg_file), *(["--resume"] if resume else [])]
+    log(f"run {out.name}: {config}")
+    t0 = time.monotonic()
+    with (out / "train.log").open("w") as f:
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise RuntimeError(f"{config} -> {out} failed (exit {rc}); see {out / 'train.log'}")
+    log(f"done {out.name} in {time.monotonic() - t0:.0f} s")
+    return out
+
+
+def eval_rewards(out: Path) -> dict[int, dict[int, float]]:
+    """step -> {rollout seed: reward} of every held-out eval sample of a run."""
+    by_step: dict[int, dict[int, float]] = defaultdict(dict)
+    for line in (out / "rollouts.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["split"] == "eval":
+            by_step[r["step"]][r["seed"]] = r["reward"]
+    return dict(by_step)
+
+
+def paired(a: dict[int, float], b: dict[int, float]) -> dict[str, float]:
+    """Mean of ``a - b`` over the shared seeds and its standard error."""
+    seeds = sorted(a.keys() & b.keys())
+    assert seeds and len(seeds) == len(a) == len(b), "evals are not paired: different sample seeds"
+    d = [a[s] - b[s] for s in seeds]
+    return {"diff": statistics.mean(d), "se": statistics.stdev(d) / math.sqrt(len(d)), "n": len(d)}
+
+
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    return statistics.mean(xs), (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else math.nan)
+
+
+def emit(row: dict[str, Any]) -> dict[str, Any]:
+    print(json.dumps({"bench": "learning", **row}), flush=True)
+    return row
+
+
+# ---- reverse_text: MaxRL and OPD vs GRPO from the SFT warm start ---------------------------------------------
+
+
+def reverse_runs(root: Path, budget: dict[str, Any], seeds: list[int]) -> dict[str, Path]:
+    warm = ROOT / "outputs/reverse_text/sft"
+    if not (warm / "hf" / "model.safetensors").exists():
+        train("configs/reverse_text/sft.toml", warm, {})
+    teacher = root.parent / "reverse_teacher"  # one per machine: every scale distills the same teacher
+    if not (teacher / "result.json").exists() or json.loads((teacher / "result.json").read_text())["steps"] != 300:
+        shutil.rmtree(teacher, ignore_errors=True)
+        shutil.copytree(warm, teacher)  # its step-200 checkpoint: continue to the end of the schedule
+        (teacher / "result.json").unlink()
+        train("configs/reverse_text/sft.toml", teacher, {"trainer": {"steps": 300}, "ckpt": {"interval": 100}},
+              resume=True)
+    runs = {}
+    for seed in seeds:
+        # The teacher on the same eval samples (one GRPO step; its step-0 eval is the teacher's).
+        runs[f"teacher/s{seed}"] = train(REVERSE_ALGOS["grpo"], root / f"reverse_teacher_eval_s{seed}", deep_merge(
+            budget, {"seed": seed, "model": {"name": str(teacher / "hf")}, "trainer": {"steps": 1}}))
+        for algo, config in REVERSE_ALGOS.items():
+            over = deep_merge(budget, {"seed": seed})
+            if algo == "opd":
+                over = deep_merge(over, {"orchestrator": {"train": {"env": [
+                    {"id": "reverse_text", "algo": {"type": "opd", "teacher": {"name": str(teacher / "hf")}}}]}}})
+            runs[f"{algo}/s{seed}"] = train(config, root / f"reverse_{algo}_s{seed}", over)
+    return runs
+
+
+def reverse_report(runs: dict[str, Path]) -> list[dict[str, Any]]:
+    rows = []
+    seeds = sorted({int(k.split("/s")[1]) for k in runs})
+    for seed in seeds:
+        base = eval_rewards(runs[f"grpo/s{seed}"])
+        before = base[0]
+        final = max(base)
+        teacher = eval_rewards(runs[f"teacher/s{seed}"])[0]
+        rows.append(emit({"env": "reverse_text", "algo": "teacher (SFT 300 steps)", "seed": seed,
+                          "before": statistics.mean(before.values()), "after": statistics.mean(teacher.values()),
+                          "gain": paired(teacher, before)}))
+        for algo in REVERSE_ALGOS:
+            ev = eval_rewards(runs[f"{algo}/s{seed}"])
+            start, end = ev[0], ev[max(ev)]
+            assert start == before, f"{algo} s{seed}: step-0 evals differ from GRPO's (not paired)"
+            row = {"env": "reverse_text", "algo": algo, "seed": seed, "steps": max(ev),
+                   "before": statistics.mean(start.values()), "after": statistics.mean(end.values()),
+                   "gain": paired(end, start)}
+            if algo != "grpo":
+                row["vs_grpo"] = paired(end, base[final])
+            rows.append(emit(row | opd_metrics(runs[f"{algo}/s{seed}"])))
+    return rows
+
+
+def opd_metrics(out: Path) -> dict[str, Any]:
+    """Teacher KL (mean logp - logr over distilled tokens) at the first and last step of an OPD run."""
+    train_rows = [r for r in _metrics(out) if r.get("ref_kl_tokens", 0) > 0]
+    if not train_rows:
+        return {}
+    return {"teacher_kl_first": train_rows[0]["teacher_kl"], "teacher_kl_last": train_rows[-1]["teacher_kl"]}
+
+
+def _metrics(out: Path) -> list[dict[str, Any]]:
+    """A run's metrics rows, train metrics by their plain names (``train/ce_tokens`` -> ``ce_tokens``)."""
+    from jaxrl.metrics import read_metrics
+
+    return [{k.removeprefix("train/"): v for k, v in r.items()} for r in read_metrics(out / "metrics.jsonl")]
+
+
+# ---- lookup: echo vs GRPO --------------------------------------------------------------------------------------
+
+
+def lookup_runs(root: Path, budget: dict[str, Any], sft_budget: dict[str, Any], seeds: list[int]) -> dict[str, Path]:
+    warm = train("configs/lookup/sft.toml", root / "lookup_sft", sft_budget)
+    runs = {}
+    for seed in seeds:
+        for algo, config in LOOKUP_ALGOS.items():
+            over = deep_merge(budget, {"seed": seed, "model": {"name": str(warm / "hf")}})
+            runs[f"{algo}/s{seed}"] = train(config, root / f"lookup_{algo}_s{seed}", over)
+    return runs
+
+
+def lookup_report(root: Path, runs: dict[str, Path]) -> list[dict[str, Any]]:
+    from tool_nll import tool_output_nll  # bench/ is on sys.path when run as a script
+
+    rows = []
+    seeds = sorted({int(k.split("/s")[1]) for k in runs})
+    diffs: dict[int, float] = {}
+    pooled_a: dict[tuple[int, int], float] = {}
+    pooled_b: dict[tuple[int, int], float] = {}
+    for seed in seeds:
+        grpo, echo = eval_rewards(runs[f"grpo/s{seed}"]), eval_rewards(runs[f"echo/s{seed}"])
+        assert grpo[0] == echo[0], f"s{seed}: step-0 evals differ (not paired)"
+        g_end, e_end = grpo[max(grpo)], echo[max(echo)]
+        cmp = paired(e_end, g_end)
+        diffs[seed] = cmp["diff"]
+        pooled_a |= {(seed, s): v for s, v in e_end.items()}
+        pooled_b |= {(seed, s): v for s, v in g_end.items()}
+        first_half, second_half = train_tool_nll(runs[f"echo/s{seed}"])
+        held_out = tool_output_nll(
+            runs[f"echo/s{seed}"], {"sft": root / "lookup_sft" / "hf", "grpo": runs[f"grpo/s{seed}"] / "hf",
+                                    "echo": runs[f"echo/s{seed}"] / "hf"})
+        rows.append(emit({"env": "lookup", "seed": seed, "steps": max(echo), "before": statistics.mean(grpo[0].values()),
+                          "grpo_after": statistics.mean(g_end.values()), "echo_after": statistics.mean(e_end.values()),
+                          "echo_vs_grpo": cmp, "train_tool_nll_first_half": first_half, "train_tool_nll_second_half": second_half,
+                          "heldout_tool_nll": held_out}))
+    pooled = paired(pooled_a, pooled_b)
+    across = mean_se(list(diffs.values()))
+    rows.append(emit({"env": "lookup", "seed": "all", "echo_vs_grpo": pooled, "echo_vs_grpo_across_seeds": across,
+                      "criterion_not_below_by_1se": pooled["diff"] >= -pooled["se"]}))
+    return rows
+
+
+def train_tool_nll(out: Path) -> tuple[float, float]:
+    """The trainer's tool-output NLL (``ce_nll_mean``: fresh rollouts, before that step's update),
+    token-weighted over the first and the second half of an echo run's steps."""
+    rows = [r for r in _metrics(out) if "ce_tokens" in r]  # train steps (the step-0 eval row has none)
+    half = len(rows) // 2
+
+    def weighted(part: list[dict[str, Any]]) -> float:
+        n = sum(r["ce_tokens"] for r in part)
+        return sum(r["ce_nll_mean"] * r["ce_tokens"] for r in part) / n if n else math.nan
+
+    return weighted(rows[:half]), weighted(rows[half:])
+
+
+# ---- table -----------------------------------------------------------------------------------------------------
+
+
+def fmt(p: dict[str, float] | None) -> str:
+    return "" if p is None else f"{p['diff']:+.3f} ± {p['se']:.3f}"
+
+
+def table(reverse: list[dict[str, Any]], lookup: list[dict[str, Any]]) -> str:
+    lines = []
+    if reverse:
+        lines += ["| reverse_text | run seed | steps | held-out before | after | gain (paired ± SE) | vs GRPO (paired ± SE) | teacher KL first → last |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in reverse:
+            kl = f"{r['teacher_kl_first']:.3f} → {r['teacher_kl_last']:.3f}" if "teacher_kl_first" in r else ""
+            lines.append(f"| {r['algo']} | {r['seed']} | {r.get('steps', '')} | {r['before']:.3f} | {r['after']:.3f} | "
+                         f"{fmt(r['gain'])} | {fmt(r.get('vs_grpo'))} | {kl} |")
+    if lookup:
+        lines += ["", "| lookup | steps | held-out before | GRPO after | echo after | echo - GRPO (paired ± SE) | "
+                  "echo train tool NLL, steps 1-5 → 6-10 | held-out tool NLL SFT / GRPO / echo |", "|---|---|---|---|---|---|---|---|"]
+        for r in lookup:
+            if r["seed"] == "all":
+                m, se = r["echo_vs_grpo_across_seeds"]
+                lines.append(f"| all seeds | | | | | {fmt(r['echo_vs_grpo'])} (pooled); {m:+.3f} ± {se:.3f} across seeds | | |")
+                continue
+            h = r["heldout_tool_nll"]
+            lines.append(f"| seed {r['seed']} | {r['steps']} | {r['before']:.3f} | {r['grpo_after']:.3f} | {r['echo_after']:.3f} | "
+                         f"{fmt(r['echo_vs_grpo'])} | {r['train_tool_nll_first_half']:.3f} → {r['train_tool_nll_second_half']:.3f} | "
+                         f"{h['sft']:.3f} / {h['grpo']:.3f} / {h['echo']:.3f} |")
+    return "\n".join(lines)
+
+
+def finished(by_seed: dict[int, dict[str, Path]]) -> dict[str, Path]:
+    """The runs of every seed whose runs have all finished, keyed ``algo/s<seed>``."""
+    return {f"{k}/s{s}": d for s, runs in by_seed.items() if all((d / "result.json").exists() for d in runs.values())
+            for k, d in runs.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--scale", choices=sorted(BUDGETS), default="small")
+    p.add_argument("--lookup-seeds", type=int, nargs="*", default=[0, 1, 2])
+    p.add_argument("--reverse-seeds", type=int, nargs="*", default=[0, 1])
+    p.add_argument("--only", choices=["lookup", "reverse"], default=None)
+    p.add_argument("--out", default=None, help="default outputs/bench_learning/<scale>")
+    p.add_argument("--report-only", action="store_true", help="read finished runs; start none")
+    a = p.parse_args()
+    root = Path(a.out or ROOT / "outputs" / "bench_learning" / a.scale).resolve()
+    budget = BUDGETS[a.scale]
+    reverse_seeds = [] if a.only == "lookup" else a.reverse_seeds
+    lookup_seeds = [] if a.only == "reverse" else a.lookup_seeds
+    if a.report_only:
+        rev = finished({s: {k: root / (f"reverse_teacher_eval_s{s}" if k == "teacher" else f"reverse_{k}_s{s}")
+                            for k in ("teacher", *REVERSE_ALGOS)} for s in reverse_seeds})
+        look = finished({s: {k: root / f"lookup_{k}_s{s}" for k in LOOKUP_ALGOS} for s in lookup_seeds})
+    else:
+        rev = reverse_runs(root, budget["reverse"], reverse_seeds) if reverse_seeds else {}
+        look = lookup_runs(root, budget["lookup"], budget["lookup_sft"], lookup_seeds) if lookup_seeds else {}
+    print(table(reverse_report(rev) if rev else [], lookup_report(root, look) if look else []))
+
+
+if __name__ == "__main__":
+    main()
