@@ -72,11 +72,13 @@ async def drive(args: argparse.Namespace) -> None:
         for s in servers:
             tasks = [task_data(t) for t in s.taskset().take(args.episodes)]
             cold = await run_episodes(s, endpoint, tasks, args)
-            warm = await run_episodes(s, endpoint, tasks, args)
+            passes = [await run_episodes(s, endpoint, tasks, args) for _ in range(args.warm_passes)]
+            warm = sorted(passes, key=lambda r: r["episodes_s"])[len(passes) // 2]  # the median pass
             row = {"bench": "rollout", "backend": args.backend, "env": s.name, "concurrency": args.concurrency,
                    "episodes": len(tasks), "new_tokens": args.new_tokens,
                    "cold_episodes_s": cold["episodes_s"], "warm_episodes_s": warm["episodes_s"],
-                   "errors": cold["errors"] + warm["errors"], "first_error": cold["first_error"] or warm["first_error"]}
+                   "warm_passes": [r["episodes_s"] for r in passes],
+                   "errors": cold["errors"] + sum(r["errors"] for r in passes), "first_error": cold["first_error"] or warm["first_error"]}
             if args.backend == "engine":
                 async with httpx.AsyncClient() as client:
                     row["engine_metrics"] = (await client.get(args.base_url.removesuffix("/v1") + "/metrics")).json()
@@ -91,7 +93,7 @@ def run_driver(backend: str, base_url: str, tok_dir: Path, out: Path, args: argp
     cmd = [sys.executable, __file__, "--drive", "--backend", backend, "--base-url", base_url,
            "--tokenizer-dir", str(tok_dir), "--out", str(out / backend), "--envs", *args.envs,
            "--concurrency", str(args.concurrency), "--episodes", str(args.episodes),
-           "--new-tokens", str(args.new_tokens)]
+           "--new-tokens", str(args.new_tokens), "--warm-passes", str(args.warm_passes)]
     proc = subprocess.Popen(cmd)
     pin(proc.pid, env_core)  # before it spawns its env servers (they inherit the affinity)
     if proc.wait():
@@ -124,6 +126,9 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--warm-passes", type=int, default=3, help="warm passes; the median is reported")
+    ap.add_argument("--backends", nargs="+", choices=["engine", "vllm"], default=["engine", "vllm"],
+                    help="vllm runs only when JAXRL_VLLM is set")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--no-pin", action="store_true")
     ap.add_argument("--drive", action="store_true", help=argparse.SUPPRESS)  # the env-side child process
@@ -150,13 +155,14 @@ def main() -> None:
         make_model(model_dir, len(AutoTokenizer.from_pretrained(tok_dir)), args)
 
         pin(0, model_core)  # this process serves the engine; the env side gets the other core
-        engine, server = start_engine(model_dir, tok_dir, args)
-        try:
-            run_driver("engine", f"{server.url}/v1", tok_dir, tmp_path, args, env_core)
-        finally:
-            server.stop()
-            engine.stop()
-        if os.environ.get("JAXRL_VLLM") and not args.no_vllm:
+        if "engine" in args.backends:
+            engine, server = start_engine(model_dir, tok_dir, args)
+            try:
+                run_driver("engine", f"{server.url}/v1", tok_dir, tmp_path, args, env_core)
+            finally:
+                server.stop()
+                engine.stop()
+        if "vllm" in args.backends and os.environ.get("JAXRL_VLLM") and not args.no_vllm:
             bench_vllm(model_dir, tok_dir, args, tmp_path, model_core, env_core)
 
 
@@ -173,6 +179,7 @@ def bench_vllm(model_dir: Path, tok_dir: Path, args: argparse.Namespace, tmp: Pa
     backend = VLLMBackend(load_decoder(model_dir), json.loads((model_dir / "config.json").read_text()), cfg,
                           output_dir=tmp / "vllm", tokenizer_dir=tok_dir, model_name="bench")
     try:
+        backend.start()
         print(json.dumps({"bench": "rollout_startup", "backend": "vllm", "startup_s": round(backend.startup_s, 1)}),
               flush=True)
         run_driver("vllm", backend.endpoint.base_url, tok_dir, tmp, args, env_core)

@@ -70,39 +70,28 @@ def _prefill(graphdef, state, cache, tokens, positions, rows, last, sampling):  
 
 
 def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *, length, kernels):  # type: ignore[no-untyped-def]
-    """``steps`` decode steps; attention by ``kernels`` (``inference.kernels``).
+    """``steps`` decode steps over the whole cache, read and written in place (donated).
 
-    The references attend over a window of the cache, rows ``rows`` and positions < ``length``,
-    gathered once per call and written back once per call. The decode kernel reads the whole
-    cache in place instead (only each row's live blocks; ``length`` is unused), so the call
-    copies nothing. Padding entries have a row index out of range (the window reads zeros there
-    and writes nothing back; the kernel attends to nothing) and a position >= ``length``.
+    Attention by ``kernels`` (``inference.kernels``): the decode kernel (TPU) reads each row's
+    live blocks; the reference reads positions < ``length`` (the static length bucket covering
+    every running sequence after these steps) with the cache reads fused into its arithmetic.
+    Padding entries have a row index out of range (their writes are dropped; what they read is
+    discarded) and a position >= ``length``.
     """
     model = nnx.merge(graphdef, state)
     lm_head = model.lm_head_weight()
-    if kernels.reference:
-        window = KVCache(
-            cache.k.at[:, rows, :, :length].get(mode="fill", fill_value=0),
-            cache.v.at[:, rows, :, :length].get(mode="fill", fill_value=0),
-        )
-        window_rows = None  # the window's rows are the batch's
-    else:
-        window, window_rows = cache, rows
 
     def body(carry, _):  # type: ignore[no-untyped-def]
-        window, tok, pos, index = carry
-        hidden, window = model(tok[:, None], pos[:, None], cache=window, cache_rows=window_rows, kernels=kernels)
-        new, logp = sample(logits_f32(hidden[:, 0], lm_head), replace(sampling, draw_position=index))
-        return (window, new, pos + 1, index + 1), (new, logp)
-
-    carry = (window, tokens, positions, sampling.draw_position)
-    (window, *_), (new_tokens, logprobs) = jax.lax.scan(body, carry, None, length=steps)
-    if kernels.reference:
-        window = KVCache(
-            cache.k.at[:, rows, :, :length].set(window.k, mode="drop"),
-            cache.v.at[:, rows, :, :length].set(window.v, mode="drop"),
+        cache, tok, pos, index = carry
+        hidden, cache = model(
+            tok[:, None], pos[:, None], cache=cache, cache_rows=rows, kernels=kernels, attend_len=length
         )
-    return window, new_tokens, logprobs
+        new, logp = sample(logits_f32(hidden[:, 0], lm_head), replace(sampling, draw_position=index))
+        return (cache, new, pos + 1, index + 1), (new, logp)
+
+    carry = (cache, tokens, positions, sampling.draw_position)
+    (cache, *_), (new_tokens, logprobs) = jax.lax.scan(body, carry, None, length=steps)
+    return cache, new_tokens, logprobs
 
 
 def _copy_row(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:

@@ -200,6 +200,31 @@ def _attend(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, kv: str)
     return out / jnp.transpose(denom, (0, 3, 1, 2))[..., None]
 
 
+def cached_decode_attention(
+    q: jax.Array, kc: jax.Array, vc: jax.Array, layer: jax.Array, rows: jax.Array, positions: jax.Array, length: int
+) -> jax.Array:
+    """Attention of one new token per query (q [B, 1, H, D]) over cache rows ``rows`` of ``layer``
+    in the caches [layers, rows, K, S, D], positions < ``length`` that are <= the query's own.
+
+    The reference for decode (the TPU kernel reads the cache in place instead). It reads only
+    the ``length`` bucket of the rows it needs, straight from the cache, and its two products
+    are written without the query-length axis ([B, K, G, D] x [B, K, S, D]): measured on CPU,
+    that form is 1.5x faster than ``attention``'s [B, T, K, G, D] one, which XLA turns into a
+    transposed matrix product for the value sum.
+    """
+    b, _, h, d = q.shape
+    kv_heads = kc.shape[2]
+    k = kc[layer, :, :, :length][rows].astype(jnp.float32)  # [B, K, length, D]
+    v = vc[layer, :, :, :length][rows].astype(jnp.float32)
+    qg = q.reshape(b, kv_heads, h // kv_heads, d).astype(jnp.float32) * (d**-0.5)
+    scores = jnp.einsum("bkgd,bksd->bkgs", qg, k)
+    visible = jnp.arange(length)[None, :] <= positions[:, :1]  # [B, length]
+    scores = jnp.where(visible[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
+    p = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    out = jnp.einsum("bkgs,bksd->bkgd", p, v) / jnp.sum(p, axis=-1)[..., None]
+    return out.reshape(b, 1, h, d).astype(q.dtype)
+
+
 def packed_causal_mask(segment_ids: jax.Array) -> jax.Array:
     """Causal mask that never crosses samples packed into one row. segment_ids: [B, T]."""
     t = segment_ids.shape[1]
@@ -283,12 +308,15 @@ class Decoder(nnx.Module):
         cache: KVCache | None = None,
         cache_rows: jax.Array | None = None,
         kernels: Kernels | None = None,
+        attend_len: int | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """tokens, positions, segment_ids: int [B, T].
 
         Without a cache, attention is causal within each segment. With a cache, row b writes
         its keys/values into cache row ``cache_rows[b]`` at ``positions[b, t]`` and attends to
         every cached position <= its own (the engine guarantees those are this sequence's).
+        ``attend_len`` (decode, T = 1): every query's position is below it, so attention reads
+        only the cache's first ``attend_len`` positions (a static length bucket).
         ``kernels`` may swap in a Pallas attention with the same semantics (default: ours).
         """
         arch = self.arch
@@ -332,6 +360,8 @@ class Decoder(nnx.Module):
                     vc = vc.at[idx].set(v.astype(vc.dtype), mode="drop")
                     if kernel is not None:  # reads the whole cache in place (one-token steps)
                         return kernel(q, kc, vc, layer)
+                    if tokens.shape[1] == 1:
+                        return cached_decode_attention(q, kc, vc, layer, rows, positions, attend_len or cache.max_len)
                     k_rows, v_rows = kc[layer][rows].astype(k.dtype), vc[layer][rows].astype(v.dtype)
                     return attention(q, k_rows, v_rows, mask, heads_major=True)
 
