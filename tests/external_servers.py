@@ -18,7 +18,7 @@ import tomli_w
 ROOT = Path(__file__).resolve().parents[1]
 # One set of engine sizes for servers and runs: every shape is compiled at server start.
 ENGINE = {"max_model_len": 256, "max_seqs": 8, "prefill_len_buckets": [128, 256], "prefill_batch_buckets": [4],
-          "decode_len_buckets": [256], "decode_batch_buckets": [8]}  # fmt: skip
+          "decode_batch_buckets": [8]}  # fmt: skip
 
 
 def free_port() -> int:

@@ -9,7 +9,7 @@ and length, so a run compiles a bounded, predictable number of programs (see
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -226,7 +226,7 @@ class InferenceConfig(BaseModel):
     decode_steps_idle: int | None = Field(None, ge=1)
     """Decode steps per engine step when no request waits to join and some running sequence
     still needs that many tokens: nothing is delayed by a longer call, and each call's fixed
-    cost (KV window gather/scatter, dispatch, reading tokens back) is spread over more tokens
+    cost (dispatch, reading tokens back, host bookkeeping) is spread over more tokens
     (measured: +20% tokens/s at batch 32 with 16 vs 4 on a 5M model on CPU). Unset (default):
     ``decode_steps``, i.e. off. Setting it doubles the decode programs the warm-up compiles; RL
     runs with more requests than ``max_seqs`` rarely have an empty queue, so it pays off mostly
@@ -236,10 +236,6 @@ class InferenceConfig(BaseModel):
     """Batch sizes decode is compiled for; default: 1, then powers of two from 8 up to
     ``max_seqs`` (decode reads every weight once per step whatever the batch, so 2-7 rows cost
     about what 8 do: those buckets would only add compiles; a TPU pads them to 8 anyway)."""
-
-    decode_len_buckets: list[int] | None = None
-    """KV lengths decode attention is compiled for (attention reads only the bucket that covers
-    the longest running sequence); default: powers of two from 128 up to ``max_model_len``."""
 
     prefill_len_buckets: list[int] | None = None
     """Prompt-chunk lengths prefill is compiled for; the largest is the prefill chunk size.
@@ -290,6 +286,16 @@ class InferenceConfig(BaseModel):
     external: ExternalConfig = Field(default_factory=ExternalConfig)
     """The servers of ``backend = "external"``."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "decode_len_buckets" in data:
+            raise ValueError(
+                "inference.decode_len_buckets was removed: decode attention now reads as far as each "
+                "batch's longest sequence, with no program per length; delete the key"
+            )
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> InferenceConfig:
         self.server_urls()  # every URL parses, none repeats, a list is not empty
@@ -302,7 +308,6 @@ class InferenceConfig(BaseModel):
             )
         for name in (
             "decode_batch_buckets",
-            "decode_len_buckets",
             "prefill_len_buckets",
             "prefill_batch_buckets",
         ):
@@ -352,11 +357,6 @@ class InferenceConfig(BaseModel):
             return self.decode_batch_buckets
         return [1] + _powers_of_two(8, self.max_seqs) if self.max_seqs > 1 else [1]
 
-    def decode_lengths(self) -> list[int]:
-        if self.decode_len_buckets:
-            return [b for b in self.decode_len_buckets if b < self.max_model_len] + [self.max_model_len]
-        return _powers_of_two(128, self.max_model_len)
-
     def prefill_lengths(self) -> list[int]:
         return self.prefill_len_buckets or _powers_of_two(16, min(512, self.max_model_len), factor=4)
 
@@ -371,9 +371,10 @@ class InferenceConfig(BaseModel):
         """Decode steps per call the engine uses: ``decode_steps`` and ``decode_steps_idle``."""
         return sorted({self.decode_steps, self.decode_steps_idle or self.decode_steps})
 
-    def decode_shapes(self) -> list[tuple[int, int, int]]:
-        """(steps, batch, KV length) of every decode program."""
-        return [(k, b, n) for k in self.decode_step_counts() for b in self.decode_buckets() for n in self.decode_lengths()]
+    def decode_shapes(self) -> list[tuple[int, int]]:
+        """(steps, batch) of every decode program (attention reads as far as the batch's longest
+        sequence, whatever the cache length: no program per length)."""
+        return [(k, b) for k in self.decode_step_counts() for b in self.decode_buckets()]
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """(batch, chunk length) of every prefill program."""

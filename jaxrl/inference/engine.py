@@ -9,10 +9,10 @@ requests from any thread and get ``concurrent.futures.Future``s. Each step:
 4. runs ``decode_steps`` decode steps for every sequence past prefill, in one device call
    (``decode_steps_idle`` when no request waits to join).
 
-Device programs are compiled per shape bucket (``InferenceConfig.program_bound``). Decode
-attention by the references reads a window of the cache: the running rows, up to the length
-bucket covering the longest of them, gathered once per call and written back once per call; the
-decode kernel (TPU) reads the heads-major cache in place, with no copy.
+Device programs are compiled per shape bucket (``InferenceConfig.program_bound``). Decode reads
+and writes the KV cache in place (donated): the reference attention reads the running rows up
+to the length bucket covering the longest of them, the decode kernel (TPU) each row's live
+blocks; nothing is copied per call.
 
 Weight updates take effect between steps only (``weight_update`` = "drain": requests in flight
 finish on the old weights first; "immediate": at the next step). The policy version counter
@@ -22,11 +22,13 @@ dropped on every update: their keys/values came from the old weights.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -69,14 +71,13 @@ def _prefill(graphdef, state, cache, tokens, positions, rows, last, sampling):  
     return cache, next_tokens, logprobs
 
 
-def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *, length, kernels):  # type: ignore[no-untyped-def]
+def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *, kernels):  # type: ignore[no-untyped-def]
     """``steps`` decode steps over the whole cache, read and written in place (donated).
 
     Attention by ``kernels`` (``inference.kernels``): the decode kernel (TPU) reads each row's
-    live blocks; the reference reads positions < ``length`` (the static length bucket covering
-    every running sequence after these steps) with the cache reads fused into its arithmetic.
-    Padding entries have a row index out of range (their writes are dropped; what they read is
-    discarded) and a position >= ``length``.
+    live blocks, the reference (``cached_decode_attention``) the positions up to the batch's
+    longest sequence. Padding entries have a row index out of range (their writes are dropped,
+    what they read is discarded) and position 0.
     """
     model = nnx.merge(graphdef, state)
     lm_head = model.lm_head_weight()
@@ -84,7 +85,7 @@ def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *,
     def body(carry, _):  # type: ignore[no-untyped-def]
         cache, tok, pos, index = carry
         hidden, cache = model(
-            tok[:, None], pos[:, None], cache=cache, cache_rows=rows, kernels=kernels, attend_len=length
+            tok[:, None], pos[:, None], cache=cache, cache_rows=rows, kernels=kernels
         )
         new, logp = sample(logits_f32(hidden[:, 0], lm_head), replace(sampling, draw_position=index))
         return (cache, new, pos + 1, index + 1), (new, logp)
@@ -137,7 +138,7 @@ class EngineLayout:
     def create(cls, arch: Any, config: InferenceConfig, compute_dtype: Any, mesh: Mesh | None) -> EngineLayout:
         cache_dtype = compute_dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
         shape = KVCache.shape(arch, config.max_seqs, config.max_model_len)
-        key = (shape, str(jnp.dtype(cache_dtype)), *map(tuple, (config.decode_buckets(), config.decode_lengths())))
+        key = (shape, str(jnp.dtype(cache_dtype)), tuple(config.decode_buckets()))
         key += tuple(map(tuple, (config.prefill_lengths(), config.prefill_batches(), config.decode_step_counts())))
         return cls(mesh, shape, cache_dtype, W.cache_sharding(mesh, shape), W.replicated(mesh), key)
 
@@ -180,7 +181,6 @@ def engine_programs(graphdef: nnx.GraphDef, layout: EngineLayout, kernels: Kerne
     decode = jax.jit(
         traces.wrap(partial(_decode, graphdef, kernels=kernels)),
         static_argnums=(0,),  # steps
-        static_argnames=("length",),
         donate_argnums=(2,),
         out_shardings=outs,
     )
@@ -247,6 +247,8 @@ class Engine:
         self._error: BaseException | None = None
         self._generated = RateWindow()
         self._warmup_s: float | None = None
+        self._step_s = 0.0  # engine steps, and inside them device calls (``EngineMetrics``)
+        self._device_s = 0.0
 
     @classmethod
     def from_pretrained(
@@ -313,10 +315,9 @@ class Engine:
             partial(self._prefill_fn.lower, self._state, self._cache, *layout.prefill_inputs(batch, width))
             for batch, width in cfg.prefill_shapes()
         ]
-        decode = dict.fromkeys((k, b, self._decode_length(n)) for k, b, n in cfg.decode_shapes())
         jobs += [
-            partial(self._decode_fn.lower, steps, self._state, self._cache, *layout.decode_inputs(batch), length=length)
-            for steps, batch, length in decode
+            partial(self._decode_fn.lower, steps, self._state, self._cache, *layout.decode_inputs(batch))
+            for steps, batch in cfg.decode_shapes()
         ]
         index = jax.ShapeDtypeStruct((), jnp.int32, sharding=layout.inputs)
         jobs.append(partial(self._copy_fn.lower, self._cache, index, index))
@@ -347,6 +348,8 @@ class Engine:
             compiles=self.compiled_programs(),
             program_bound=self.config.program_bound(),
             warmup_s=self._warmup_s,
+            step_s=round(self._step_s, 3),
+            device_s=round(self._device_s, 3),
         )
 
     # -- requests --------------------------------------------------------------------------
@@ -551,6 +554,13 @@ class Engine:
         """One engine step (called by the engine thread, or directly when it is not running)."""
         if self._thread is not None and threading.current_thread() is not self._thread:
             raise RuntimeError("Engine.step: the engine thread is running; submit requests instead")
+        t0 = time.perf_counter()
+        try:
+            self._step()
+        finally:
+            self._step_s += time.perf_counter() - t0
+
+    def _step(self) -> None:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
@@ -563,7 +573,8 @@ class Engine:
         paused = self._maybe_swap_weights()
         if not paused:
             for src, dst in self._sched.admit():
-                self._cache = self._copy_fn(self._cache, *self._put((np.int32(src), np.int32(dst))))
+                with self._device_timer():
+                    self._cache = self._copy_fn(self._cache, *self._put((np.int32(src), np.int32(dst))))
         prefill = self._sched.plan_prefill()
         if prefill is not None:
             self._run_prefill(prefill)
@@ -571,10 +582,6 @@ class Engine:
         if decode is not None:
             self._run_decode(decode)
         self._generated.add(self._sched.stats.generated_tokens)
-
-    def _decode_length(self, bucket: int) -> int:
-        """The decode kernel reads the cache in place, whatever the length: one program per batch."""
-        return bucket if self.kernels.reference else self.config.max_model_len
 
     def _decode_steps_now(self) -> int:
         """``decode_steps_idle`` when no request waits to join (none queued, in the inbox or
@@ -606,21 +613,26 @@ class Engine:
     def _put(self, arrays: Any) -> Any:
         return jax.device_put(arrays, self._inputs)
 
+    @contextlib.contextmanager
+    def _device_timer(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._device_s += time.perf_counter() - t0
+
     def _run_prefill(self, plan: PrefillPlan) -> None:
-        args = self._put((plan.tokens, plan.positions, plan.rows, plan.last, plan.sampling))
-        self._cache, tokens, logprobs = self._prefill_fn(
-            self._state, self._cache, *args
-        )
-        tokens, logprobs = jax.device_get((tokens, logprobs))
+        with self._device_timer():
+            args = self._put((plan.tokens, plan.positions, plan.rows, plan.last, plan.sampling))
+            self._cache, tokens, logprobs = self._prefill_fn(self._state, self._cache, *args)
+            tokens, logprobs = jax.device_get((tokens, logprobs))
         self._deliver(self._sched.finish_prefill(plan, tokens, logprobs, self._version))
 
     def _run_decode(self, plan: DecodePlan) -> None:
-        args = self._put((plan.tokens, plan.positions, plan.rows, plan.sampling))
-        # The decode kernel reads the cache in place, whatever the length: one program per batch.
-        self._cache, tokens, logprobs = self._decode_fn(
-            plan.steps, self._state, self._cache, *args, length=self._decode_length(plan.length)
-        )
-        tokens, logprobs = jax.device_get((tokens, logprobs))
+        with self._device_timer():
+            args = self._put((plan.tokens, plan.positions, plan.rows, plan.sampling))
+            self._cache, tokens, logprobs = self._decode_fn(plan.steps, self._state, self._cache, *args)
+            tokens, logprobs = jax.device_get((tokens, logprobs))
         self._deliver(self._sched.finish_decode(plan, tokens, logprobs, self._version))
 
     def _deliver(self, seqs: list[Sequence]) -> None:

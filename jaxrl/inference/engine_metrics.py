@@ -64,3 +64,9 @@ class EngineMetrics(BaseModel):
     program_bound: int
     warmup_s: float | None
     """Seconds the start-up warm-up took (None: no warm-up ran)."""
+    step_s: float
+    """Seconds the engine thread spent in engine steps since start-up (the rest it was idle)."""
+    device_s: float
+    """... of which inside device calls (prefill, decode, row copies) until their results were
+    back on the host; ``step_s - device_s`` is host work: scheduling, batch building, reading
+    tokens out, completing requests. Where rollouts wait on the engine, this split says which."""

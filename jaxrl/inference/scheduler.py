@@ -186,9 +186,8 @@ class DecodePlan:
     seqs: list[Sequence]
     tokens: np.ndarray  # i32[B]: each sequence's last sampled token, fed now
     positions: np.ndarray  # i32[B]
-    rows: np.ndarray  # i32[B]; padding rows = max_seqs (out of range: neither read nor written)
+    rows: np.ndarray  # i32[B]; padding rows = max_seqs (out of range: not written, reads discarded)
     sampling: SamplingBatch
-    length: int  # KV length bucket decode attention reads
     steps: int  # decode steps of this call
 
 
@@ -215,7 +214,6 @@ class Scheduler:
         self._prefill_lens = config.prefill_lengths()
         self._prefill_batches = config.prefill_batches()
         self._decode_batches = config.decode_buckets()
-        self._decode_lens = config.decode_lengths()
 
     @property
     def idle(self) -> bool:
@@ -356,13 +354,10 @@ class Scheduler:
         rows = np.full(size, self.cfg.max_seqs, np.int32)
         for i, seq in enumerate(seqs):
             tokens[i], positions[i], rows[i] = seq.tokens[-1], seq.position, seq.row
-        longest = min(int(positions[: len(seqs)].max()) + steps, self.cfg.max_model_len)
-        length = bucket_at_least(self._decode_lens, longest)
-        positions[len(seqs) :] = length  # padding: outside the attended KV window, never written
         params = [s.params for s in seqs]
         draw_position = [len(s.prompt) + len(s.tokens) for s in seqs]
         sampling = SamplingBatch.host(params, [s.seed for s in seqs], draw_position, size)
-        return DecodePlan(seqs, tokens, positions, rows, sampling, length, steps)
+        return DecodePlan(seqs, tokens, positions, rows, sampling, steps)
 
     def finish_decode(
         self, plan: DecodePlan, tokens: np.ndarray, logprobs: np.ndarray, version: int

@@ -200,29 +200,61 @@ def _attend(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, kv: str)
     return out / jnp.transpose(denom, (0, 3, 1, 2))[..., None]
 
 
-def cached_decode_attention(
-    q: jax.Array, kc: jax.Array, vc: jax.Array, layer: jax.Array, rows: jax.Array, positions: jax.Array, length: int
-) -> jax.Array:
-    """Attention of one new token per query (q [B, 1, H, D]) over cache rows ``rows`` of ``layer``
-    in the caches [layers, rows, K, S, D], positions < ``length`` that are <= the query's own.
+# Cache positions decode attention reads per loop trip (``cached_decode_attention``); on CPU, 64
+# and 128 measured alike at 100-1000 positions, 256 slower.
+DECODE_CHUNK = 128
 
-    The reference for decode (the TPU kernel reads the cache in place instead). It reads only
-    the ``length`` bucket of the rows it needs, straight from the cache, and its two products
-    are written without the query-length axis ([B, K, G, D] x [B, K, S, D]): measured on CPU,
-    that form is 1.5x faster than ``attention``'s [B, T, K, G, D] one, which XLA turns into a
-    transposed matrix product for the value sum.
+
+def cached_decode_attention(
+    q: jax.Array, kc: jax.Array, vc: jax.Array, layer: jax.Array, rows: jax.Array, positions: jax.Array
+) -> jax.Array:
+    """Attention of one new token per query (q [B, 1, H, D], at ``positions`` [B, 1]) over cache
+    row ``rows[b]`` of ``layer`` in the caches [layers, rows, K, S, D], positions <= its own.
+
+    The decode reference (the TPU kernel reads the cache in place instead). It walks the cache
+    in chunks of ``DECODE_CHUNK`` positions with an online softmax, for as many chunks as the
+    batch's longest sequence needs (a dynamic trip count: no program per length bucket, and a
+    batch of short sequences in a long cache reads only their part). Each chunk is read from
+    the cache rows as contiguous slices (one gather of ``[B, K, chunk, D]``). Measured on CPU
+    (32 rows, 4 layers), against reading a power-of-two length bucket of the rows at once:
+    3.7 -> 3.0 ms at 100 positions, 46 -> 15 ms at 600. The products are written without the
+    query-length axis ([B, K, G, D] x [B, K, S, D]), which XLA:CPU runs 1.5x faster.
     """
     b, _, h, d = q.shape
-    kv_heads = kc.shape[2]
-    k = kc[layer, :, :, :length][rows].astype(jnp.float32)  # [B, K, length, D]
-    v = vc[layer, :, :, :length][rows].astype(jnp.float32)
+    kv_heads, max_len = kc.shape[2], kc.shape[3]
+    chunk = min(DECODE_CHUNK, max_len)
     qg = q.reshape(b, kv_heads, h // kv_heads, d).astype(jnp.float32) * (d**-0.5)
-    scores = jnp.einsum("bkgd,bksd->bkgs", qg, k)
-    visible = jnp.arange(length)[None, :] <= positions[:, :1]  # [B, length]
-    scores = jnp.where(visible[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
-    p = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-    out = jnp.einsum("bkgs,bksd->bkgd", p, v) / jnp.sum(p, axis=-1)[..., None]
-    return out.reshape(b, 1, h, d).astype(q.dtype)
+    pos = positions[:, :1]
+
+    def read(cache: jax.Array, start: jax.Array) -> jax.Array:
+        def one(row: jax.Array) -> jax.Array:
+            return jax.lax.dynamic_slice(cache, (layer, row, 0, start, 0), (1, 1, kv_heads, chunk, d))[0, 0]
+
+        return jax.vmap(one)(rows).astype(jnp.float32)
+
+    def body(i, carry):  # type: ignore[no-untyped-def]
+        m, total, acc = carry
+        first = i * chunk
+        start = jnp.minimum(first, max_len - chunk)  # the last chunk may overlap the one before
+        key_pos = start + jnp.arange(chunk)
+        visible = (key_pos[None, :] >= first) & (key_pos[None, :] <= pos)  # [B, chunk]
+        scores = jnp.einsum("bkgd,bksd->bkgs", qg, read(kc, start))
+        scores = jnp.where(visible[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+        p = jnp.exp(scores - m_new[..., None])
+        scale = jnp.exp(m - m_new)
+        acc = acc * scale[..., None] + jnp.einsum("bkgs,bksd->bkgd", p, read(vc, start))
+        return m_new, total * scale + jnp.sum(p, axis=-1), acc
+
+    trips = jnp.minimum(jnp.max(pos) // chunk + 1, -(-max_len // chunk))
+    g = h // kv_heads
+    init = (
+        jnp.full((b, kv_heads, g), -jnp.inf, jnp.float32),
+        jnp.zeros((b, kv_heads, g), jnp.float32),
+        jnp.zeros((b, kv_heads, g, d), jnp.float32),
+    )
+    _, total, acc = jax.lax.fori_loop(0, trips, body, init)
+    return (acc / total[..., None]).reshape(b, 1, h, d).astype(q.dtype)
 
 
 def packed_causal_mask(segment_ids: jax.Array) -> jax.Array:
@@ -308,15 +340,12 @@ class Decoder(nnx.Module):
         cache: KVCache | None = None,
         cache_rows: jax.Array | None = None,
         kernels: Kernels | None = None,
-        attend_len: int | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """tokens, positions, segment_ids: int [B, T].
 
         Without a cache, attention is causal within each segment. With a cache, row b writes
         its keys/values into cache row ``cache_rows[b]`` at ``positions[b, t]`` and attends to
         every cached position <= its own (the engine guarantees those are this sequence's).
-        ``attend_len`` (decode, T = 1): every query's position is below it, so attention reads
-        only the cache's first ``attend_len`` positions (a static length bucket).
         ``kernels`` may swap in a Pallas attention with the same semantics (default: ours).
         """
         arch = self.arch
@@ -361,7 +390,7 @@ class Decoder(nnx.Module):
                     if kernel is not None:  # reads the whole cache in place (one-token steps)
                         return kernel(q, kc, vc, layer)
                     if tokens.shape[1] == 1:
-                        return cached_decode_attention(q, kc, vc, layer, rows, positions, attend_len or cache.max_len)
+                        return cached_decode_attention(q, kc, vc, layer, rows, positions)
                     k_rows, v_rows = kc[layer][rows].astype(k.dtype), vc[layer][rows].astype(v.dtype)
                     return attention(q, k_rows, v_rows, mask, heads_major=True)
 

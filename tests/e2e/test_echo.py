@@ -61,7 +61,7 @@ def echo_run(warm_start, tmp_path_factory) -> Path:
                     "mesh": {"num_devices": 1},
                     "optim": {"lr": 3e-4, "schedule": "constant", "weight_decay": 0.0}},
         "inference": {"server": {"port": 0}, "max_model_len": 1024, "max_seqs": 16, "prefill_len_buckets": [64, 512],
-                      "prefill_batch_buckets": [4], "decode_len_buckets": [1024], "decode_batch_buckets": [16]},
+                      "prefill_batch_buckets": [4], "decode_batch_buckets": [16]},
         "orchestrator": {
             "batch_size": 16, "group_size": 4,
             # A call with a 3-letter key is 51 tokens; 0.7 keeps the tiny model's format intact.

@@ -53,7 +53,7 @@ def test_family_sft_and_rl_step_use_its_chat_template(family, tmp_path) -> None:
         "output_dir": str(rl_out), "model": {"name": str(model)},
         "trainer": TRAINER | {"steps": 1},
         "inference": {"server": {"port": 0}, "max_model_len": 256, "max_seqs": 8, "prefill_len_buckets": [128, 256],
-                      "prefill_batch_buckets": [4], "decode_len_buckets": [256], "decode_batch_buckets": [8]},
+                      "prefill_batch_buckets": [4], "decode_batch_buckets": [8]},
         "orchestrator": {"batch_size": 8, "group_size": 4, "max_resample": 3,
                          "train": {"sampling": {"max_completion_tokens": 8, "temperature": 1.0},
                                    "env": [{"id": "reverse_text", "args": {"seed": 3}}]}},

@@ -15,7 +15,6 @@ CFG = InferenceConfig(
     max_batched_tokens=32,
     decode_steps=3,
     decode_batch_buckets=[1, 2],
-    decode_len_buckets=[32],
     prefill_len_buckets=[8, 16],
     prefill_batch_buckets=[1, 2],
     min_prefix_reuse=4,
@@ -102,7 +101,7 @@ def test_prefill_respects_token_budget_and_buckets() -> None:
     assert plan.seqs == [a] and plan.chunk == [14] and plan.tokens.shape == (1, 16)
 
 
-def test_decode_plan_pads_with_out_of_range_rows_and_picks_length_bucket() -> None:
+def test_decode_plan_pads_with_out_of_range_rows_at_position_zero() -> None:
     s = Scheduler(CFG)
     a = _seq(list(range(1, 30)))
     s.add(a)
@@ -110,10 +109,9 @@ def test_decode_plan_pads_with_out_of_range_rows_and_picks_length_bucket() -> No
     _prefill_all(s)
     plan = s.plan_decode(CFG.decode_steps)
     assert plan.tokens.shape == (1,) and plan.positions[0] == 29
-    assert plan.length == 32  # writes positions 29..31
     s.finish_decode(plan, np.array([[1], [2], [3]]), np.zeros((3, 1)), 0)
     plan = s.plan_decode(CFG.decode_steps)
-    assert plan.positions[0] == 32 and plan.length == 64  # the next bucket: max_model_len
+    assert plan.positions[0] == 32
     b = _seq([1, 2, 3])
     s.add(b)
     s.admit()
@@ -181,12 +179,11 @@ def test_config_derives_buckets_and_names_bad_fields() -> None:
 
     cfg = InferenceConfig(max_model_len=1000, max_seqs=24)
     assert cfg.decode_buckets() == [1, 8, 16, 24]
-    assert cfg.decode_lengths() == [128, 256, 512, 1000]
     assert cfg.prefill_lengths() == [16, 64, 256, 512]
     assert cfg.prefill_batches() == [1, 2, 4, 8]
-    assert cfg.program_bound() == 4 * 4 + 4 * 4 + 1
+    assert cfg.program_bound() == 4 + 4 * 4 + 1  # decode programs: one per batch bucket, any length
     idle = InferenceConfig(max_model_len=1000, max_seqs=24, decode_steps_idle=16)
-    assert idle.decode_step_counts() == [4, 16] and idle.program_bound() == 2 * 4 * 4 + 4 * 4 + 1
+    assert idle.decode_step_counts() == [4, 16] and idle.program_bound() == 2 * 4 + 4 * 4 + 1
     assert InferenceConfig(max_seqs=1).decode_buckets() == [1]
     for bad, field in [
         ({"backend": "external"}, "base_url"),
@@ -195,6 +192,7 @@ def test_config_derives_buckets_and_names_bad_fields() -> None:
         ({"max_model_len": 2048, "max_batched_tokens": 100}, "max_batched_tokens"),
         ({"decode_steps": 8, "decode_steps_idle": 4}, "decode_steps_idle"),
         ({"surprise": 1}, "surprise"),
+        ({"decode_len_buckets": [128]}, "decode_len_buckets was removed"),
     ]:
         with pytest.raises(ValueError, match=field):
             InferenceConfig(**bad)

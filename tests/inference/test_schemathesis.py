@@ -23,7 +23,7 @@ STATUS = Counter()
 
 @pytest.fixture(scope="module")
 def live_server(model_dir, tokenizer_dir, make_config):
-    engine = Engine.from_pretrained(model_dir, make_config(max_model_len=64, decode_len_buckets=[64]))
+    engine = Engine.from_pretrained(model_dir, make_config(max_model_len=64))
     srv = EngineServer(engine, AutoTokenizer.from_pretrained(tokenizer_dir), model_name="tiny")
     srv.start()
     yield srv

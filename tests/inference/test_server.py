@@ -32,7 +32,7 @@ def tokenizer(tokenizer_dir):
 @pytest.fixture(scope="module")
 def server(model_dir, tokenizer, make_config):
     # Room for a chat prompt with tool definitions (~570 byte-level tokens).
-    engine = Engine.from_pretrained(model_dir, make_config(max_model_len=MAX_LEN, decode_len_buckets=[128]))
+    engine = Engine.from_pretrained(model_dir, make_config(max_model_len=MAX_LEN))
     srv = EngineServer(engine, tokenizer, model_name="tiny")
     srv.start()
     yield srv
