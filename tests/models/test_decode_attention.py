@@ -1,0 +1,42 @@
+"""The decode reference attention (chunked, dynamic trip count) against plain attention over the
+same cache rows: ragged positions, a cache length that is not a multiple of the chunk (the last
+chunk overlaps the one before), out-of-range padding rows, a bfloat16 cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.models.decoder import DECODE_CHUNK, attention, cached_decode_attention
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_chunked_decode_attention_matches_dense(dtype) -> None:
+    layers, n_rows, kv_heads, max_len, d, heads = 2, 6, 2, DECODE_CHUNK * 2 + 44, 16, 4
+    kk, kv, kq = jax.random.split(jax.random.key(0), 3)
+    kc = jax.random.normal(kk, (layers, n_rows, kv_heads, max_len, d)).astype(dtype)
+    vc = jax.random.normal(kv, (layers, n_rows, kv_heads, max_len, d)).astype(dtype)
+    rows = jnp.array([4, 0, 5, 2, n_rows], jnp.int32)  # the last one is padding (out of range)
+    positions = jnp.array([[max_len - 1], [3], [DECODE_CHUNK], [DECODE_CHUNK * 2 + 7], [0]], jnp.int32)
+    q = jax.random.normal(kq, (len(rows), 1, heads, d)).astype(dtype)
+    for layer in range(layers):
+        got = cached_decode_attention(q, kc, vc, jnp.int32(layer), rows, positions)
+        real = rows[:4]
+        k, v = kc[layer][real].astype(jnp.float32), vc[layer][real].astype(jnp.float32)
+        mask = jnp.arange(max_len)[None, None, :] <= positions[:4, :, None]
+        want = attention(q[:4].astype(jnp.float32), k, v, mask, heads_major=True)
+        tol = 1e-5 if dtype == jnp.float32 else 2e-2
+        np.testing.assert_allclose(np.asarray(got[:4], np.float32), np.asarray(want), atol=tol, rtol=tol)
+        assert np.isfinite(np.asarray(got[4], np.float32)).all()  # padding reads something harmless
+
+
+def test_chunked_decode_attention_reads_only_up_to_the_longest_position() -> None:
+    """Positions beyond every query's own never matter: garbage (NaN) there changes nothing."""
+    kc = jax.random.normal(jax.random.key(1), (1, 3, 1, DECODE_CHUNK * 4, 8))
+    q = jax.random.normal(jax.random.key(2), (3, 1, 2, 8))
+    rows, positions = jnp.arange(3, dtype=jnp.int32), jnp.array([[5], [DECODE_CHUNK + 1], [17]], jnp.int32)
+    clean = cached_decode_attention(q, kc, kc, jnp.int32(0), rows, positions)
+    dirty = kc.at[:, :, :, DECODE_CHUNK * 2 :].set(jnp.nan)  # chunks no query reaches are never read
+    np.testing.assert_array_equal(cached_decode_attention(q, dirty, dirty, jnp.int32(0), rows, positions), clean)
