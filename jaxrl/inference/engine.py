@@ -248,7 +248,7 @@ class Engine:
         self._generated = RateWindow()
         self._warmup_s: float | None = None
         self._step_s = 0.0  # engine steps, and inside them device calls (``EngineMetrics``)
-        self._device_s = 0.0
+        self._device_s = {"prefill": 0.0, "decode": 0.0, "copy": 0.0}
 
     @classmethod
     def from_pretrained(
@@ -349,7 +349,9 @@ class Engine:
             program_bound=self.config.program_bound(),
             warmup_s=self._warmup_s,
             step_s=round(self._step_s, 3),
-            device_s=round(self._device_s, 3),
+            device_s=round(sum(self._device_s.values()), 3),
+            prefill_s=round(self._device_s["prefill"], 3),
+            decode_s=round(self._device_s["decode"], 3),
         )
 
     # -- requests --------------------------------------------------------------------------
@@ -573,7 +575,7 @@ class Engine:
         paused = self._maybe_swap_weights()
         if not paused:
             for src, dst in self._sched.admit():
-                with self._device_timer():
+                with self._device_timer("copy"):
                     self._cache = self._copy_fn(self._cache, *self._put((np.int32(src), np.int32(dst))))
         prefill = self._sched.plan_prefill()
         if prefill is not None:
@@ -614,22 +616,22 @@ class Engine:
         return jax.device_put(arrays, self._inputs)
 
     @contextlib.contextmanager
-    def _device_timer(self) -> Iterator[None]:
+    def _device_timer(self, kind: str) -> Iterator[None]:
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            self._device_s += time.perf_counter() - t0
+            self._device_s[kind] += time.perf_counter() - t0
 
     def _run_prefill(self, plan: PrefillPlan) -> None:
-        with self._device_timer():
+        with self._device_timer("prefill"):
             args = self._put((plan.tokens, plan.positions, plan.rows, plan.last, plan.sampling))
             self._cache, tokens, logprobs = self._prefill_fn(self._state, self._cache, *args)
             tokens, logprobs = jax.device_get((tokens, logprobs))
         self._deliver(self._sched.finish_prefill(plan, tokens, logprobs, self._version))
 
     def _run_decode(self, plan: DecodePlan) -> None:
-        with self._device_timer():
+        with self._device_timer("decode"):
             args = self._put((plan.tokens, plan.positions, plan.rows, plan.sampling))
             self._cache, tokens, logprobs = self._decode_fn(plan.steps, self._state, self._cache, *args)
             tokens, logprobs = jax.device_get((tokens, logprobs))

@@ -70,3 +70,7 @@ class EngineMetrics(BaseModel):
     """... of which inside device calls (prefill, decode, row copies) until their results were
     back on the host; ``step_s - device_s`` is host work: scheduling, batch building, reading
     tokens out, completing requests. Where rollouts wait on the engine, this split says which."""
+    prefill_s: float
+    """... of ``device_s``, in prefill calls."""
+    decode_s: float
+    """... of ``device_s``, in decode calls."""

@@ -200,31 +200,34 @@ def _attend(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, kv: str)
     return out / jnp.transpose(denom, (0, 3, 1, 2))[..., None]
 
 
-# Cache positions decode attention reads per loop trip (``cached_decode_attention``); on CPU, 64
+# Cache positions attention over the KV cache reads per loop trip (``cached_attention``); on CPU, 64
 # and 128 measured alike at 100-1000 positions, 256 slower.
 DECODE_CHUNK = 128
 
 
-def cached_decode_attention(
+def cached_attention(
     q: jax.Array, kc: jax.Array, vc: jax.Array, layer: jax.Array, rows: jax.Array, positions: jax.Array
 ) -> jax.Array:
-    """Attention of one new token per query (q [B, 1, H, D], at ``positions`` [B, 1]) over cache
-    row ``rows[b]`` of ``layer`` in the caches [layers, rows, K, S, D], positions <= its own.
+    """Attention of queries q [B, T, H, D] at ``positions`` [B, T] over cache row ``rows[b]`` of
+    ``layer`` in the caches [layers, rows, K, S, D]: each query sees the positions <= its own.
 
-    The decode reference (the TPU kernel reads the cache in place instead). It walks the cache
-    in chunks of ``DECODE_CHUNK`` positions with an online softmax, for as many chunks as the
-    batch's longest sequence needs (a dynamic trip count: no program per length bucket, and a
-    batch of short sequences in a long cache reads only their part). Each chunk is read from
-    the cache rows as contiguous slices (one gather of ``[B, K, chunk, D]``). Measured on CPU
-    (32 rows, 4 layers), against reading a power-of-two length bucket of the rows at once:
-    3.7 -> 3.0 ms at 100 positions, 46 -> 15 ms at 600. The products are written without the
-    query-length axis ([B, K, G, D] x [B, K, S, D]), which XLA:CPU runs 1.5x faster.
+    The reference for prefill and decode (the TPU decode kernel reads the cache in place
+    instead). It walks the cache in chunks of ``DECODE_CHUNK`` positions with an online softmax,
+    for as many chunks as the batch's furthest query needs (a dynamic trip count: no program
+    per length bucket, and short sequences in a long cache read only their part). Each chunk is
+    read from the cache rows as contiguous slices (one gather of ``[B, K, chunk, D]``).
+    Measured on CPU (decode, 32 rows, 4 layers) against reading a power-of-two length bucket
+    of the rows at once: 3.7 -> 3.0 ms at 100 positions, 46 -> 15 ms at 600. Queries are folded
+    into one axis with the group ([B, K, G*T, D] x [B, K, S, D]), which XLA:CPU runs 1.5x faster
+    than a separate query-length axis. Queries at positions >= S (padding) are discarded.
     """
-    b, _, h, d = q.shape
+    b, t, h, d = q.shape
     kv_heads, max_len = kc.shape[2], kc.shape[3]
+    g = h // kv_heads
     chunk = min(DECODE_CHUNK, max_len)
-    qg = q.reshape(b, kv_heads, h // kv_heads, d).astype(jnp.float32) * (d**-0.5)
-    pos = positions[:, :1]
+    qg = q.reshape(b, t, kv_heads, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, d)
+    qg = qg.astype(jnp.float32) * (d**-0.5)
+    query_pos = jnp.broadcast_to(positions[:, None, :], (b, g, t)).reshape(b, 1, g * t, 1)
 
     def read(cache: jax.Array, start: jax.Array) -> jax.Array:
         def one(row: jax.Array) -> jax.Array:
@@ -237,24 +240,25 @@ def cached_decode_attention(
         first = i * chunk
         start = jnp.minimum(first, max_len - chunk)  # the last chunk may overlap the one before
         key_pos = start + jnp.arange(chunk)
-        visible = (key_pos[None, :] >= first) & (key_pos[None, :] <= pos)  # [B, chunk]
-        scores = jnp.einsum("bkgd,bksd->bkgs", qg, read(kc, start))
-        scores = jnp.where(visible[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
+        visible = (key_pos >= first) & (key_pos <= query_pos)  # [B, 1, G*T, chunk]
+        scores = jnp.einsum("bkqd,bksd->bkqs", qg, read(kc, start))
+        scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
         p = jnp.exp(scores - m_new[..., None])
         scale = jnp.exp(m - m_new)
-        acc = acc * scale[..., None] + jnp.einsum("bkgs,bksd->bkgd", p, read(vc, start))
+        acc = acc * scale[..., None] + jnp.einsum("bkqs,bksd->bkqd", p, read(vc, start))
         return m_new, total * scale + jnp.sum(p, axis=-1), acc
 
-    trips = jnp.minimum(jnp.max(pos) // chunk + 1, -(-max_len // chunk))
-    g = h // kv_heads
+    furthest = jnp.max(jnp.where(positions < max_len, positions, 0))
+    trips = furthest // chunk + 1
     init = (
-        jnp.full((b, kv_heads, g), -jnp.inf, jnp.float32),
-        jnp.zeros((b, kv_heads, g), jnp.float32),
-        jnp.zeros((b, kv_heads, g, d), jnp.float32),
+        jnp.full((b, kv_heads, g * t), -jnp.inf, jnp.float32),
+        jnp.zeros((b, kv_heads, g * t), jnp.float32),
+        jnp.zeros((b, kv_heads, g * t, d), jnp.float32),
     )
     _, total, acc = jax.lax.fori_loop(0, trips, body, init)
-    return (acc / total[..., None]).reshape(b, 1, h, d).astype(q.dtype)
+    out = (acc / total[..., None]).reshape(b, kv_heads, g, t, d).transpose(0, 3, 1, 2, 4)
+    return out.reshape(b, t, h, d).astype(q.dtype)
 
 
 def packed_causal_mask(segment_ids: jax.Array) -> jax.Array:
@@ -370,8 +374,6 @@ class Decoder(nnx.Module):
             h, _ = jax.lax.scan(body, x, weights)
         else:
             rows = jnp.arange(tokens.shape[0]) if cache_rows is None else cache_rows
-            key_pos = jnp.arange(cache.max_len)
-            mask = key_pos[None, None, :] <= positions[:, :, None]
             kernel = kernels.cached_attention(positions, rows) if kernels is not None else None
 
             def body(carry, w):  # type: ignore[no-untyped-def]
@@ -389,10 +391,7 @@ class Decoder(nnx.Module):
                     vc = vc.at[idx].set(v.astype(vc.dtype), mode="drop")
                     if kernel is not None:  # reads the whole cache in place (one-token steps)
                         return kernel(q, kc, vc, layer)
-                    if tokens.shape[1] == 1:
-                        return cached_decode_attention(q, kc, vc, layer, rows, positions)
-                    k_rows, v_rows = kc[layer][rows].astype(k.dtype), vc[layer][rows].astype(v.dtype)
-                    return attention(q, k_rows, v_rows, mask, heads_major=True)
+                    return cached_attention(q, kc, vc, layer, rows, positions)
 
                 h = self._block(h, w, cos, sin, attend)
                 return (h, kc, vc, layer + 1), None

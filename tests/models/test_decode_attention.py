@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.models.decoder import DECODE_CHUNK, attention, cached_decode_attention
+from jaxrl.models.decoder import DECODE_CHUNK, attention, cached_attention
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -22,7 +22,7 @@ def test_chunked_decode_attention_matches_dense(dtype) -> None:
     positions = jnp.array([[max_len - 1], [3], [DECODE_CHUNK], [DECODE_CHUNK * 2 + 7], [0]], jnp.int32)
     q = jax.random.normal(kq, (len(rows), 1, heads, d)).astype(dtype)
     for layer in range(layers):
-        got = cached_decode_attention(q, kc, vc, jnp.int32(layer), rows, positions)
+        got = cached_attention(q, kc, vc, jnp.int32(layer), rows, positions)
         real = rows[:4]
         k, v = kc[layer][real].astype(jnp.float32), vc[layer][real].astype(jnp.float32)
         mask = jnp.arange(max_len)[None, None, :] <= positions[:4, :, None]
@@ -32,11 +32,27 @@ def test_chunked_decode_attention_matches_dense(dtype) -> None:
         assert np.isfinite(np.asarray(got[4], np.float32)).all()  # padding reads something harmless
 
 
+def test_chunked_prefill_attention_matches_dense() -> None:
+    """Prompt chunks (T > 1) at ragged offsets, padding queries at position S (discarded)."""
+    n_rows, kv_heads, max_len, d, heads, t = 4, 2, DECODE_CHUNK + 60, 8, 4, 5
+    kc = jax.random.normal(jax.random.key(3), (1, n_rows, kv_heads, max_len, d))
+    vc = jax.random.normal(jax.random.key(4), (1, n_rows, kv_heads, max_len, d))
+    q = jax.random.normal(jax.random.key(5), (3, t, heads, d))
+    rows = jnp.array([2, 0, 3], jnp.int32)
+    positions = jnp.stack([jnp.arange(t) + 40, jnp.arange(t) + DECODE_CHUNK - 2, jnp.full(t, max_len)]).astype(jnp.int32)
+    positions = positions.at[1, 3:].set(max_len)  # a shorter chunk, padded
+    got = cached_attention(q, kc, vc, jnp.int32(0), rows, positions)
+    mask = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
+    want = attention(q, kc[0][rows], vc[0][rows], mask, heads_major=True)
+    np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got[1, :3], want[1, :3], atol=1e-5, rtol=1e-5)
+
+
 def test_chunked_decode_attention_reads_only_up_to_the_longest_position() -> None:
     """Positions beyond every query's own never matter: garbage (NaN) there changes nothing."""
     kc = jax.random.normal(jax.random.key(1), (1, 3, 1, DECODE_CHUNK * 4, 8))
     q = jax.random.normal(jax.random.key(2), (3, 1, 2, 8))
     rows, positions = jnp.arange(3, dtype=jnp.int32), jnp.array([[5], [DECODE_CHUNK + 1], [17]], jnp.int32)
-    clean = cached_decode_attention(q, kc, kc, jnp.int32(0), rows, positions)
+    clean = cached_attention(q, kc, kc, jnp.int32(0), rows, positions)
     dirty = kc.at[:, :, :, DECODE_CHUNK * 2 :].set(jnp.nan)  # chunks no query reaches are never read
-    np.testing.assert_array_equal(cached_decode_attention(q, dirty, dirty, jnp.int32(0), rows, positions), clean)
+    np.testing.assert_array_equal(cached_attention(q, dirty, dirty, jnp.int32(0), rows, positions), clean)
