@@ -345,7 +345,9 @@ class Scheduler:
     # -- decode ------------------------------------------------------------------------------
 
     def plan_decode(self, steps: int) -> DecodePlan | None:
-        seqs = [s for s in self.running if not s.prefilling]
+        # Longest first: decode attention reads each block of rows as far as its longest one
+        # (``jaxrl.models.decoder.ROW_BLOCK``), so rows of like length share blocks.
+        seqs = sorted((s for s in self.running if not s.prefilling), key=lambda s: -s.position)
         if not seqs:
             return None
         size = bucket_at_least(self._decode_batches, len(seqs))

@@ -203,6 +203,10 @@ def _attend(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, kv: str)
 # Cache positions attention over the KV cache reads per loop trip (``cached_attention``); on CPU, 64
 # and 128 measured alike at 100-1000 positions, 256 slower.
 DECODE_CHUNK = 128
+# Batch rows that share one trip count in ``cached_attention``: a block stops at its own furthest
+# query, so a batch sorted by length (the engine's decode batches are) reads little past each
+# row's end. 32 rows at 150-900 positions, CPU: 19.6 ms one block, 13.2 ms in blocks of 8.
+ROW_BLOCK = 8
 
 
 def cached_attention(
@@ -210,6 +214,19 @@ def cached_attention(
 ) -> jax.Array:
     """Attention of queries q [B, T, H, D] at ``positions`` [B, T] over cache row ``rows[b]`` of
     ``layer`` in the caches [layers, rows, K, S, D]: each query sees the positions <= its own.
+    Rows go in blocks of ``ROW_BLOCK``, each walking the cache as far as it needs
+    (``_cached_attention_block``)."""
+    b = q.shape[0]
+    if b <= ROW_BLOCK or b % ROW_BLOCK:
+        return _cached_attention_block(q, kc, vc, layer, rows, positions)
+    blocks = [slice(i, i + ROW_BLOCK) for i in range(0, b, ROW_BLOCK)]
+    return jnp.concatenate([_cached_attention_block(q[s], kc, vc, layer, rows[s], positions[s]) for s in blocks])
+
+
+def _cached_attention_block(
+    q: jax.Array, kc: jax.Array, vc: jax.Array, layer: jax.Array, rows: jax.Array, positions: jax.Array
+) -> jax.Array:
+    """``cached_attention`` of one block of rows.
 
     The reference for prefill and decode (the TPU decode kernel reads the cache in place
     instead). It walks the cache in chunks of ``DECODE_CHUNK`` positions with an online softmax,

@@ -56,3 +56,22 @@ def test_chunked_decode_attention_reads_only_up_to_the_longest_position() -> Non
     clean = cached_attention(q, kc, kc, jnp.int32(0), rows, positions)
     dirty = kc.at[:, :, :, DECODE_CHUNK * 2 :].set(jnp.nan)  # chunks no query reaches are never read
     np.testing.assert_array_equal(cached_attention(q, dirty, dirty, jnp.int32(0), rows, positions), clean)
+
+
+def test_row_blocks_each_stop_at_their_own_furthest_query() -> None:
+    """16 rows = two blocks of ``ROW_BLOCK``; the second block's rows are short, so garbage
+    beyond them is not read for that block while the first block reads further."""
+    from jaxrl.models.decoder import ROW_BLOCK
+
+    n, max_len = 2 * ROW_BLOCK, DECODE_CHUNK * 3
+    kc = jax.random.normal(jax.random.key(6), (1, n, 2, max_len, 8))
+    q = jax.random.normal(jax.random.key(7), (n, 1, 4, 8))
+    rows = jnp.arange(n, dtype=jnp.int32)[::-1]
+    positions = jnp.concatenate([jnp.full((ROW_BLOCK, 1), max_len - 3), jnp.full((ROW_BLOCK, 1), 9)]).astype(jnp.int32)
+    got = cached_attention(q, kc, kc, jnp.int32(0), rows, positions)
+    mask = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
+    want = attention(q, kc[0][rows], kc[0][rows], mask, heads_major=True)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    short_rows = rows[ROW_BLOCK:]
+    dirty = kc.at[:, short_rows, :, DECODE_CHUNK:].set(jnp.nan)  # past the short block's only chunk
+    np.testing.assert_array_equal(cached_attention(q, dirty, dirty, jnp.int32(0), rows, positions)[ROW_BLOCK:], got[ROW_BLOCK:])
