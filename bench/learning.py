@@ -57,6 +57,13 @@ BUDGETS: dict[str, dict[str, dict[str, Any]]] = {
                    "orchestrator": {"eval": {"interval": 10, "num_tasks": 64, "k": 1}}},
         "reverse": {"trainer": {"steps": 20}, "orchestrator": {"eval": {"interval": 20, "num_tasks": 64, "k": 4}}},
     },
+    # "medium": the lookup comparison at twice the steps (the "small" rewards were too low to compare).
+    "medium": {
+        "lookup_sft": {},
+        "lookup": {"trainer": {"steps": 20}, "log": {"rollout_episodes": True},
+                   "orchestrator": {"eval": {"interval": 20, "num_tasks": 64, "k": 1}}},
+        "reverse": {"trainer": {"steps": 40}, "orchestrator": {"eval": {"interval": 40, "num_tasks": 64, "k": 4}}},
+    },
     "smoke": {
         "lookup_sft": {"trainer": {"steps": 30}},  # enough to make some tool calls
         "lookup": {"trainer": {"steps": 2}, "log": {"rollout_episodes": True},

@@ -235,7 +235,7 @@ class _Stepper:
 
 
 ENGINE_KEYS = ("waiting", "running", "tokens_per_s", "prefix_hit_rate", "cached_prompt_tokens", "prompt_tokens",
-               "generated_tokens", "compiles")
+               "generated_tokens", "compiles", "step_s", "device_s", "prefill_s", "decode_s")
 
 
 def engine_metrics(backend: RolloutBackend) -> dict[str, float]:
