@@ -205,8 +205,10 @@ def _attend(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, kv: str)
 DECODE_CHUNK = 128
 # Batch rows that share one trip count in ``cached_attention``: a block stops at its own furthest
 # query, so a batch sorted by length (the engine's decode batches are) reads little past each
-# row's end. 32 rows at 150-900 positions, CPU: 19.6 ms one block, 13.2 ms in blocks of 8.
-ROW_BLOCK = 8
+# row's end. 32 rows x 4 layers on CPU at 150-900 positions: one block 19.6 ms, blocks of 8
+# 13.2 (quiet host); blocks of 4 / 8 / 1 22.1 / 31.4 / 36.9 (another run, loaded host,
+# interleaved medians); at 30-150 positions blocks of 4 / 8 6.2 / 7.9 ms.
+ROW_BLOCK = 4
 
 
 def cached_attention(
