@@ -51,6 +51,7 @@ class TrainingRun:
             step = self.ckpt.latest_step()
             if step is None:
                 raise FileNotFoundError(f"--resume: no checkpoint in {self.ckpt.dir}")
+            self._check_lora(self.ckpt.meta(step), step)
             state, meta = self._restore(step)
             self.trainer.restore(state, step)
             if is_main_process():  # records past the checkpoint are written again by this run
@@ -65,6 +66,22 @@ class TrainingRun:
             tensorboard=log.tensorboard, run_config=self.cfg.model_dump(),
         )
         return meta
+
+    def _lora_meta(self) -> dict[str, Any] | None:
+        lora = self.cfg.trainer.lora
+        return None if lora is None else lora.model_dump(mode="json")
+
+    def _check_lora(self, meta: dict[str, Any], step: int) -> None:
+        """A checkpoint holds full weights or one LoRA shape: resuming it under another
+        ``[trainer.lora]`` would fail deep in orbax with a shape error (or, full vs LoRA, restore
+        nothing that fits), so it is refused up front, naming both settings."""
+        saved, now = meta.get("lora"), self._lora_meta()
+        if "lora" in meta and saved != now:
+            raise RunAborted(
+                f"--resume: the checkpoint at step {step} in {self.ckpt.dir} was trained with "
+                f"[trainer.lora] = {saved or 'off (full fine-tuning)'}, this config has "
+                f"{now or 'off (full fine-tuning)'}; resume with the same [trainer.lora], or start a new output_dir"
+            )
 
     def _restore(self, step: int) -> tuple[Any, dict[str, Any]]:
         """The checkpoint of ``step``; an unreadable one names its directory and the way back."""
@@ -93,6 +110,7 @@ class TrainingRun:
             return
         wandb_id = self.logger.wandb_run_id if self.logger is not None else None
         meta = meta | ({"wandb_run_id": wandb_id} if wandb_id else {})  # --resume continues the same W&B run
+        meta = meta | {"lora": self._lora_meta()}  # --resume refuses another [trainer.lora]
         self.ckpt.save(step, self.trainer.state_for_checkpoint(), {"step": step, **meta})
 
     def export(self) -> Path:

@@ -55,6 +55,11 @@ class Checkpointer:
         out = self._mngr.restore(step, args=args)
         return out["state"], dict(out["meta"])
 
+    def meta(self, step: int) -> dict[str, Any]:
+        """The JSON meta saved with ``step`` alone (no arrays read): checked before a restore."""
+        out = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(out["meta"])
+
     def wait(self) -> None:
         self._mngr.wait_until_finished()
 

@@ -98,3 +98,19 @@ def test_wandb_run_id_is_checkpointed_and_resumed(tmp_path, monkeypatch) -> None
     ids = {p.name.rsplit("-", 1)[1] for p in (tmp_path / "run" / "wandb").glob("offline-run-*")}
     dirs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(dirs) == 2 and len(ids) == 1, dirs
+
+
+def test_resume_refuses_another_lora_config(tmp_path) -> None:
+    """A LoRA checkpoint resumed as full fine-tuning (or with another rank) fails before any
+    restore, naming ``[trainer.lora]`` both ways; the same LoRA config resumes."""
+    from jaxrl.preemption import RunAborted
+
+    over = {"trainer": {"steps": 2, "lora": {"rank": 2, "alpha": 4}}, "ckpt": {"interval": 1},
+            "data": {"taskset": "reverse_text", "num_examples": 32, "batch_size": 4}}  # fmt: skip
+    run_sft(tiny_cfg(tmp_path / "run", **over))
+    with pytest.raises(RunAborted, match=r"trained with \[trainer.lora\] = .*'rank': 2.*this config has off"):
+        run_sft(tiny_cfg(tmp_path / "run", **{**over, "trainer": {"steps": 3}}), resume=True)
+    with pytest.raises(RunAborted, match=r"'rank': 2.*'rank': 4"):
+        run_sft(tiny_cfg(tmp_path / "run", **{**over, "trainer": {"steps": 3, "lora": {"rank": 4, "alpha": 4}}}), resume=True)
+    result = run_sft(tiny_cfg(tmp_path / "run", **{**over, "trainer": {"steps": 3, "lora": {"rank": 2, "alpha": 4}}}), resume=True)
+    assert result["steps"] == 3
