@@ -173,12 +173,16 @@ class RunShapes:
     model: Decoder
     programs: TrainPrograms
     params: Any
+    """The trained state: the parameters, or with ``[trainer.lora]`` the adapters."""
     opt: Any
     engine: EngineShapes | None
+    frozen: Any = None
+    """With ``[trainer.lora]``: the frozen base weights (resident, read by every micro-step)."""
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes per chip of each resident state (the engine's on the chips it uses)."""
-        out = {"trainer_params": _per_device_bytes(self.params), "trainer_opt_state": _per_device_bytes(self.opt)}
+        out = {"trainer_params": _per_device_bytes(self.params), "trainer_opt_state": _per_device_bytes(self.opt),
+               "trainer_frozen": _per_device_bytes(self.frozen) if self.frozen is not None else 0}
         if self.engine is not None:
             out["engine_weights"] = _per_device_bytes(self.engine.weights)
             out["engine_kv_cache"] = _per_device_bytes(self.engine.layout.abstract_cache())
@@ -188,21 +192,23 @@ class RunShapes:
 def run_shapes(cfg: RunConfig, topo: Topology, *, engine: bool | None = None) -> RunShapes:
     """The run's abstract state on ``topo``. ``engine``: include the embedded engine (default:
     for RL configs whose ``inference.backend`` is "embedded")."""
-    if cfg.trainer.lora is not None:
-        raise ValueError(
-            "jaxrl.aot does not model [trainer.lora] yet; without it the full fine-tuning programs compile, "
-            "an upper bound on LoRA's memory (run with --trainer.lora null)"
-        )
     hf_config, _ = model_hf_config(cfg.model)
     arch = arch_from_hf_config(hf_config)
     param_dtype, dtype = DTYPES[cfg.model.param_dtype], DTYPES[cfg.model.dtype]
     mesh = make_mesh(cfg.trainer.mesh, list(topo.devices))
     model = abstract_decoder(arch, param_dtype, dtype)
     programs = TrainPrograms.build(model, cfg.trainer, mesh)
-    params, opt = programs.abstract_state(nnx.state(model))
+    state, frozen = nnx.state(model), None
+    if (lora_cfg := cfg.trainer.lora) is not None:  # the base is frozen; the optimizer sees the adapters
+        from jaxrl.models.sharding import state_shardings
+        from jaxrl.trainer import lora
+
+        frozen = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, state_shardings(state, mesh))
+        state = jax.eval_shape(lambda: lora.init_adapters(frozen, lora_cfg, mesh))
+    params, opt = programs.abstract_state(state)
     with_engine = (cfg.mode == "rl" and cfg.inference.backend == "embedded") if engine is None else engine
     eng = _engine_shapes(cfg, arch, model, topo) if with_engine else None
-    return RunShapes(topo, arch, mesh, model, programs, params, opt, eng)
+    return RunShapes(topo, arch, mesh, model, programs, params, opt, eng, frozen)
 
 
 def _engine_shapes(cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo: Topology) -> EngineShapes:
@@ -237,6 +243,7 @@ def plan(cfg: RunConfig, topo: Topology, *, engine: bool | None = None, trainer:
     """
     run = run_shapes(cfg, topo, engine=engine)
     tcfg, mesh, programs, params, opt = cfg.trainer, run.mesh, run.programs, run.params, run.opt
+    frozen_args = () if run.frozen is None else (run.frozen,)  # LoRA: the base is the micro-step's last argument
     sb = run.state_bytes()
     engine_state_bytes = sb.get("engine_weights", 0) + sb.get("engine_kv_cache", 0)
     engine_fits = _engine_fits(cfg, run.engine, topo) if run.engine is not None else []
@@ -248,17 +255,17 @@ def plan(cfg: RunConfig, topo: Topology, *, engine: bool | None = None, trainer:
         mb = micro_batch_shapes(mesh, tcfg.micro_batch_rows, bucket)
         sums = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(mesh)),
-            programs.sums_shapes(params, mb, tcfg),
+            programs.sums_shapes(params, mb, tcfg, run.frozen),
         )
         fit = ProgramFit(f"train_micro_step[{tcfg.micro_batch_rows}x{bucket}]", topo.name, _mesh_dict(mesh), knobs=TRAINER_KNOBS)
-        _compile(fit, programs.micro_step, params, params, sums, mb, counts)
+        _compile(fit, programs.micro_step, params, params, sums, mb, counts, *frozen_args)
         fits.append(_finish(fit, sb["trainer_opt_state"] + engine_state_bytes, topo.hbm_per_device))
     if trainer:
         fit = ProgramFit("train_update", topo.name, _mesh_dict(mesh), knobs=TRAINER_KNOBS[:1])
         _compile(fit, programs.apply, params, opt, params, sums)
-        fits.append(_finish(fit, engine_state_bytes, topo.hbm_per_device))
+        fits.append(_finish(fit, engine_state_bytes + sb["trainer_frozen"], topo.hbm_per_device))
     for f in engine_fits:  # the trainer's parameters and optimizer state stay resident
-        fits.append(_finish(f, sb["trainer_params"] + sb["trainer_opt_state"], topo.hbm_per_device))
+        fits.append(_finish(f, sb["trainer_params"] + sb["trainer_frozen"] + sb["trainer_opt_state"], topo.hbm_per_device))
     return fits
 
 

@@ -57,6 +57,26 @@ def test_small_model_whole_step_and_engine_compile_and_fit(topology: str) -> Non
     assert params < full / 3  # sharded 4 ways (norms stay replicated)
 
 
+def test_lora_compiles_with_the_frozen_base_resident_and_adapter_sized_optimizer() -> None:
+    """``[trainer.lora]``: the micro-step takes the frozen base as an argument, the optimizer
+    state is the adapters' (a small fraction of full fine-tuning's), and the base weights stay
+    resident beside the engine's programs and the update."""
+    from jaxrl.aot.programs import run_shapes
+
+    topo = get_topology("v5e:2x2")
+    full_cfg = build_config(read_toml(SMALL), [])
+    lora_cfg = build_config(read_toml(SMALL), ["--trainer.lora.rank", "4"])
+    full_sb, lora_sb = run_shapes(full_cfg, topo).state_bytes(), run_shapes(lora_cfg, topo).state_bytes()
+    assert lora_sb["trainer_frozen"] == full_sb["trainer_params"] and full_sb["trainer_frozen"] == 0
+    assert lora_sb["trainer_opt_state"] < 0.1 * full_sb["trainer_opt_state"]
+    fits = {f.program: f for f in plan(lora_cfg, topo)}
+    assert all(f.error is None and f.fits for f in fits.values()), fits
+    resident = lora_sb["trainer_params"] + lora_sb["trainer_frozen"] + lora_sb["trainer_opt_state"]
+    assert fits["engine_decode[16x512]"].resident_other_bytes == resident
+    step = fits["train_micro_step[4x512]"]
+    assert step.argument_bytes >= lora_sb["trainer_frozen"] + 2 * lora_sb["trainer_params"]  # base + adapters + grads
+
+
 def test_command_exits_nonzero_naming_the_program_and_knobs(tmp_path: Path) -> None:
     """A 6.4B-parameter trainer cannot fit v5e:2x2: 16 bytes per parameter over 4 chips > 16 GiB."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
