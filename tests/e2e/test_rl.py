@@ -66,7 +66,7 @@ def rl_config(model: Path, out: Path, **over) -> dict:
         "trainer": {"steps": 8, "seq_len": 128, "micro_batch_rows": 8, "mesh": ONE_DEVICE,
                     "optim": {"lr": 1e-4, "schedule": "constant", "weight_decay": 0.0}},
         "inference": {"server": {"port": 0}, "max_model_len": 128, "max_seqs": 16, "prefill_len_buckets": [64, 128],
-                      "prefill_batch_buckets": [4], "decode_len_buckets": [128]},
+                      "prefill_batch_buckets": [4]},
         "orchestrator": {
             "batch_size": 32, "group_size": 8,
             "train": {"sampling": {"max_completion_tokens": 16, "temperature": 1.0},
