@@ -69,3 +69,27 @@ def test_call_tool_turns_every_failure_into_a_reply(name, arguments, reply):
 def test_harness_runs_offline_without_a_container():
     assert not LocalChatHarness.NEEDS_CONTAINER and not LocalChatHarness.EXECUTES_CODE
     assert LocalChatHarness.SUPPORTS_RESUME and LocalChatHarness.APPENDS_SYSTEM_PROMPT
+
+
+def test_rollouts_of_one_event_loop_share_one_http_pool():
+    """Every rollout's model client reuses the loop's pool (building one is ~25 ms of CPU for its
+    SSL context); a new loop (or a closed pool) gets a new one."""
+    import asyncio
+
+    from jaxrl.envs.harness import shared_http_client
+
+    async def twice():
+        return shared_http_client(), shared_http_client()
+
+    a, b = asyncio.run(twice())
+    assert a is b
+    c, _ = asyncio.run(twice())
+    assert c is not a
+
+    async def after_close():
+        first = shared_http_client()
+        await first.aclose()
+        return first, shared_http_client()
+
+    closed, fresh = asyncio.run(after_close())
+    assert closed.is_closed and fresh is not closed and not fresh.is_closed
