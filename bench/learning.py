@@ -242,6 +242,7 @@ def train_tool_nll(out: Path) -> tuple[float, float]:
     """The trainer's tool-output NLL (``ce_nll_mean``: fresh rollouts, before that step's update),
     token-weighted over the first and the second half of an echo run's steps."""
     rows = [r for r in _metrics(out) if "ce_tokens" in r]  # train steps (the step-0 eval row has none)
+    rows = [r for r in rows if r["ce_tokens"]]  # a step whose rollouts called no tool has no tool tokens (NaN mean)
     half = len(rows) // 2
 
     def weighted(part: list[dict[str, Any]]) -> float:
@@ -269,7 +270,7 @@ def table(reverse: list[dict[str, Any]], lookup: list[dict[str, Any]]) -> str:
                          f"{fmt(r['gain'])} | {fmt(r.get('vs_grpo'))} | {kl} |")
     if lookup:
         lines += ["", "| lookup | steps | held-out before | GRPO after | echo after | echo - GRPO (paired ± SE) | "
-                  "echo train tool NLL, steps 1-5 → 6-10 | held-out tool NLL SFT / GRPO / echo |", "|---|---|---|---|---|---|---|---|"]
+                  "echo train tool NLL, first → second half of the steps | held-out tool NLL SFT / GRPO / echo |", "|---|---|---|---|---|---|---|---|"]
         for r in lookup:
             if r["seed"] == "all":
                 m, se = r["echo_vs_grpo_across_seeds"]
