@@ -9,10 +9,11 @@ requests from any thread and get ``concurrent.futures.Future``s. Each step:
 4. runs ``decode_steps`` decode steps for every sequence past prefill, in one device call
    (``decode_steps_idle`` when no request waits to join).
 
-Device programs are compiled per shape bucket (``InferenceConfig.program_bound``). Decode reads
-and writes the KV cache in place (donated): the reference attention reads the running rows up
-to the length bucket covering the longest of them, the decode kernel (TPU) each row's live
-blocks; nothing is copied per call.
+Device programs are compiled per shape bucket (``InferenceConfig.program_bound``): batch and
+prompt-chunk sizes, never cache lengths. Decode reads and writes the KV cache in place
+(donated): the reference attention (``jaxrl.models.decoder.cached_attention``) reads each block
+of rows up to its furthest position, the decode kernel (TPU) each row's live blocks; nothing is
+copied per call.
 
 Weight updates take effect between steps only (``weight_update`` = "drain": requests in flight
 finish on the old weights first; "immediate": at the next step). The policy version counter
@@ -75,8 +76,8 @@ def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *,
     """``steps`` decode steps over the whole cache, read and written in place (donated).
 
     Attention by ``kernels`` (``inference.kernels``): the decode kernel (TPU) reads each row's
-    live blocks, the reference (``cached_decode_attention``) the positions up to the batch's
-    longest sequence. Padding entries have a row index out of range (their writes are dropped,
+    live blocks, the reference (``cached_attention``) each block of rows up to its furthest
+    position. Padding entries have a row index out of range (their writes are dropped,
     what they read is discarded) and position 0.
     """
     model = nnx.merge(graphdef, state)

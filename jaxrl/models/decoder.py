@@ -202,7 +202,7 @@ def _attend(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, kv: str)
 
 # Cache positions attention over the KV cache reads per loop trip (``cached_attention``); on CPU, 64
 # and 128 measured alike at 100-1000 positions, 256 slower.
-DECODE_CHUNK = 128
+CACHE_CHUNK = 128
 # Batch rows that share one trip count in ``cached_attention``: a block stops at its own furthest
 # query, so a batch sorted by length (the engine's decode batches are) reads little past each
 # row's end. 32 rows x 4 layers on CPU at 150-900 positions: one block 19.6 ms, blocks of 8
@@ -231,7 +231,7 @@ def _cached_attention_block(
     """``cached_attention`` of one block of rows.
 
     The reference for prefill and decode (the TPU decode kernel reads the cache in place
-    instead). It walks the cache in chunks of ``DECODE_CHUNK`` positions with an online softmax,
+    instead). It walks the cache in chunks of ``CACHE_CHUNK`` positions with an online softmax,
     for as many chunks as the batch's furthest query needs (a dynamic trip count: no program
     per length bucket, and short sequences in a long cache read only their part). Each chunk is
     read from the cache rows as contiguous slices (one gather of ``[B, K, chunk, D]``).
@@ -243,7 +243,7 @@ def _cached_attention_block(
     b, t, h, d = q.shape
     kv_heads, max_len = kc.shape[2], kc.shape[3]
     g = h // kv_heads
-    chunk = min(DECODE_CHUNK, max_len)
+    chunk = min(CACHE_CHUNK, max_len)
     qg = q.reshape(b, t, kv_heads, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, d)
     qg = qg.astype(jnp.float32) * (d**-0.5)
     query_pos = jnp.broadcast_to(positions[:, None, :], (b, g, t)).reshape(b, 1, g * t, 1)
