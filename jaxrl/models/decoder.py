@@ -155,10 +155,9 @@ def attention(
     mask: jax.Array,
     *,
     causal_block: int | None = None,
-    heads_major: bool = False,
 ) -> jax.Array:
-    """Grouped-query attention. q: [B,T,H,D]; k, v: [B,S,K,D] ([B,K,S,D] when ``heads_major``,
-    as read from the KV cache); mask: bool [B,T,S].
+    """Grouped-query attention (training, and the dense reference in tests). q: [B,T,H,D];
+    k, v: [B,S,K,D]; mask: bool [B,T,S].
 
     ``causal_block`` (training, where key s is query s and ``mask`` is causal): queries are
     taken in blocks of that many rows, each against only the keys up to its last row. The keys
@@ -166,37 +165,34 @@ def attention(
     (almost half of them) are never computed, in the forward pass or the backward.
     """
     b, t, h, d = q.shape
-    kv_heads = k.shape[1 if heads_major else 2]
-    kv = "bksd" if heads_major else "bskd"
+    kv_heads = k.shape[2]
     qg = q.reshape(b, t, kv_heads, h // kv_heads, d)
     if causal_block is None or causal_block >= t:
-        out = _attend(qg, k, v, mask, kv)
+        out = _attend(qg, k, v, mask)
     else:
-        assert not heads_major, "causal blocks are for training's [B, T, K, D] keys"
         ends = list(range(causal_block, t, causal_block)) + [t]
         starts = [0] + ends[:-1]
         out = jnp.concatenate(
-            [_attend(qg[:, s:e], k[:, :e], v[:, :e], mask[:, s:e, :e], kv) for s, e in zip(starts, ends)],
+            [_attend(qg[:, s:e], k[:, :e], v[:, :e], mask[:, s:e, :e]) for s, e in zip(starts, ends)],
             axis=1,
         )
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
-def _attend(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, kv: str) -> jax.Array:
-    """Softmax attention of qg [B,T,K,G,D] over k, v (``kv``: "bskd" or "bksd"); float32
-    [B,T,K,G,D] out.
+def _attend(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax attention of qg [B,T,K,G,D] over k, v [B,S,K,D]; float32 [B,T,K,G,D] out.
 
     The softmax is left unnormalised until after the value product, so the division runs over
     [T, D] rather than [T, S]; the max is a constant shift of the softmax, so no gradient flows
     through it.
     """
-    scores = jnp.einsum(f"btkgd,{kv}->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (qg.shape[-1] ** -0.5)
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     shift = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
     p = jnp.exp(scores - shift)
     denom = jnp.sum(p, axis=-1)  # [B,K,G,T]
-    out = jnp.einsum(f"bkgts,{kv}->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out / jnp.transpose(denom, (0, 3, 1, 2))[..., None]
 
 
@@ -232,7 +228,7 @@ def _cached_attention_block(
 
     The reference for prefill and decode (the TPU decode kernel reads the cache in place
     instead). It walks the cache in chunks of ``CACHE_CHUNK`` positions with an online softmax,
-    for as many chunks as the batch's furthest query needs (a dynamic trip count: no program
+    for as many chunks as the block's furthest query needs (a dynamic trip count: no program
     per length bucket, and short sequences in a long cache read only their part). Each chunk is
     read from the cache rows as contiguous slices (one gather of ``[B, K, chunk, D]``).
     Measured on CPU (decode, 32 rows, 4 layers) against reading a power-of-two length bucket

@@ -36,7 +36,7 @@ def test_reference_matches_decoder_attention():
     lengths, rows = jnp.asarray(LENGTHS), jnp.asarray(QUERY_ROWS)
     out = decode_attention_reference(q, k, v, lengths, rows, LAYER)
     mask = jnp.asarray(np.arange(S)[None, None, :] < LENGTHS[:, None, None])
-    expected = jax.jit(lambda *a: attention(*a, heads_major=True))(q[:, None], k[LAYER][rows], v[LAYER][rows], mask)
+    expected = jax.jit(lambda *a: attention(*a))(q[:, None], k[LAYER][rows].swapaxes(1, 2), v[LAYER][rows].swapaxes(1, 2), mask)
     live = LENGTHS > 0
     np.testing.assert_allclose(out[live], expected[:, 0][live], rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(out[~live], 0.0)

@@ -26,7 +26,7 @@ def test_chunked_decode_attention_matches_dense(dtype) -> None:
         real = rows[:4]
         k, v = kc[layer][real].astype(jnp.float32), vc[layer][real].astype(jnp.float32)
         mask = jnp.arange(max_len)[None, None, :] <= positions[:4, :, None]
-        want = attention(q[:4].astype(jnp.float32), k, v, mask, heads_major=True)
+        want = attention(q[:4].astype(jnp.float32), k.swapaxes(1, 2), v.swapaxes(1, 2), mask)
         tol = 1e-5 if dtype == jnp.float32 else 2e-2
         np.testing.assert_allclose(np.asarray(got[:4], np.float32), np.asarray(want), atol=tol, rtol=tol)
         assert np.isfinite(np.asarray(got[4], np.float32)).all()  # padding reads something harmless
@@ -43,7 +43,7 @@ def test_chunked_prefill_attention_matches_dense() -> None:
     positions = positions.at[1, 3:].set(max_len)  # a shorter chunk, padded
     got = cached_attention(q, kc, vc, jnp.int32(0), rows, positions)
     mask = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
-    want = attention(q, kc[0][rows], vc[0][rows], mask, heads_major=True)
+    want = attention(q, kc[0][rows].swapaxes(1, 2), vc[0][rows].swapaxes(1, 2), mask)
     np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(got[1, :3], want[1, :3], atol=1e-5, rtol=1e-5)
 
@@ -70,7 +70,7 @@ def test_row_blocks_each_stop_at_their_own_furthest_query() -> None:
     positions = jnp.concatenate([jnp.full((ROW_BLOCK, 1), max_len - 3), jnp.full((ROW_BLOCK, 1), 9)]).astype(jnp.int32)
     got = cached_attention(q, kc, kc, jnp.int32(0), rows, positions)
     mask = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
-    want = attention(q, kc[0][rows], kc[0][rows], mask, heads_major=True)
+    want = attention(q, kc[0][rows].swapaxes(1, 2), kc[0][rows].swapaxes(1, 2), mask)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     short_rows = rows[ROW_BLOCK:]
     dirty = kc.at[:, short_rows, :, CACHE_CHUNK:].set(jnp.nan)  # past the short block's only chunk
