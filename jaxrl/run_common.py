@@ -19,6 +19,7 @@ from jaxrl.parallel.mesh import make_mesh
 from jaxrl.preemption import RunAborted, StopRequest
 from jaxrl.trainer.checkpoint import Checkpointer
 from jaxrl.trainer.flops import measure_matmul_peak
+from jaxrl.trainer.peft_export import export_peft_adapter
 from jaxrl.trainer.step import Trainer
 
 
@@ -122,6 +123,20 @@ class TrainingRun:
             AutoTokenizer.from_pretrained(self.tokenizer_dir).save_pretrained(path)
         return path
 
+    def export_adapter(self) -> Path | None:
+        """With ``[trainer.lora]``, the adapters in PEFT format at ``<output_dir>/hf_adapter``
+        (``peft.PeftModel.from_pretrained(base, dir)``; the base is the run's ``[model]``)."""
+        lora, model = self.cfg.trainer.lora, self.cfg.model
+        if lora is None:
+            return None
+        base = model.name
+        if base is not None and Path(base).expanduser().is_dir():  # a local base: found from anywhere
+            base = str(Path(base).expanduser().resolve())
+        return export_peft_adapter(
+            self.trainer.trainable, lora, self.trainer.arch, self.out / "hf_adapter",
+            base_model_name_or_path=base, revision=model.revision,
+        )  # fmt: skip
+
     def finish(self, *, title: str, export: bool, error: str | None = None) -> dict[str, Any]:
         self.ckpt.close()
         result: dict[str, Any] = {"steps": self.trainer.step, "stopped_by": self._stop.signal_name}
@@ -129,6 +144,8 @@ class TrainingRun:
             result["error"] = error
         if export:
             result["export"] = str(self.export())
+            if (adapter := self.export_adapter()) is not None:
+                result["export_adapter"] = str(adapter)
         if self.logger is not None:
             plot = self.logger.close(title)
             result["plot"] = str(plot) if plot else None

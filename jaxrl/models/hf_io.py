@@ -160,18 +160,23 @@ def load_decoder(
     return nnx.merge(graphdef, state)
 
 
+def host_array(value: jax.Array) -> np.ndarray:
+    """The whole of a (possibly sharded) array on the host; gathers across hosts when
+    multi-process, so every process must call it."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        value = multihost_utils.process_allgather(value, tiled=True)
+    return np.asarray(jax.device_get(value))
+
+
 def iter_hf_tensors(model: Decoder) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, host array) for every weight; gathers across hosts when multi-process."""
     arch = model.arch
     for name, (template, (_, from_ours)) in WEIGHT_MAP.items():
         if not hasattr(model, name):
             continue
-        value = getattr(model, name)[...]
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            value = multihost_utils.process_allgather(value, tiled=True)
-        host = np.asarray(jax.device_get(value))
+        host = host_array(getattr(model, name)[...])
         if "{i}" in template:
             for i in range(arch.num_layers):
                 yield template.format(i=i), np.ascontiguousarray(from_ours(host[i], arch))

@@ -160,3 +160,14 @@ def test_lora_rl_serves_the_merged_policy(tmp_path) -> None:
     assert not torch.equal(exported.state_dict()[q], base.state_dict()[q])  # merged adapters exported
     e = "model.embed_tokens.weight"
     assert torch.equal(exported.state_dict()[e], base.state_dict()[e])  # not adapted: unchanged
+    # The adapters in PEFT format beside it: base + adapter is the merged export.
+    import peft
+
+    assert json.loads((out / "result.json").read_text())["export_adapter"] == str(out / "hf_adapter")
+    adapter_config = json.loads((out / "hf_adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(model.resolve())
+    tokens = torch.tensor(np.random.default_rng(0).integers(0, 256, size=(2, 16)))
+    with torch.no_grad():
+        want = exported(tokens).logits
+        got = peft.PeftModel.from_pretrained(base, out / "hf_adapter").eval()(tokens).logits
+    assert (got - want).abs().max() <= 1e-4
