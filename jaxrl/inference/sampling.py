@@ -155,6 +155,22 @@ def _inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
     return (blk * CDF_BLOCK + idx).astype(jnp.int32)
 
 
+ARGMAX_BLOCK = 256
+
+
+def argmax_first(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` (the first index of each row's maximum) of f32 [B, V], in two
+    levels: block maxima, then one block. ``jnp.argmax`` is a variadic (value, index) reduction
+    that XLA:CPU does not vectorise: 0.55 ms at [32, 8192] on a 2-core host, this form 0.06."""
+    b, v = x.shape
+    nb = -(-v // ARGMAX_BLOCK)
+    blocks = jnp.pad(x, ((0, 0), (0, nb * ARGMAX_BLOCK - v)), constant_values=-jnp.inf)
+    blocks = blocks.reshape(b, nb, ARGMAX_BLOCK)
+    blk = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)  # first block holding the maximum
+    inner = jnp.take_along_axis(blocks, blk[:, None, None], axis=1)[:, 0]
+    return (blk * ARGMAX_BLOCK + jnp.argmax(inner, axis=-1)).astype(jnp.int32)
+
+
 def sample(logits: jax.Array, batch: SamplingBatch) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row of ``logits`` (f32 [B, V]); returns (tokens i32[B], logprobs f32[B]).
 
@@ -168,11 +184,14 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> tuple[jax.Array, jax.Arra
     greedy = batch.temperature <= 0
     temperature = jnp.where(greedy, 1.0, batch.temperature)
     scaled = logits / temperature[:, None]
-    logp_all = jax.nn.log_softmax(scaled, axis=-1)
+    # log_softmax's own arithmetic ((x - max) - log(sum(exp(x - max)))), without writing out
+    # [B, V] log-probs that only the draw needs.
+    row_max = jnp.max(scaled, axis=-1, keepdims=True)
+    log_total = jnp.log(jnp.sum(jnp.exp(scaled - row_max), axis=-1, keepdims=True))
     filtering = ~greedy & ((batch.top_k > 0) | (batch.top_p < 1.0))
 
     def draw() -> jax.Array:
-        probs = jnp.exp(logp_all)
+        probs = jnp.exp((scaled - row_max) - log_total)
         probs = jax.lax.cond(
             jnp.any(filtering),
             lambda: jnp.where(_keep_mask(scaled, batch.top_k, batch.top_p), probs, 0.0),
@@ -185,9 +204,8 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> tuple[jax.Array, jax.Arra
 
     zeros = lambda: jnp.zeros(greedy.shape, jnp.int32)  # noqa: E731
     drawn = jax.lax.cond(jnp.all(greedy), zeros, draw)
-    # argmax over the vocabulary is a slow variadic reduction on CPU (~5% of a decode step at
-    # batch 32): only when some row is greedy.
-    best = jax.lax.cond(jnp.any(greedy), lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32), zeros)
+    best = jax.lax.cond(jnp.any(greedy), lambda: argmax_first(logits), zeros)
     tokens = jnp.where(greedy, best, drawn).astype(jnp.int32)
-    logprobs = jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
+    picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)
+    logprobs = ((picked - row_max) - log_total)[:, 0]
     return tokens, logprobs

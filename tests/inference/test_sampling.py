@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.inference.sampling import SamplingBatch, SamplingParams, sample
+from jaxrl.inference.sampling import ARGMAX_BLOCK, SamplingBatch, SamplingParams, argmax_first, sample
 
 LOGITS = np.array([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]], np.float32)
 
@@ -96,3 +96,14 @@ def test_inverse_cdf_over_many_blocks_matches_numpy_and_skips_zero_mass() -> Non
         assert (probs[row, got[:, row]] > 0).all()
         assert (got[:, row] == want).mean() > 0.98  # float32 vs float64 cumsum may differ at edges
     assert set(got[:, 2]) == {3, 700, 999}
+
+
+@pytest.mark.parametrize("vocab", [ARGMAX_BLOCK * 3, ARGMAX_BLOCK * 3 + 37, 5])
+def test_argmax_first_is_jnp_argmax_with_ties_and_a_partial_last_block(vocab: int) -> None:
+    rng = np.random.default_rng(vocab)
+    x = rng.integers(-3, 3, (64, vocab)).astype(np.float32)  # many ties per row
+    x[0, -1] = 9.0  # maximum in the (partial) last block
+    x[1, :] = -np.inf  # every entry -inf: index 0, as jnp.argmax
+    x[2, [3, vocab - 1]] = 7.0  # tie across blocks: the first wins
+    got = np.asarray(jax.jit(argmax_first)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
