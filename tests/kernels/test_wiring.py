@@ -148,7 +148,7 @@ def _engine_outputs(kernels: str, tensor_parallel: int):
         kernels=kernels,
     )
     engine = Engine(tiny_model(vocab=64, max_position_embeddings=64), cfg)
-    assert engine.kernels == Kernels(kernels, engine.mesh)
+    assert engine.kernels == Kernels(resolve(kernels, "cpu", field="x"), engine.mesh, cpu_decode=kernels == "auto")
     rng = np.random.default_rng(0)
     # Prompts of 3 to 30 tokens (some prefilled in two chunks); rows finish at different steps.
     reqs = [
@@ -167,3 +167,13 @@ def test_engine_decode_kernel_gives_the_reference_tokens_and_logprobs() -> None:
         assert tokens == want_tokens
         np.testing.assert_allclose(logp, want_logp, atol=1e-5)
     assert any(len(set(t)) > 1 for t, _ in want), "degenerate completions would hide a mismatch"
+
+
+def test_engine_cpu_decode_kernel_gives_the_reference_tokens_and_logprobs() -> None:
+    """``kernels = "auto"`` on CPU decodes with the C++ kernel (per shard of a 2-device
+    tensor-parallel engine): the reference's greedy tokens, log-probs within 1e-5."""
+    want = _engine_outputs("reference", 1)
+    got = _engine_outputs("auto", 2)
+    for (want_tokens, want_logp), (tokens, logp) in zip(want, got):
+        assert tokens == want_tokens
+        np.testing.assert_allclose(logp, want_logp, atol=1e-5)

@@ -1,0 +1,224 @@
+// Decode attention over the engine's KV cache for XLA:CPU, as an XLA FFI custom call.
+//
+// Why C++ and not XLA: XLA:CPU cannot feed a dot from a slice of the cache in place, so the
+// pure-JAX reference (jaxrl.models.decoder.cached_attention) copies each chunk of cache rows out
+// (a gather), then multiplies it: about three passes over the KV bytes where this makes one.
+// Decode attention is memory-bound, so that is most of its cost (measured, 32 rows at ~500
+// positions: 24 ms of a 26 ms decode step). vLLM's CPU backend has C++ kernels for the same
+// reason. kernels/cpu_decode_attention.py builds and registers this file; the reference stays
+// the definition of the semantics, and the tests compare the two.
+//
+// Semantics (those of cached_attention): query b, t (q [B, T, H, D], float32) at position
+// positions[b, t] attends to positions 0..positions[b, t] of cache row rows[b] of `layer` in the
+// caches [L, R, K, S, D] (float32 or bfloat16), kv head h / (H / K) (grouped queries). Rows out
+// of [0, R) and positions out of [0, S) are padding: their outputs are zeros (the caller drops
+// them). Work is split over (b, kv head) items on XLA's intra-op thread pool; each item reads
+// its row's keys and values once, for all its H / K * T queries, in blocks of kBlock positions
+// with an online softmax.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlock = 64;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Dims {
+  int64_t B, T, H, D, L, R, K, S, G;
+};
+
+inline float Bf16ToF32(uint16_t x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// A cache vector of D values as float32 (a pointer into the cache when it already is).
+inline const float* AsF32(const float* p, int64_t, float*) { return p; }
+inline const float* AsF32(const uint16_t* p, int64_t d, float* tmp) {
+  for (int64_t i = 0; i < d; ++i) tmp[i] = Bf16ToF32(p[i]);
+  return tmp;
+}
+
+inline float Dot(const float* a, const float* b, int64_t d) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void Axpy(float a, const float* x, float* y, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) y[i] += a * x[i];
+}
+
+struct Scratch {
+  std::vector<float> q, acc, m, l, scores, tmp;
+  std::vector<int64_t> qpos;
+  void Resize(int64_t n, int64_t d) {
+    q.resize(n * d);
+    acc.assign(n * d, 0.f);
+    m.assign(n, kNegInf);
+    l.assign(n, 0.f);
+    scores.resize(n * kBlock);
+    tmp.resize(d);
+    qpos.resize(n);
+  }
+};
+
+// Attention of the T * G queries of (row b, kv head k).
+template <typename T>
+void AttendItem(const Dims& d, const float* q, const T* kc, const T* vc, int64_t layer,
+                const int32_t* rows, const int32_t* positions, float* out, int64_t item,
+                Scratch& s) {
+  const int64_t b = item / d.K, k = item % d.K, n = d.T * d.G, D = d.D;
+  auto out_of = [&](int64_t j) {  // output vector of query j = t * G + g
+    const int64_t t = j / d.G, h = k * d.G + j % d.G;
+    return out + ((b * d.T + t) * d.H + h) * D;
+  };
+  for (int64_t j = 0; j < n; ++j) std::memset(out_of(j), 0, D * sizeof(float));
+  const int64_t row = rows[b];
+  if (row < 0 || row >= d.R) return;
+
+  s.Resize(n, D);
+  int64_t furthest = -1;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t t = j / d.G, h = k * d.G + j % d.G;
+    const int64_t p = positions[b * d.T + t];
+    s.qpos[j] = (p >= 0 && p < d.S) ? p : -1;
+    furthest = std::max(furthest, s.qpos[j]);
+    const float* src = q + ((b * d.T + t) * d.H + h) * D;
+    for (int64_t i = 0; i < D; ++i) s.q[j * D + i] = src[i] * scale;
+  }
+  if (furthest < 0) return;
+
+  const int64_t base = ((layer * d.R + row) * d.K + k) * d.S * D;
+  const T* keys = kc + base;
+  const T* values = vc + base;
+  for (int64_t s0 = 0; s0 <= furthest; s0 += kBlock) {
+    const int64_t len = std::min(kBlock, furthest + 1 - s0);
+    for (int64_t i = 0; i < len; ++i) {  // scores: each key read once for every query
+      const float* key = AsF32(keys + (s0 + i) * D, D, s.tmp.data());
+      for (int64_t j = 0; j < n; ++j)
+        s.scores[j * kBlock + i] = (s0 + i <= s.qpos[j]) ? Dot(&s.q[j * D], key, D) : kNegInf;
+    }
+    for (int64_t j = 0; j < n; ++j) {  // online softmax: rescale, then exponentiate in place
+      if (s.qpos[j] < s0) continue;
+      float* sc = &s.scores[j * kBlock];
+      float block_max = kNegInf;
+      for (int64_t i = 0; i < len; ++i) block_max = std::max(block_max, sc[i]);
+      const float m_new = std::max(s.m[j], block_max);
+      const float correction = std::exp(s.m[j] - m_new);  // 0 on the first block (m = -inf)
+      float total = s.l[j] * correction;
+      for (int64_t i = 0; i < len; ++i) {
+        sc[i] = std::exp(sc[i] - m_new);  // masked: exp(-inf) = 0
+        total += sc[i];
+      }
+      if (correction != 1.f) {
+        float* a = &s.acc[j * D];
+        for (int64_t i = 0; i < D; ++i) a[i] *= correction;
+      }
+      s.m[j] = m_new;
+      s.l[j] = total;
+    }
+    for (int64_t i = 0; i < len; ++i) {  // values: each read once for every query
+      const float* value = AsF32(values + (s0 + i) * D, D, s.tmp.data());
+      for (int64_t j = 0; j < n; ++j)
+        if (s0 + i <= s.qpos[j]) Axpy(s.scores[j * kBlock + i], value, &s.acc[j * D], D);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    if (s.qpos[j] < 0) continue;
+    const float inv = 1.f / s.l[j];
+    float* o = out_of(j);
+    for (int64_t i = 0; i < D; ++i) o[i] = s.acc[j * D + i] * inv;
+  }
+}
+
+// Shared by the calling thread and the tasks it schedules; tasks that start after the work
+// is gone find nothing to do (they hold their own reference, so returning early is safe).
+struct Work {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t total = 0;
+};
+
+template <typename T>
+void Run(ffi::ThreadPool& pool, const Dims& d, const float* q, const T* kc, const T* vc,
+         int64_t layer, const int32_t* rows, const int32_t* positions, float* out) {
+  auto work = std::make_shared<Work>();
+  work->total = d.B * d.K;
+  auto drain = [=]() {
+    thread_local Scratch scratch;
+    for (int64_t i; (i = work->next.fetch_add(1)) < work->total;) {
+      AttendItem<T>(d, q, kc, vc, layer, rows, positions, out, i, scratch);
+      work->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) {
+    auto task = drain;  // Schedule takes its task by value
+    pool.Schedule(std::move(task));
+  }
+  drain();
+  while (work->done.load(std::memory_order_acquire) < work->total) std::this_thread::yield();
+}
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc,
+                ffi::AnyBuffer vc, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
+                ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions();
+  const auto cd = kc.dimensions();
+  if (qd.size() != 4 || cd.size() != 5 || vc.dimensions().size() != 5)
+    return ffi::Error::InvalidArgument("q must be [B, T, H, D] and the caches [L, R, K, S, D]");
+  Dims d{qd[0], qd[1], qd[2], qd[3], cd[0], cd[1], cd[2], cd[3], 0};
+  if (cd[4] != d.D || d.K == 0 || d.H % d.K != 0)
+    return ffi::Error::InvalidArgument("head_dim or head counts of q and the caches disagree");
+  if (kc.element_type() != vc.element_type())
+    return ffi::Error::InvalidArgument("the key and value caches have different dtypes");
+  d.G = d.H / d.K;
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= d.L) return ffi::Error::InvalidArgument("layer out of range");
+  float* o = out->typed_data();
+  switch (kc.element_type()) {
+    case ffi::F32:
+      Run<float>(pool, d, q.typed_data(), static_cast<const float*>(kc.untyped_data()),
+                 static_cast<const float*>(vc.untyped_data()), l, rows.typed_data(),
+                 positions.typed_data(), o);
+      return ffi::Error::Success();
+    case ffi::BF16:
+      Run<uint16_t>(pool, d, q.typed_data(), static_cast<const uint16_t*>(kc.untyped_data()),
+                    static_cast<const uint16_t*>(vc.untyped_data()), l, rows.typed_data(),
+                    positions.typed_data(), o);
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("KV cache dtype must be float32 or bfloat16");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlCpuDecodeAttention, Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
