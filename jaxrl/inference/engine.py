@@ -45,7 +45,7 @@ from jax.sharding import Mesh
 from jaxrl.inference import weights as W
 from jaxrl.inference.config import InferenceConfig
 from jaxrl.inference.engine_metrics import EngineMetrics, RateWindow
-from jaxrl.inference.sampling import SamplingBatch, logits_f32, sample
+from jaxrl.inference.sampling import SamplingBatch, sample
 from jaxrl.inference.scheduler import (
     Completion,
     DecodePlan,
@@ -68,7 +68,7 @@ def _prefill(graphdef, state, cache, tokens, positions, rows, last, sampling):  
     model = nnx.merge(graphdef, state)
     hidden, cache = model(tokens, positions, cache=cache, cache_rows=rows)
     h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-    next_tokens, logprobs = sample(logits_f32(h_last, model.lm_head_weight()), sampling)
+    next_tokens, logprobs = sample(model.logits_f32(h_last), sampling)
     return cache, next_tokens, logprobs
 
 
@@ -81,14 +81,12 @@ def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *,
     what they read is discarded) and position 0.
     """
     model = nnx.merge(graphdef, state)
-    lm_head = model.lm_head_weight()
-
     def body(carry, _):  # type: ignore[no-untyped-def]
         cache, tok, pos, index = carry
         hidden, cache = model(
             tok[:, None], pos[:, None], cache=cache, cache_rows=rows, kernels=kernels
         )
-        new, logp = sample(logits_f32(hidden[:, 0], lm_head), replace(sampling, draw_position=index))
+        new, logp = sample(model.logits_f32(hidden[:, 0]), replace(sampling, draw_position=index))
         return (cache, new, pos + 1, index + 1), (new, logp)
 
     carry = (cache, tokens, positions, sampling.draw_position)

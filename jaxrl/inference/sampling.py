@@ -3,7 +3,7 @@
 What the engine reports must be what the trainer recomputes (DESIGN contract 3), so one rule
 holds for every token:
 
-- logits are ``hidden @ lm_head`` in float32 (``logits_f32``: the same math as
+- logits are ``hidden @ lm_head`` in float32 (``Decoder.logits_f32``: the same math as
   ``jaxrl.trainer.logprobs.token_logprobs``, which this package may not import);
 - the reported log-prob is ``log_softmax(logits / temperature)[token]`` in float32, the
   temperature-scaled distribution *before* top-k / top-p filtering. The trainer scores tokens
@@ -100,11 +100,6 @@ class SamplingBatch:
             seed[i] = (s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF)
             index[i] = g
         return cls(temp, top_p, top_k, seed, index)
-
-
-def logits_f32(hidden: jax.Array, lm_head: jax.Array) -> jax.Array:
-    """``[B, D] @ [D, V]`` in float32, as the trainer's log-prob function computes them."""
-    return jnp.dot(hidden.astype(jnp.float32), lm_head.astype(jnp.float32))
 
 
 def _keys(seed: jax.Array, draw_position: jax.Array) -> jax.Array:

@@ -347,6 +347,15 @@ class Decoder(nnx.Module):
         """[D, V] output projection (the transposed embedding when tied)."""
         return self.embed[...].T if self.arch.tie_word_embeddings else self.lm_head[...]
 
+    def logits_f32(self, hidden: jax.Array) -> jax.Array:
+        """``hidden [..., D] @ lm_head`` in float32 (the trainer's log-prob math), for sampling.
+        A tied embedding is contracted on its own axis ([V, D]), never transposed: XLA:CPU copied
+        the transposed table once per decode call (1 ms of a 7 ms step at 8192 x 256)."""
+        h = hidden.astype(jnp.float32)
+        if self.arch.tie_word_embeddings:
+            return jnp.einsum("...d,vd->...v", h, self.embed[...].astype(jnp.float32))
+        return jnp.dot(h, self.lm_head[...].astype(jnp.float32))
+
     def logits(self, hidden: jax.Array) -> jax.Array:
         w = self.lm_head_weight().astype(hidden.dtype)
         return jnp.einsum("btd,dv->btv", hidden, w, preferred_element_type=jnp.float32)
