@@ -157,34 +157,36 @@ class Kernels:
         return attend
 
     def cached_attention(self, positions: jax.Array, rows: jax.Array) -> CacheAttend | None:
-        """Attention of one new token per query over the whole KV cache, read in place: query
-        ``b`` (q [B, 1, H, Dh]) at ``positions[b]`` sees positions <= its own of cache row
-        ``rows[b]`` in ``layer`` of the caches [layers, rows, K, S, Dh]. None (the decoder's own
-        attention) for the references and for prefill chunks (T > 1).
+        """Attention over the whole KV cache, read in place: query ``b, t`` (q [B, T, H, Dh]) at
+        ``positions[b, t]`` sees positions <= its own of cache row ``rows[b]`` in ``layer`` of the
+        caches [layers, rows, K, S, Dh]. The Pallas kernel takes one-token steps (T = 1; prefill
+        chunks keep the decoder's own attention), the CPU kernel any T. None (the decoder's own
+        attention) for the references.
 
         Under a mesh, heads split over "tensor" as in training; cache rows are never split (the
         serving rules replicate them), as a query's row may be any row of the cache.
         """
-        if positions.shape[1] != 1:
+        if self.reference:
+            if not (self.cpu_decode and cpu_kernel.load() is not None):
+                return None
+            inner = cpu_kernel.cpu_decode_attention
+            index = positions
+        elif positions.shape[1] != 1:
             return None
-        cpu = self.reference and self.cpu_decode and cpu_kernel.load() is not None
-        if self.reference and not cpu:
-            return None
-        lengths = positions[:, 0] + 1
+        else:
+
+            def inner(q, k, v, layer, rows, lengths):  # type: ignore[no-untyped-def]
+                return decode_attention(q[:, 0], k, v, lengths, rows=rows, layer=layer, interpret=self._interpret)[:, None]
+
+            index = positions[:, 0] + 1  # the kernel's lengths
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array) -> jax.Array:
-            def inner(q, k, v, lengths, rows, layer):  # type: ignore[no-untyped-def]
-                if cpu:
-                    at = (lengths - 1)[:, None]
-                    return cpu_kernel.cpu_decode_attention(q[:, None], k, v, layer, rows, at)[:, 0]
-                return decode_attention(q, k, v, lengths, rows=rows, layer=layer, interpret=self._interpret)
-
             fn = inner
             if self.mesh is not None:
                 heads = self._axes("q_heads", q.shape[2], k.shape[2])
-                q_spec, cache_spec = PartitionSpec(None, heads, None), PartitionSpec(None, None, heads)
-                specs = (q_spec, cache_spec, cache_spec, PartitionSpec(), PartitionSpec(), PartitionSpec())
-                fn = self._per_shard(inner, specs, q_spec)
-            return fn(q[:, 0], k, v, lengths, rows, layer)[:, None]
+                qs, cache_spec = PartitionSpec(None, None, heads, None), PartitionSpec(None, None, heads)
+                specs = (qs, cache_spec, cache_spec, PartitionSpec(), PartitionSpec(), PartitionSpec())
+                fn = self._per_shard(inner, specs, qs)
+            return fn(q, k, v, layer, rows, index)
 
         return attend

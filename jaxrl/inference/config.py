@@ -254,9 +254,10 @@ class InferenceConfig(BaseModel):
 
     kernels: Literal["auto", "reference", "pallas", "pallas_interpret"] = "auto"
     """Decode attention over the KV cache (``jaxrl.kernel_dispatch``). "auto": the Pallas kernel on
-    TPU, the pure-JAX reference elsewhere. "reference" / "pallas": always that one ("pallas" on a
-    backend without the kernel fails at start-up). "pallas_interpret": the kernel in Pallas
-    interpret mode on any backend (slow; for tests)."""
+    TPU, the C++ kernel on CPU (``kernels/cpu_decode_attention.cc``, built once per machine; the
+    reference where no C++ compiler is found), the pure-JAX reference elsewhere. "reference" /
+    "pallas": always that one ("pallas" on a backend without the kernel fails at start-up).
+    "pallas_interpret": the kernel in Pallas interpret mode on any backend (slow; for tests)."""
 
     weight_update: Literal["drain", "immediate"] = "drain"
     """When new weights take effect. "drain": admission pauses, requests in flight finish on the

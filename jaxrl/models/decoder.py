@@ -413,7 +413,7 @@ class Decoder(nnx.Module):
                     idx = (layer, rows[:, None, None], heads, positions[:, :, None])
                     kc = kc.at[idx].set(k.astype(kc.dtype), mode="drop")
                     vc = vc.at[idx].set(v.astype(vc.dtype), mode="drop")
-                    if kernel is not None:  # reads the whole cache in place (one-token steps)
+                    if kernel is not None:  # reads the whole cache in place
                         return kernel(q, kc, vc, layer)
                     return cached_attention(q, kc, vc, layer, rows, positions)
 

@@ -1,4 +1,4 @@
-"""The C++ CPU decode attention (``kernels.cpu_decode_attention``) against the pure-JAX reference
+"""The C++ CPU cached attention (``kernels.cpu_decode_attention``) against the pure-JAX reference
 (``cached_attention``): one-token and multi-token queries, grouped heads, positions across several
 of the kernel's 64-position blocks, a head_dim off the vector width, float32 and bfloat16 caches,
 padding rows (out of range, negative) and padding positions (>= the cache length) giving zeros.
@@ -46,13 +46,14 @@ def test_kernel_matches_the_reference(dtype, t: int) -> None:
         assert (got[~real] == 0).all()
 
 
-def test_dispatch_takes_the_kernel_for_auto_on_cpu_one_token_steps_only() -> None:
-    positions, rows = jnp.zeros((2, 1), jnp.int32), jnp.arange(2)
+def test_dispatch_takes_the_kernel_for_auto_on_cpu() -> None:
+    rows = jnp.arange(2)
     auto = Kernels.create("auto", field="inference.kernels")
     assert auto.cpu_decode and auto.reference  # the trainer's call sites keep their references
-    assert auto.cached_attention(positions, rows) is not None
-    assert auto.cached_attention(jnp.zeros((2, 4), jnp.int32), rows) is None  # prefill chunks
-    assert Kernels.create("reference", field="inference.kernels").cached_attention(positions, rows) is None
+    for t in (1, 4):  # decode steps and prefill chunks
+        assert auto.cached_attention(jnp.zeros((2, t), jnp.int32), rows) is not None
+    reference = Kernels.create("reference", field="inference.kernels")
+    assert reference.cached_attention(jnp.zeros((2, 1), jnp.int32), rows) is None
 
 
 def test_no_compiler_falls_back_to_the_reference_with_a_warning(tmp_path, monkeypatch, caplog) -> None:
