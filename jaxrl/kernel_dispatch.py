@@ -8,9 +8,9 @@ for "keep your own reference" (so this module imports neither the trainer nor th
 must not depend on each other):
 
 * ``"auto"``: the Pallas kernels where ``kernels.select`` says they run (TPU), the references
-  elsewhere, except decode attention on CPU: the C++ kernel ``kernels.cpu_decode_attention``
-  (one pass over the cache where XLA:CPU makes three; built once per machine, the reference
-  where no C++ compiler is found).
+  elsewhere, except attention over the KV cache on CPU: the C++ kernel
+  ``kernels.cpu_cached_attention`` (one pass over the cache where XLA:CPU makes three; built
+  once per machine, the reference where no C++ compiler is found).
 * ``"reference"``: always the pure-JAX references (the decoder's own attention and
   ``jaxrl.trainer.logprobs.token_logprobs``), bit for bit what runs without this module.
 * ``"pallas"``: always the compiled kernels; an error at start-up where they cannot run.
@@ -37,7 +37,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl.parallel.rules import logical_to_spec
 from kernels import select
-from kernels import cpu_decode_attention as cpu_kernel
+from kernels import cpu_cached_attention as cpu_kernel
 from kernels.attention import segment_attention, tpu_segment_attention
 from kernels.decode_attention import decode_attention
 from kernels.logprobs import logprobs as pallas_logprobs
@@ -81,13 +81,13 @@ class Kernels:
 
     impl: Impl = "reference"
     mesh: Mesh | None = None
-    cpu_decode: bool = False  # "auto" on CPU: decode attention by the C++ kernel where it builds
+    cpu_attention: bool = False  # "auto" on CPU: decode attention by the C++ kernel where it builds
 
     @classmethod
     def create(cls, choice: KernelChoice, *, field: str, mesh: Mesh | None = None) -> Kernels:
         """Resolve ``choice`` for ``mesh``'s platform (JAX's default backend without a mesh)."""
         platform = mesh.devices.flat[0].platform if mesh is not None else select.current_platform()
-        return cls(resolve(choice, platform, field=field), mesh, cpu_decode=choice == "auto" and platform == "cpu")
+        return cls(resolve(choice, platform, field=field), mesh, cpu_attention=choice == "auto" and platform == "cpu")
 
     @property
     def reference(self) -> bool:
@@ -167,9 +167,9 @@ class Kernels:
         serving rules replicate them), as a query's row may be any row of the cache.
         """
         if self.reference:
-            if not (self.cpu_decode and cpu_kernel.load() is not None):
+            if not (self.cpu_attention and cpu_kernel.load() is not None):
                 return None
-            inner = cpu_kernel.cpu_decode_attention
+            inner = cpu_kernel.cpu_cached_attention
             index = positions
         elif positions.shape[1] != 1:
             return None

@@ -254,7 +254,7 @@ class InferenceConfig(BaseModel):
 
     kernels: Literal["auto", "reference", "pallas", "pallas_interpret"] = "auto"
     """Decode attention over the KV cache (``jaxrl.kernel_dispatch``). "auto": the Pallas kernel on
-    TPU, the C++ kernel on CPU (``kernels/cpu_decode_attention.cc``, built once per machine; the
+    TPU, the C++ kernel on CPU (``kernels/cpu_cached_attention.cc``, built once per machine; the
     reference where no C++ compiler is found), the pure-JAX reference elsewhere. "reference" /
     "pallas": always that one ("pallas" on a backend without the kernel fails at start-up).
     "pallas_interpret": the kernel in Pallas interpret mode on any backend (slow; for tests)."""

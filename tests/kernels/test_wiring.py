@@ -148,7 +148,7 @@ def _engine_outputs(kernels: str, tensor_parallel: int):
         kernels=kernels,
     )
     engine = Engine(tiny_model(vocab=64, max_position_embeddings=64), cfg)
-    assert engine.kernels == Kernels(resolve(kernels, "cpu", field="x"), engine.mesh, cpu_decode=kernels == "auto")
+    assert engine.kernels == Kernels(resolve(kernels, "cpu", field="x"), engine.mesh, cpu_attention=kernels == "auto")
     rng = np.random.default_rng(0)
     # Prompts of 3 to 30 tokens (some prefilled in two chunks); rows finish at different steps.
     reqs = [
@@ -169,8 +169,8 @@ def test_engine_decode_kernel_gives_the_reference_tokens_and_logprobs() -> None:
     assert any(len(set(t)) > 1 for t, _ in want), "degenerate completions would hide a mismatch"
 
 
-def test_engine_cpu_decode_kernel_gives_the_reference_tokens_and_logprobs() -> None:
-    """``kernels = "auto"`` on CPU decodes with the C++ kernel (per shard of a 2-device
+def test_engine_cpu_attention_kernel_gives_the_reference_tokens_and_logprobs() -> None:
+    """``kernels = "auto"`` on CPU prefills and decodes with the C++ kernel (per shard of a 2-device
     tensor-parallel engine): the reference's greedy tokens, log-probs within 1e-5."""
     want = _engine_outputs("reference", 1)
     got = _engine_outputs("auto", 2)

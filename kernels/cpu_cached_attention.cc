@@ -1,11 +1,12 @@
-// Decode attention over the engine's KV cache for XLA:CPU, as an XLA FFI custom call.
+// Attention over the engine's KV cache (decode steps and prefill chunks) for XLA:CPU, as an XLA FFI
+// custom call.
 //
 // Why C++ and not XLA: XLA:CPU cannot feed a dot from a slice of the cache in place, so the
 // pure-JAX reference (jaxrl.models.decoder.cached_attention) copies each chunk of cache rows out
 // (a gather), then multiplies it: about three passes over the KV bytes where this makes one.
 // Decode attention is memory-bound, so that is most of its cost (measured, 32 rows at ~500
 // positions: 24 ms of a 26 ms decode step). vLLM's CPU backend has C++ kernels for the same
-// reason. kernels/cpu_decode_attention.py builds and registers this file; the reference stays
+// reason. kernels/cpu_cached_attention.py builds and registers this file; the reference stays
 // the definition of the semantics, and the tests compare the two.
 //
 // Semantics (those of cached_attention): query b, t (q [B, T, H, D], float32) at position
@@ -234,7 +235,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlCpuDecodeAttention, Impl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlCpuCachedAttention, Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

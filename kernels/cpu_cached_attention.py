@@ -1,4 +1,5 @@
-"""Decode attention over the KV cache on XLA:CPU: a C++ XLA FFI kernel (``cpu_decode_attention.cc``).
+"""Attention over the KV cache on XLA:CPU (decode steps and prefill chunks): a C++ XLA FFI kernel
+(``cpu_cached_attention.cc``).
 
 Why: the pure-JAX reference (``jaxrl.models.decoder.cached_attention``) is memory-bound and
 XLA:CPU reads the cache about three times per step (a gathered copy of each chunk, then the
@@ -31,8 +32,8 @@ import jax.numpy as jnp
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode_attention.cc")
-TARGET = "jaxrl_cpu_decode_attention"
+SOURCE = Path(__file__).with_name("cpu_cached_attention.cc")
+TARGET = "jaxrl_cpu_cached_attention"
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC"]
 
 
@@ -52,7 +53,7 @@ def _library_path(compiler: str) -> Path:
         key.update(part)
     key.update(_cpu_model().encode())
     cache = Path(os.environ.get("JAXRL_KERNEL_CACHE", Path.home() / ".cache" / "jaxrl" / "kernels"))
-    return cache / f"cpu_decode_attention-{key.hexdigest()[:16]}.so"
+    return cache / f"cpu_cached_attention-{key.hexdigest()[:16]}.so"
 
 
 def _build(compiler: str, out: Path) -> None:
@@ -79,29 +80,29 @@ def load() -> str | None:
 def build_and_register(compiler: str | None) -> str | None:
     """``load()`` with this compiler (uncached: tests use it to check the fallback)."""
     if compiler is None:
-        log.warning("no C++ compiler ($CXX, c++, g++): CPU decode attention uses the pure-JAX reference")
+        log.warning("no C++ compiler ($CXX, c++, g++): CPU cached attention uses the pure-JAX reference")
         return None
     path = _library_path(compiler)
     try:
         if not path.exists():
             _build(compiler, path)
         lib = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxrlCpuDecodeAttention), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxrlCpuCachedAttention), platform="cpu")
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or ""
-        log.warning("CPU decode attention kernel unavailable (%s %s): using the pure-JAX reference", e, detail[-2000:])
+        log.warning("CPU cached-attention kernel unavailable (%s %s): using the pure-JAX reference", e, detail[-2000:])
         return None
     return TARGET
 
 
-def cpu_decode_attention(
+def cpu_cached_attention(
     q: jax.Array, kc: jax.Array, vc: jax.Array, layer: jax.Array, rows: jax.Array, positions: jax.Array
 ) -> jax.Array:
     """``cached_attention``'s result (q [B, T, H, D] at ``positions`` [B, T] over cache row
     ``rows[b]`` of ``layer`` in the caches [L, R, K, S, D], float32 or bfloat16), from the C++
     kernel; ``load()`` must have returned a target. Padding rows and positions give zeros."""
     target = load()
-    assert target is not None, "cpu_decode_attention needs load() to succeed"
+    assert target is not None, "cpu_cached_attention needs load() to succeed"
     out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32),
         kc,

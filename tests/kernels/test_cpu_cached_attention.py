@@ -1,4 +1,4 @@
-"""The C++ CPU cached attention (``kernels.cpu_decode_attention``) against the pure-JAX reference
+"""The C++ CPU cached attention (``kernels.cpu_cached_attention``) against the pure-JAX reference
 (``cached_attention``): one-token and multi-token queries, grouped heads, positions across several
 of the kernel's 64-position blocks, a head_dim off the vector width, float32 and bfloat16 caches,
 padding rows (out of range, negative) and padding positions (>= the cache length) giving zeros.
@@ -15,7 +15,7 @@ import pytest
 
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.decoder import cached_attention
-from kernels import cpu_decode_attention as cpu_kernel
+from kernels import cpu_cached_attention as cpu_kernel
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,7 +38,7 @@ def test_kernel_matches_the_reference(dtype, t: int) -> None:
     for layer in (0, 2):
         args = (q, kc, vc, jnp.int32(layer), rows, positions)
         want = np.asarray(jax.jit(cached_attention)(*args))
-        got = np.asarray(jax.jit(cpu_kernel.cpu_decode_attention)(*args))
+        got = np.asarray(jax.jit(cpu_kernel.cpu_cached_attention)(*args))
         real = np.ones(positions.shape, bool)
         real[4:] = False
         real[3, 0] = False
@@ -49,7 +49,7 @@ def test_kernel_matches_the_reference(dtype, t: int) -> None:
 def test_dispatch_takes_the_kernel_for_auto_on_cpu() -> None:
     rows = jnp.arange(2)
     auto = Kernels.create("auto", field="inference.kernels")
-    assert auto.cpu_decode and auto.reference  # the trainer's call sites keep their references
+    assert auto.cpu_attention and auto.reference  # the trainer's call sites keep their references
     for t in (1, 4):  # decode steps and prefill chunks
         assert auto.cached_attention(jnp.zeros((2, t), jnp.int32), rows) is not None
     reference = Kernels.create("reference", field="inference.kernels")
