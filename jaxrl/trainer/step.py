@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.kernel_dispatch import Kernels
-from jaxrl.models.decoder import Decoder
+from jaxrl.models.decoder import Decoder, LayerAdapters
 from jaxrl.models.sharding import state_shardings
 from jaxrl.parallel.mesh import batch_sharding, replicated
 from jaxrl.samples import TrainingSample
@@ -52,11 +52,15 @@ _MB_FIELDS = tuple(_MB_DTYPES)
 
 
 def packed_logprobs(
-    model: Decoder, mb: dict[str, jax.Array], kernels: Kernels, vocab_block: int
+    model: Decoder,
+    mb: dict[str, jax.Array],
+    kernels: Kernels,
+    vocab_block: int,
+    lora: LayerAdapters | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(log-prob, entropy) of every token of packed rows at its temperature, ``[B, T - 1]``:
     entry t - 1 is token t predicted from position t - 1 (column 0 has no prediction)."""
-    hidden, _ = model(mb["tokens"], mb["positions"], mb["segment_ids"], kernels=kernels)
+    hidden, _ = model(mb["tokens"], mb["positions"], mb["segment_ids"], kernels=kernels, lora=lora)
     b, t, d = hidden.shape
     logp, entropy = (kernels.token_logprobs() or token_logprobs)(
         hidden[:, :-1].reshape(-1, d),
@@ -86,10 +90,11 @@ def micro_batch_loss(
     """
     if kernels is None:
         kernels = Kernels.create(cfg.kernels, field="trainer.kernels")
-    if frozen is not None:
+    adapters = None
+    if frozen is not None:  # merged layer by layer inside the decoder's scan
         assert cfg.lora is not None
-        params = lora.merged(frozen, params, cfg.lora.scale)
-    logp, entropy = packed_logprobs(nnx.merge(graphdef, params), mb, kernels, cfg.vocab_block)
+        params, adapters = frozen, LayerAdapters(params, cfg.lora.scale)
+    logp, entropy = packed_logprobs(nnx.merge(graphdef, params), mb, kernels, cfg.vocab_block, adapters)
     sums = L.loss_sums(
         logp,
         mb["logq"][:, 1:],

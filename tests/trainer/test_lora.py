@@ -171,3 +171,39 @@ def test_lora_rl_serves_the_merged_policy(tmp_path) -> None:
         want = exported(tokens).logits
         got = peft.PeftModel.from_pretrained(base, out / "hf_adapter").eval()(tokens).logits
     assert (got - want).abs().max() <= 1e-4
+
+
+def test_per_layer_merge_matches_merging_the_whole_model_with_remat(tmp_path) -> None:
+    """The training forward merges adapters layer by layer inside the scan (``LayerAdapters``);
+    its loss and adapter gradients are those of the model merged up front (``lora.merged``),
+    also under full remat, where the merge is recomputed in the backward pass."""
+    from jaxrl.models.decoder import LayerAdapters
+    from jaxrl.trainer.lora import merged
+
+    _tiny_hf(tmp_path)
+    model = load_decoder(tmp_path)
+    graphdef, base = nnx.split(model)
+    rng = np.random.default_rng(0)
+    adapters = {}
+    for w, _ in TARGETS.values():
+        shape = getattr(model, w)[...].shape
+        n_in = dict(TARGETS.values())[w]
+        a_shape, b_shape = (*shape[: 1 + n_in], 4), (shape[0], 4, *shape[1 + n_in :])
+        adapters[w] = {"a": jnp.asarray(rng.normal(0, 0.1, a_shape), jnp.float32),
+                       "b": jnp.asarray(rng.normal(0, 0.1, b_shape), jnp.float32)}  # fmt: skip
+    tokens = jnp.asarray(rng.integers(0, 97, (2, 12)))
+    positions = jnp.broadcast_to(jnp.arange(12), tokens.shape)
+
+    def loss(adapters, per_layer: bool, remat: str) -> jax.Array:
+        m = nnx.merge(graphdef, base if per_layer else merged(base, adapters, 2.0))
+        m.remat = remat
+        hidden, _ = m(tokens, positions, lora=LayerAdapters(adapters, 2.0) if per_layer else None)
+        return jnp.mean(m.logits(hidden) ** 2)
+
+    want, want_grads = jax.value_and_grad(loss)(adapters, False, "none")
+    for remat in ("none", "full"):
+        got, grads = jax.jit(jax.value_and_grad(loss), static_argnums=(1, 2))(adapters, True, remat)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        for w in adapters:
+            for ab in ("a", "b"):
+                np.testing.assert_allclose(grads[w][ab], want_grads[w][ab], rtol=1e-4, atol=1e-6)
