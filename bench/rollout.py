@@ -2,7 +2,7 @@
 a vLLM server when ``JAXRL_VLLM`` names a vLLM venv's python), cold and warm.
 
     python bench/rollout.py [--envs reverse_text lookup] [--concurrency 32] [--episodes 64]
-                            [--new-tokens 64] [--no-vllm] [--no-pin]
+                            [--new-tokens 64] [--no-vllm] [--no-pin] [--decode-buckets 1 8 16 32]
 
 A random Qwen3-shaped model (byte tokenizer with the Qwen special tokens, ~3M parameters) is
 written to a temporary HF directory and served over HTTP on 127.0.0.1 (the engine with
@@ -107,7 +107,8 @@ def start_engine(model_dir: Path, tokenizer_dir: Path, args: argparse.Namespace)
     from jaxrl.inference.engine import Engine
     from jaxrl.inference.server import EngineServer
 
-    cfg = InferenceConfig(max_model_len=args.max_model_len, max_seqs=args.concurrency)
+    cfg = InferenceConfig(max_model_len=args.max_model_len, max_seqs=args.concurrency,
+                          decode_batch_buckets=args.decode_buckets)
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(model_dir, cfg)
     server = EngineServer(engine, AutoTokenizer.from_pretrained(tokenizer_dir), model_name="bench")
@@ -126,6 +127,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--decode-buckets", type=int, nargs="+", help="inference.decode_batch_buckets (engine)")
     ap.add_argument("--warm-passes", type=int, default=3, help="warm passes; the median is reported")
     ap.add_argument("--backends", nargs="+", choices=["engine", "vllm"], default=["engine", "vllm"],
                     help="vllm runs only when JAXRL_VLLM is set")
