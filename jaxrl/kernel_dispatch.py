@@ -36,8 +36,8 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl.parallel.rules import logical_to_spec
-from kernels import select
 from kernels import cpu_cached_attention as cpu_kernel
+from kernels import select
 from kernels.attention import segment_attention, tpu_segment_attention
 from kernels.decode_attention import decode_attention
 from kernels.logprobs import logprobs as pallas_logprobs
@@ -81,7 +81,7 @@ class Kernels:
 
     impl: Impl = "reference"
     mesh: Mesh | None = None
-    cpu_attention: bool = False  # "auto" on CPU: decode attention by the C++ kernel where it builds
+    cpu_attention: bool = False  # "auto" on CPU: KV-cache attention by the C++ kernel where it builds
 
     @classmethod
     def create(cls, choice: KernelChoice, *, field: str, mesh: Mesh | None = None) -> Kernels:
