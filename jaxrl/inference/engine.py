@@ -81,6 +81,7 @@ def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, *,
     what they read is discarded) and position 0.
     """
     model = nnx.merge(graphdef, state)
+
     def body(carry, _):  # type: ignore[no-untyped-def]
         cache, tok, pos, index = carry
         hidden, cache = model(

@@ -285,11 +285,12 @@ def packed_causal_mask(segment_ids: jax.Array) -> jax.Array:
     return causal[None] & same
 
 
-def low_rank_delta(a: jax.Array, b: jax.Array, scale: float, shape: tuple[int, ...]) -> jax.Array:
-    """``scale * A @ B`` of one layer's LoRA adapters (A ``[*in, r]``, B ``[r, *out]``) in the
-    weight's layout ``shape`` = ``[*in, *out]``."""
+def lora_merge(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+    """One layer's weight ``w`` ``[*in, *out]`` plus ``scale * A @ B`` of its LoRA adapters
+    (A ``[*in, r]``, B ``[r, *out]``), in ``w``'s dtype."""
     rank = a.shape[-1]
-    return (scale * (a.reshape(-1, rank) @ b.reshape(rank, -1))).reshape(shape)
+    delta = (scale * (a.reshape(-1, rank) @ b.reshape(rank, -1))).reshape(w.shape)
+    return (w + delta.astype(w.dtype)).astype(w.dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -417,9 +418,7 @@ class Decoder(nnx.Module):
                 w, adapters = xs
                 if lora is not None:
                     w = {
-                        n: (v + low_rank_delta(adapters[n]["a"], adapters[n]["b"], lora.scale, v.shape)).astype(v.dtype)
-                        if n in adapters
-                        else v
+                        n: lora_merge(v, adapters[n]["a"], adapters[n]["b"], lora.scale) if n in adapters else v
                         for n, v in w.items()
                     }
                 return self._block(h, w, cos, sin, attend), None

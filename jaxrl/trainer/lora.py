@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from jaxrl.models.decoder import PARAM_LOGICAL_AXES, low_rank_delta, param_name
+from jaxrl.models.decoder import PARAM_LOGICAL_AXES, lora_merge, param_name
 from jaxrl.parallel.rules import LOGICAL_RULES, logical_to_spec
 
 # Hugging Face module name -> (decoder weight, number of input axes after the layer axis).
@@ -141,11 +141,6 @@ def init_adapters(params: nnx.State, cfg: LoraConfig, mesh: Mesh) -> dict[str, d
     return out
 
 
-def delta(a: jax.Array, b: jax.Array, scale: float, shape: tuple[int, ...]) -> jax.Array:
-    """``scale * A @ B`` in the weight's layout ``[L, *in, *out]`` (every layer's ``low_rank_delta``)."""
-    return jax.vmap(lambda a_l, b_l: low_rank_delta(a_l, b_l, scale, shape[1:]))(a, b)
-
-
 def merged(params: nnx.State, adapters: dict[str, dict[str, jax.Array]], scale: float) -> nnx.State:
     """``params`` with ``W + scale * A @ B`` in place of every adapted weight (a new state)."""
 
@@ -153,6 +148,6 @@ def merged(params: nnx.State, adapters: dict[str, dict[str, jax.Array]], scale: 
         ad = adapters.get(param_name(path))
         if ad is None:
             return w
-        return (w + delta(ad["a"], ad["b"], scale, w.shape).astype(w.dtype)).astype(w.dtype)
+        return jax.vmap(lambda w_l, a_l, b_l: lora_merge(w_l, a_l, b_l, scale))(w, ad["a"], ad["b"])  # per layer
 
     return jax.tree_util.tree_map_with_path(merge, params)
