@@ -33,6 +33,7 @@ from functools import partial
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl.parallel.rules import logical_to_spec
@@ -156,12 +157,19 @@ class Kernels:
 
         return attend
 
-    def cached_attention(self, positions: jax.Array, rows: jax.Array) -> CacheAttend | None:
+    def cached_attention(
+        self, positions: jax.Array, rows: jax.Array, shared: tuple[jax.Array, jax.Array] | None = None
+    ) -> CacheAttend | None:
         """Attention over the whole KV cache, read in place: query ``b, t`` (q [B, T, H, Dh]) at
         ``positions[b, t]`` sees positions <= its own of cache row ``rows[b]`` in ``layer`` of the
         caches [layers, rows, K, S, Dh]. The Pallas kernel takes one-token steps (T = 1; prefill
         chunks keep the decoder's own attention), the CPU kernel any T. None (the decoder's own
         attention) for the references.
+
+        ``shared`` (share_rows, share_lens) [B]: the engine's note that positions < share_lens[b]
+        of row ``rows[b]`` equal those of row ``share_rows[b]`` (copies of one prefill). The CPU
+        kernel reads them there (one copy for many rows stays in cache); the others ignore it,
+        which gives the same values.
 
         Under a mesh, heads split over "tensor" as in training; cache rows are never split (the
         serving rules replicate them), as a query's row may be any row of the cache.
@@ -171,6 +179,7 @@ class Kernels:
                 return None
             inner = cpu_kernel.cpu_cached_attention
             index = positions
+            share = shared if shared is not None else (jnp.zeros_like(rows), jnp.zeros_like(rows))
         elif positions.shape[1] != 1:
             return None
         else:
@@ -179,14 +188,17 @@ class Kernels:
                 return decode_attention(q[:, 0], k, v, lengths, rows=rows, layer=layer, interpret=self._interpret)[:, None]
 
             index = positions[:, 0] + 1  # the kernel's lengths
+            share = None
+
+        extra = () if share is None else share
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array) -> jax.Array:
             fn = inner
             if self.mesh is not None:
                 heads = self._axes("q_heads", q.shape[2], k.shape[2])
                 qs, cache_spec = PartitionSpec(None, None, heads, None), PartitionSpec(None, None, heads)
-                specs = (qs, cache_spec, cache_spec, PartitionSpec(), PartitionSpec(), PartitionSpec())
+                specs = (qs, cache_spec, cache_spec, *[PartitionSpec()] * (3 + len(extra)))
                 fn = self._per_shard(inner, specs, qs)
-            return fn(q, k, v, layer, rows, index)
+            return fn(q, k, v, layer, rows, index, *extra)
 
         return attend

@@ -16,6 +16,14 @@
 // them). Work is split over (b, kv head) items on XLA's intra-op thread pool; each item reads
 // its row's keys and values once, for all its H / K * T queries, in blocks of kBlock positions
 // with an online softmax.
+//
+// Shared prefixes (share_rows [B], share_lens [B]): the engine tells which rows hold the same
+// keys and values as another row over their first positions (a GRPO group's prompt, an env's
+// system prompt and tool specs: copies of one prefill). Positions < share_lens[b] of row rows[b]
+// are then read from row share_rows[b] instead: the same values, so the same result bit for bit,
+// but one copy read by every row of the batch stays in the core's L2 where separate copies
+// stream from memory (measured, 32 rows x 900 positions, one core: 16 -> 7 ms per step).
+// share_lens[b] <= 0 or a share row out of range: no redirect.
 
 #include <algorithm>
 #include <atomic>
@@ -104,8 +112,8 @@ struct Scratch {
 // Attention of the T * G queries of (row b, kv head k).
 template <typename T>
 void AttendItem(const Dims& d, const float* q, const T* kc, const T* vc, int64_t layer,
-                const int32_t* rows, const int32_t* positions, float* out, int64_t item,
-                Scratch& s) {
+                const int32_t* rows, const int32_t* positions, const int32_t* share_rows,
+                const int32_t* share_lens, float* out, int64_t item, Scratch& s) {
   const int64_t b = item / d.K, k = item % d.K, n = d.T * d.G, D = d.D;
   auto out_of = [&](int64_t j) {  // output vector of query j = t * G + g
     const int64_t t = j / d.G, h = k * d.G + j % d.G;
@@ -129,12 +137,16 @@ void AttendItem(const Dims& d, const float* q, const T* kc, const T* vc, int64_t
   if (furthest < 0) return;
 
   const int64_t base = ((layer * d.R + row) * d.K + k) * d.S * D;
-  const T* keys = kc + base;
-  const T* values = vc + base;
+  const int64_t share_row = share_rows[b];
+  const bool shares = share_row >= 0 && share_row < d.R;
+  const int64_t shared = shares ? std::min<int64_t>(share_lens[b], d.S) : 0;
+  const int64_t shared_base = ((layer * d.R + (shares ? share_row : row)) * d.K + k) * d.S * D;
+  // Key or value vector of position p: from the share row below `shared`, else from our row.
+  auto at = [&](const T* cache, int64_t p) { return cache + (p < shared ? shared_base : base) + p * D; };
   for (int64_t s0 = 0; s0 <= furthest; s0 += kBlock) {
     const int64_t len = std::min(kBlock, furthest + 1 - s0);
     for (int64_t i = 0; i < len; ++i) {  // scores: each key read once for every query
-      const float* key = AsF32(keys + (s0 + i) * D, D, s.tmp.data());
+      const float* key = AsF32(at(kc, s0 + i), D, s.tmp.data());
       for (int64_t j = 0; j < n; ++j)
         s.scores[j * kBlock + i] = (s0 + i <= s.qpos[j]) ? Dot(&s.q[j * D], key, D) : kNegInf;
     }
@@ -159,7 +171,7 @@ void AttendItem(const Dims& d, const float* q, const T* kc, const T* vc, int64_t
       s.l[j] = total;
     }
     for (int64_t i = 0; i < len; ++i) {  // values: each read once for every query
-      const float* value = AsF32(values + (s0 + i) * D, D, s.tmp.data());
+      const float* value = AsF32(at(vc, s0 + i), D, s.tmp.data());
       for (int64_t j = 0; j < n; ++j)
         if (s0 + i <= s.qpos[j]) Axpy(s.scores[j * kBlock + i], value, &s.acc[j * D], D);
     }
@@ -182,13 +194,14 @@ struct Work {
 
 template <typename T>
 void Run(ffi::ThreadPool& pool, const Dims& d, const float* q, const T* kc, const T* vc,
-         int64_t layer, const int32_t* rows, const int32_t* positions, float* out) {
+         int64_t layer, const int32_t* rows, const int32_t* positions, const int32_t* share_rows,
+         const int32_t* share_lens, float* out) {
   auto work = std::make_shared<Work>();
   work->total = d.B * d.K;
   auto drain = [=]() {
     thread_local Scratch scratch;
     for (int64_t i; (i = work->next.fetch_add(1)) < work->total;) {
-      AttendItem<T>(d, q, kc, vc, layer, rows, positions, out, i, scratch);
+      AttendItem<T>(d, q, kc, vc, layer, rows, positions, share_rows, share_lens, out, i, scratch);
       work->done.fetch_add(1, std::memory_order_release);
     }
   };
@@ -203,7 +216,8 @@ void Run(ffi::ThreadPool& pool, const Dims& d, const float* q, const T* kc, cons
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc,
                 ffi::AnyBuffer vc, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
-                ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out) {
+                ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> share_rows,
+                ffi::Buffer<ffi::S32> share_lens, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto cd = kc.dimensions();
   if (qd.size() != 4 || cd.size() != 5 || vc.dimensions().size() != 5)
@@ -214,6 +228,9 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc
   if (kc.element_type() != vc.element_type())
     return ffi::Error::InvalidArgument("the key and value caches have different dtypes");
   d.G = d.H / d.K;
+  if (rows.element_count() != d.B || positions.element_count() != d.B * d.T ||
+      share_rows.element_count() != d.B || share_lens.element_count() != d.B)
+    return ffi::Error::InvalidArgument("rows, share_rows, share_lens must be [B] and positions [B, T]");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= d.L) return ffi::Error::InvalidArgument("layer out of range");
   float* o = out->typed_data();
@@ -221,12 +238,12 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc
     case ffi::F32:
       Run<float>(pool, d, q.typed_data(), static_cast<const float*>(kc.untyped_data()),
                  static_cast<const float*>(vc.untyped_data()), l, rows.typed_data(),
-                 positions.typed_data(), o);
+                 positions.typed_data(), share_rows.typed_data(), share_lens.typed_data(), o);
       return ffi::Error::Success();
     case ffi::BF16:
       Run<uint16_t>(pool, d, q.typed_data(), static_cast<const uint16_t*>(kc.untyped_data()),
                     static_cast<const uint16_t*>(vc.untyped_data()), l, rows.typed_data(),
-                    positions.typed_data(), o);
+                    positions.typed_data(), share_rows.typed_data(), share_lens.typed_data(), o);
       return ffi::Error::Success();
     default:
       return ffi::Error::InvalidArgument("KV cache dtype must be float32 or bfloat16");
@@ -241,6 +258,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlCpuCachedAttention, Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -57,6 +57,10 @@ class EngineMetrics(BaseModel):
     """... of which were served from the prefix cache (not recomputed)."""
     prefix_hit_rate: float
     """cached_prompt_tokens / prompt_tokens (0 before any request)."""
+    shared_prefix_positions: int
+    """Cached positions that calls read from one row shared by several (copies of one prompt
+    prefill: a GRPO group, a system prompt) instead of each row's own copy (the CPU kernel uses
+    it; summed over calls, once per call not per step)."""
     prefill_calls: int
     decode_calls: int
     compiles: int

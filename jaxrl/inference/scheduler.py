@@ -13,6 +13,14 @@ prompt extends the previous prompt + completion; ``X-Session-ID`` marks rows of 
 conversation, reused at any prefix length), a row still in use is copied (the requests of a
 GRPO group share one prompt). A request whose prefix is about to be cached by a prompt being
 prefilled right now waits a step for it instead of computing it twice.
+
+Shared prefixes. Copies and takeovers leave many rows holding the same keys/values over their
+first positions (a GRPO group's prompt; an env's system prompt and tool specs in every row).
+Each row records where its leading positions came from (``RowTable.origin``: one prefill's id
+and how many of its positions the row still holds unchanged), and every decode plan names, per
+sequence, one row holding the same values (``DecodePlan.share_rows`` / ``share_lens``), so a
+kernel can read one copy for all of them (``kernels/cpu_cached_attention.cc``: the copy stays
+in the CPU's cache). The values are equal, so the result does not depend on it.
 """
 
 from __future__ import annotations
@@ -131,7 +139,7 @@ def bucket_at_least(buckets: list[int], n: int) -> int:
 
 
 class RowTable:
-    """Owner, cached tokens, session and recency of every KV cache row."""
+    """Owner, cached tokens, session, recency and prefix origin of every KV cache row."""
 
     def __init__(self, rows: int):
         self.owner: list[Sequence | None] = [None] * rows
@@ -139,10 +147,43 @@ class RowTable:
         self.session: list[str | None] = [None] * rows
         self.last_used = [0] * rows
         self._clock = 0
+        # origin[r] = (fill, n): positions < n of row r hold the keys/values that prefill ``fill``
+        # computed (once written there). A fresh prefill from position 0 starts a new fill; a row
+        # copy or a takeover keeps the source's fill over the positions it keeps; nothing writes
+        # below n afterwards (prefill resumes at or after the kept prefix, decode after the prompt).
+        self.origin: list[tuple[int, int]] = [(-1 - r, 0) for r in range(rows)]
+        self._fills = 0
+
+    def set_origin(self, row: int, seq: Sequence, source: int) -> None:
+        """Record where ``row``'s leading positions come from once ``seq`` (whose first
+        ``seq.prefilled`` positions are kept from row ``source``: itself or a copy's source)
+        owns it."""
+        fill, n = self.origin[source]
+        if seq.prefilled == 0:
+            self._fills += 1
+            self.origin[row] = (self._fills, len(seq.prompt))
+        else:
+            self.origin[row] = (fill, min(n, seq.prefilled))
+
+    def shares(self, rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """For each of ``rows``: a row holding the same values over its first positions, and how
+        many (0: none). All rows of one fill name the same row, the one holding the most of it."""
+        held = [min(n, self.cached_len(r)) for r, (_, n) in enumerate(self.origin)]
+        best: dict[int, int] = {}
+        for r, (fill, _) in enumerate(self.origin):
+            if fill not in best or held[r] > held[best[fill]]:
+                best[fill] = r
+        share_rows = np.array([best[self.origin[r][0]] for r in rows], np.int32)
+        share_lens = np.array([min(held[r], held[c]) for r, c in zip(rows, share_rows)], np.int32)
+        return share_rows, share_lens
 
     def tokens(self, row: int) -> np.ndarray:
         owner = self.owner[row]
         return owner.cached_tokens() if owner is not None else self.warm[row]
+
+    def cached_len(self, row: int) -> int:
+        owner = self.owner[row]
+        return owner.position if owner is not None else len(self.warm[row])
 
     def free_row(self) -> int | None:
         """An unowned row: an empty one if any, else the least recently used warm one."""
@@ -189,6 +230,8 @@ class DecodePlan:
     rows: np.ndarray  # i32[B]; padding rows = max_seqs (out of range: not written, reads discarded)
     sampling: SamplingBatch
     steps: int  # decode steps of this call
+    share_rows: np.ndarray  # i32[B]: a row holding the same keys/values as ``rows`` ...
+    share_lens: np.ndarray  # i32[B]: ... over this many first positions (0: none; RowTable.shares)
 
 
 @dataclass
@@ -198,6 +241,7 @@ class SchedulerStats:
     prefill_tokens: int = 0  # prompt tokens computed (no padding)
     generated_tokens: int = 0
     row_copies: int = 0
+    shared_prefix_positions: int = 0  # cached positions planned to be read from another row's copy
     prefill_calls: int = 0
     decode_calls: int = 0
 
@@ -287,6 +331,7 @@ class Scheduler:
             best = common_prefix(self.rows.tokens(row), prompt)
         self.rows.assign(row, seq)
         seq.prefilled = seq.cached_prompt = min(best, len(prompt) - 1)
+        self.rows.set_origin(row, seq, copy[0] if copy != (-1, -1) else row)
         self.running.append(seq)
         self.stats.prompt_tokens += len(prompt)
         self.stats.cached_prompt_tokens += seq.cached_prompt
@@ -359,7 +404,16 @@ class Scheduler:
         params = [s.params for s in seqs]
         draw_position = [len(s.prompt) + len(s.tokens) for s in seqs]
         sampling = SamplingBatch.host(params, [s.seed for s in seqs], draw_position, size)
-        return DecodePlan(seqs, tokens, positions, rows, sampling, steps)
+        share_rows, share_lens = self._shares(seqs, size)
+        return DecodePlan(seqs, tokens, positions, rows, sampling, steps, share_rows, share_lens)
+
+    def _shares(self, seqs: list[Sequence], size: int) -> tuple[np.ndarray, np.ndarray]:
+        """``RowTable.shares`` of the sequences' rows, padded to the batch ``size`` with none."""
+        share_rows, share_lens = np.zeros(size, np.int32), np.zeros(size, np.int32)
+        rows = [s.row for s in seqs]
+        share_rows[: len(seqs)], share_lens[: len(seqs)] = self.rows.shares(rows)
+        self.stats.shared_prefix_positions += int(share_lens[: len(seqs)][share_rows[: len(seqs)] != rows].sum())
+        return share_rows, share_lens
 
     def finish_decode(
         self, plan: DecodePlan, tokens: np.ndarray, logprobs: np.ndarray, version: int

@@ -391,6 +391,7 @@ class Decoder(nnx.Module):
         cache_rows: jax.Array | None = None,
         kernels: Kernels | None = None,
         lora: LayerAdapters | None = None,
+        cache_shared: tuple[jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """tokens, positions, segment_ids: int [B, T].
 
@@ -398,6 +399,9 @@ class Decoder(nnx.Module):
         its keys/values into cache row ``cache_rows[b]`` at ``positions[b, t]`` and attends to
         every cached position <= its own (the engine guarantees those are this sequence's).
         ``kernels`` may swap in a Pallas attention with the same semantics (default: ours).
+        ``cache_shared`` (share_rows, share_lens) [B]: positions < share_lens[b] of row
+        ``cache_rows[b]`` hold the same keys/values as row share_rows[b] (a read hint for the CPU
+        kernel, ``Kernels.cached_attention``; the result does not change).
         ``lora`` (training forward only): adapters merged into each layer's weights in the scan.
         """
         arch = self.arch
@@ -429,7 +433,7 @@ class Decoder(nnx.Module):
         else:
             assert lora is None, "the cached (serving) forward runs merged weights"
             rows = jnp.arange(tokens.shape[0]) if cache_rows is None else cache_rows
-            kernel = kernels.cached_attention(positions, rows) if kernels is not None else None
+            kernel = kernels.cached_attention(positions, rows, cache_shared) if kernels is not None else None
 
             def body(carry, w):  # type: ignore[no-untyped-def]
                 h, kc, vc, layer = carry

@@ -196,3 +196,63 @@ def test_config_derives_buckets_and_names_bad_fields() -> None:
     ]:
         with pytest.raises(ValueError, match=field):
             InferenceConfig(**bad)
+
+
+def test_shared_prefix_rows_hold_the_same_values_as_the_rows_they_name() -> None:
+    """Every decode plan's (share_rows, share_lens) must name, per sequence, a row whose first
+    share_lens positions hold exactly what the sequence's own row holds there: the CPU kernel
+    reads them from that row instead. A host model of the cache stamps each written position
+    with a fresh number (only row copies make two positions equal, as on the device: two
+    prefills of the same tokens need not give the same bits), under a random workload of GRPO
+    groups sharing a system prompt, multi-turn sessions, aborts and weight swaps."""
+    cfg = InferenceConfig(
+        max_model_len=96, max_seqs=6, max_batched_tokens=48, decode_steps=3, decode_batch_buckets=[2, 4, 6],
+        prefill_len_buckets=[8, 16, 32], prefill_batch_buckets=[1, 2, 4], min_prefix_reuse=4,
+    )
+    rng = np.random.default_rng(0)
+    s = Scheduler(cfg)
+    stamps = np.arange(-1, -1 - cfg.max_seqs * cfg.max_model_len, -1).reshape(cfg.max_seqs, cfg.max_model_len)
+    fresh = iter(range(1, 10**9))
+    system = list(range(1, 21))
+    shared_positions = 0
+
+    def check(seqs: list[Sequence], share_rows: np.ndarray, share_lens: np.ndarray) -> int:
+        for seq, src, n in zip(seqs, share_rows, share_lens):
+            assert n <= seq.position and n <= s.rows.cached_len(int(src))
+            np.testing.assert_array_equal(stamps[seq.row, :n], stamps[src, :n])
+        assert (share_lens[len(seqs):] == 0).all()
+        return int(sum(n for seq, src, n in zip(seqs, share_rows, share_lens) if src != seq.row))
+
+    sessions: dict[str, list[int]] = {}
+    for _ in range(400):
+        action = rng.random()
+        if action < 0.25:  # a GRPO group of 3 on a fresh question
+            prompt = system + list(rng.integers(30, 90, rng.integers(2, 10)))
+            for _ in range(3):
+                s.add(_seq(prompt, session=f"conv{next(fresh)}", max_tokens=int(rng.integers(2, 12))))
+        elif action < 0.35 and sessions:  # the next turn of a finished conversation
+            sid = list(sessions)[rng.integers(len(sessions))]
+            s.add(_seq(sessions.pop(sid) + list(rng.integers(30, 90, 4)), session=sid, max_tokens=6))
+        elif action < 0.38 and s.running:
+            s.abort(s.running[rng.integers(len(s.running))].request.request_id)
+        elif action < 0.40:
+            s.rows.invalidate_warm()  # a weight swap
+        for src, dst in s.admit():
+            stamps[dst] = stamps[src]
+        if (plan := s.plan_prefill()) is not None:
+            for seq, n in zip(plan.seqs, plan.chunk):
+                stamps[seq.row, seq.prefilled : seq.prefilled + n] = [next(fresh) for _ in range(n)]
+            n = len(plan.seqs)
+            for seq in s.finish_prefill(plan, rng.integers(30, 90, n), np.zeros(n), 0):
+                sessions[seq.request.session_id] = list(seq.prompt) + seq.tokens
+        if (plan := s.plan_decode(cfg.decode_steps)) is not None:
+            for seq in plan.seqs:  # every step writes, even past a sequence's end
+                end = min(seq.position + cfg.decode_steps, cfg.max_model_len)
+                stamps[seq.row, seq.position : end] = [next(fresh) for _ in range(end - seq.position)]
+            shared_positions += check(plan.seqs, plan.share_rows, plan.share_lens)
+            tokens = rng.integers(30, 90, (cfg.decode_steps, len(plan.tokens)))
+            tokens[rng.random(tokens.shape) < 0.1] = STOP
+            for seq in s.finish_decode(plan, tokens, np.zeros(tokens.shape), 0):
+                if len(seq.prompt) + len(seq.tokens) < cfg.max_model_len - 16:
+                    sessions[seq.request.session_id] = list(seq.prompt) + seq.tokens
+    assert shared_positions > 2_000  # the system prompt is read from one row by many

@@ -50,6 +50,35 @@ def test_kernel_matches_the_reference(dtype, t: int) -> None:
         assert (got[~real] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_shared_prefix_reads_come_from_the_named_row_and_change_nothing(dtype) -> None:
+    """Rows 1 and 4 hold row 2's values over their first 150 positions (as the engine's row
+    copies leave them): reading those positions from row 2 gives the same result bit for bit;
+    and the kernel does read there (with row 2 changed, the result changes)."""
+    layers, n_rows, kv_heads, max_len, d, heads, t = 2, 5, 2, 300, 32, 4, 2
+    rng = np.random.default_rng(7)
+    kc = np.asarray(rng.normal(size=(layers, n_rows, kv_heads, max_len, d)), np.float32)
+    vc = np.asarray(rng.normal(size=(layers, n_rows, kv_heads, max_len, d)), np.float32)
+    for copy in (1, 4):
+        kc[:, copy, :, :150], vc[:, copy, :, :150] = kc[:, 2, :, :150], vc[:, 2, :, :150]
+    rows = jnp.array([1, 4, 3, 2], jnp.int32)
+    positions = jnp.array([[200, 201], [149, 150], [120, 121], [10, 11]], jnp.int32)
+    share_rows = jnp.array([2, 2, 0, 2], jnp.int32)
+    share_lens = jnp.array([150, 150, 0, 150], jnp.int32)  # row 3 shares nothing; row 2 names itself
+    q = jnp.asarray(rng.normal(size=(4, t, heads, d)), jnp.float32)
+    run = jax.jit(cpu_kernel.cpu_cached_attention)
+    for layer in (0, 1):
+        args = (q, jnp.asarray(kc, dtype), jnp.asarray(vc, dtype), jnp.int32(layer), rows, positions)
+        alone = np.asarray(run(*args))
+        np.testing.assert_array_equal(np.asarray(run(*args, share_rows, share_lens)), alone)
+        np.testing.assert_allclose(alone, np.asarray(jax.jit(cached_attention)(*args)), atol=2e-6, rtol=2e-6)
+    changed = kc.copy()
+    changed[:, 2, :, :150] += 1.0
+    args = (q, jnp.asarray(changed, dtype), jnp.asarray(vc, dtype), jnp.int32(0), rows, positions)
+    moved = np.abs(np.asarray(run(*args, share_rows, share_lens)) - np.asarray(run(*args))).max(axis=(1, 2, 3))
+    assert (moved[:2] > 1e-3).all() and moved[2] == 0
+
+
 def test_dispatch_takes_the_kernel_for_auto_on_cpu() -> None:
     rows = jnp.arange(2)
     auto = Kernels.create("auto", field="inference.kernels")

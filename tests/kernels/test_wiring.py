@@ -151,18 +151,19 @@ def _engine_outputs(kernels: str, tensor_parallel: int):
     assert engine.kernels == Kernels(resolve(kernels, "cpu", field="x"), engine.mesh, cpu_attention=kernels == "auto")
     rng = np.random.default_rng(0)
     # Prompts of 3 to 30 tokens (some prefilled in two chunks); rows finish at different steps.
-    reqs = [
-        Request(rng.integers(0, 64, n).tolist(), SamplingParams(max_tokens=m, temperature=0.0))
-        for n, m in ((3, 9), (17, 7), (30, 9), (8, 5))
-    ]
-    return [(o.token_ids, np.asarray(o.logprobs)) for o in engine.generate(reqs)]
+    prompts = [rng.integers(0, 64, n).tolist() for n in (3, 17, 30, 8)]
+    # Two more sharing the 30-token prompt's first 24 tokens: copies of its row, read from one.
+    prompts += [prompts[2][:24] + rng.integers(0, 64, n).tolist() for n in (2, 5)]
+    reqs = [Request(p, SamplingParams(max_tokens=m, temperature=0.0)) for p, m in zip(prompts, (9, 7, 9, 5, 6, 4))]
+    outputs = [(o.token_ids, np.asarray(o.logprobs)) for o in engine.generate(reqs)]
+    return outputs, engine.stats.shared_prefix_positions
 
 
 def test_engine_decode_kernel_gives_the_reference_tokens_and_logprobs() -> None:
     """Greedy decoding: same tokens, log-probs within 1e-5; the kernel engine is tensor-parallel
     over 2 devices (heads split per shard), the reference one on a single device."""
-    want = _engine_outputs("reference", 1)
-    got = _engine_outputs("pallas_interpret", 2)
+    want, _ = _engine_outputs("reference", 1)
+    got, _ = _engine_outputs("pallas_interpret", 2)
     for (want_tokens, want_logp), (tokens, logp) in zip(want, got):
         assert tokens == want_tokens
         np.testing.assert_allclose(logp, want_logp, atol=1e-5)
@@ -170,10 +171,12 @@ def test_engine_decode_kernel_gives_the_reference_tokens_and_logprobs() -> None:
 
 
 def test_engine_cpu_attention_kernel_gives_the_reference_tokens_and_logprobs() -> None:
-    """``kernels = "auto"`` on CPU prefills and decodes with the C++ kernel (per shard of a 2-device
-    tensor-parallel engine): the reference's greedy tokens, log-probs within 1e-5."""
-    want = _engine_outputs("reference", 1)
-    got = _engine_outputs("auto", 2)
+    """``kernels = "auto"`` on CPU decodes with the C++ kernel (per shard of a 2-device
+    tensor-parallel engine), reading shared prompt prefixes from one row: the reference's greedy
+    tokens, log-probs within 1e-5."""
+    want, _ = _engine_outputs("reference", 1)
+    got, shared = _engine_outputs("auto", 2)
+    assert shared > 0
     for (want_tokens, want_logp), (tokens, logp) in zip(want, got):
         assert tokens == want_tokens
         np.testing.assert_allclose(logp, want_logp, atol=1e-5)
