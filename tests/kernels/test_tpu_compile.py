@@ -145,7 +145,7 @@ def test_engine_decode_program_copies_no_cache(topology) -> None:
     sampling = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=rep), host)
     ids = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=rep)
     decode = jax.jit(partial(_decode, graphdef, 4, kernels=Kernels("pallas", mesh)), donate_argnums=(1,))
-    mem = decode.lower(state, cache, ids, ids, ids, sampling).compile().memory_analysis()
+    mem = decode.lower(state, cache, ids, ids, ids, sampling, (ids, ids)).compile().memory_analysis()
     cache_bytes_per_chip = 2 * np.prod(shape) * 2 / mesh.size
     assert mem.temp_size_in_bytes < 0.1 * cache_bytes_per_chip
 
