@@ -33,7 +33,6 @@ from functools import partial
 from typing import Literal
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl.parallel.rules import logical_to_spec
@@ -179,7 +178,7 @@ class Kernels:
                 return None
             inner = cpu_kernel.cpu_cached_attention
             index = positions
-            share = shared if shared is not None else (jnp.zeros_like(rows), jnp.zeros_like(rows))
+            extra = () if shared is None else shared
         elif positions.shape[1] != 1:
             return None
         else:
@@ -188,9 +187,7 @@ class Kernels:
                 return decode_attention(q[:, 0], k, v, lengths, rows=rows, layer=layer, interpret=self._interpret)[:, None]
 
             index = positions[:, 0] + 1  # the kernel's lengths
-            share = None
-
-        extra = () if share is None else share
+            extra = ()
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array) -> jax.Array:
             fn = inner
