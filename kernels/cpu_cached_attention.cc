@@ -90,13 +90,41 @@ inline float Dot(const float* a, const float* b, int64_t d) {
   return s;
 }
 
-inline void Axpy(float a, const float* x, float* y, int64_t d) {
+// Four dot products of q with four keys at once: four independent accumulator chains, so the
+// FMA latency and the final horizontal sums overlap (one Dot at a time is latency-bound).
+inline void Dot4(const float* q, const float* const* keys, int64_t d, float* out) {
+  const float *k0 = keys[0], *k1 = keys[1], *k2 = keys[2], *k3 = keys[3];
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t i = 0; i < d; ++i) {
+    s0 += q[i] * k0[i];
+    s1 += q[i] * k1[i];
+    s2 += q[i] * k2[i];
+    s3 += q[i] * k3[i];
+  }
+  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+// y += sum_i p[i] * x[i] over `len` value vectors: four at a time, summed in a tree before
+// touching y, so the accumulator's load-FMA-store chain is paid once per four keys.
+inline void AxpyBlock(const float* p, const float* const* x, int64_t len, float* y, int64_t d) {
+  int64_t i = 0;
+  for (; i + 4 <= len; i += 4) {
+    const float p0 = p[i], p1 = p[i + 1], p2 = p[i + 2], p3 = p[i + 3];
+    const float *x0 = x[i], *x1 = x[i + 1], *x2 = x[i + 2], *x3 = x[i + 3];
 #pragma omp simd
-  for (int64_t i = 0; i < d; ++i) y[i] += a * x[i];
+    for (int64_t e = 0; e < d; ++e) y[e] += (p0 * x0[e] + p1 * x1[e]) + (p2 * x2[e] + p3 * x3[e]);
+  }
+  for (; i < len; ++i) {
+    const float pi = p[i];
+    const float* xi = x[i];
+#pragma omp simd
+    for (int64_t e = 0; e < d; ++e) y[e] += pi * xi[e];
+  }
 }
 
 struct Scratch {
-  std::vector<float> q, acc, m, l, scores, tmp;
+  std::vector<float> q, acc, m, l, scores, keys, values;  // keys/values: a bf16 block as f32
   std::vector<int64_t> qpos;
   void Resize(int64_t n, int64_t d) {
     q.resize(n * d);
@@ -104,7 +132,8 @@ struct Scratch {
     m.assign(n, kNegInf);
     l.assign(n, 0.f);
     scores.resize(n * kBlock);
-    tmp.resize(d);
+    keys.resize(kBlock * d);
+    values.resize(kBlock * d);
     qpos.resize(n);
   }
 };
@@ -143,12 +172,22 @@ void AttendItem(const Dims& d, const float* q, const T* kc, const T* vc, int64_t
   const int64_t shared_base = ((layer * d.R + (shares ? share_row : row)) * d.K + k) * d.S * D;
   // Key or value vector of position p: from the share row below `shared`, else from our row.
   auto at = [&](const T* cache, int64_t p) { return cache + (p < shared ? shared_base : base) + p * D; };
+  const float* kp[kBlock];  // this block's key and value vectors, as float32
+  const float* vp[kBlock];
   for (int64_t s0 = 0; s0 <= furthest; s0 += kBlock) {
     const int64_t len = std::min(kBlock, furthest + 1 - s0);
-    for (int64_t i = 0; i < len; ++i) {  // scores: each key read once for every query
-      const float* key = AsF32(at(kc, s0 + i), D, s.tmp.data());
-      for (int64_t j = 0; j < n; ++j)
-        s.scores[j * kBlock + i] = (s0 + i <= s.qpos[j]) ? Dot(&s.q[j * D], key, D) : kNegInf;
+    for (int64_t i = 0; i < len; ++i) {
+      kp[i] = AsF32(at(kc, s0 + i), D, &s.keys[i * D]);
+      vp[i] = AsF32(at(vc, s0 + i), D, &s.values[i * D]);
+    }
+    for (int64_t j = 0; j < n; ++j) {  // scores (the block's keys stay in L1 across queries)
+      if (s.qpos[j] < s0) continue;
+      float* sc = &s.scores[j * kBlock];
+      const float* qj = &s.q[j * D];
+      int64_t i = 0;
+      for (; i + 4 <= len; i += 4) Dot4(qj, &kp[i], D, &sc[i]);
+      for (; i < len; ++i) sc[i] = Dot(qj, kp[i], D);
+      for (i = std::max<int64_t>(s.qpos[j] + 1 - s0, 0); i < len; ++i) sc[i] = kNegInf;  // causal mask
     }
     for (int64_t j = 0; j < n; ++j) {  // online softmax: rescale, then exponentiate in place
       if (s.qpos[j] < s0) continue;
@@ -169,11 +208,8 @@ void AttendItem(const Dims& d, const float* q, const T* kc, const T* vc, int64_t
       }
       s.m[j] = m_new;
       s.l[j] = total;
-    }
-    for (int64_t i = 0; i < len; ++i) {  // values: each read once for every query
-      const float* value = AsF32(at(vc, s0 + i), D, s.tmp.data());
-      for (int64_t j = 0; j < n; ++j)
-        if (s0 + i <= s.qpos[j]) Axpy(s.scores[j * kBlock + i], value, &s.acc[j * D], D);
+      // values up to the query's position (masked weights beyond it are 0: skip them)
+      AxpyBlock(sc, vp, std::min(len, s.qpos[j] + 1 - s0), &s.acc[j * D], D);
     }
   }
   for (int64_t j = 0; j < n; ++j) {
