@@ -8,9 +8,10 @@ for "keep your own reference" (so this module imports neither the trainer nor th
 must not depend on each other):
 
 * ``"auto"``: the Pallas kernels where ``kernels.select`` says they run (TPU), the references
-  elsewhere, except attention over the KV cache on CPU: the C++ kernel
-  ``kernels.cpu_cached_attention`` (one pass over the cache where XLA:CPU makes three; built
-  once per machine, the reference where no C++ compiler is found).
+  elsewhere, except the engine's decode on CPU: attention over the KV cache by the C++ kernel
+  ``kernels.cpu_cached_attention`` (one pass over the cache where XLA:CPU makes three) and, on
+  one device, projections by ``kernels.cpu_matmul`` (``packs_matmul_weights``); both built
+  once per machine, the references where no C++ compiler is found.
 * ``"reference"``: always the pure-JAX references (the decoder's own attention and
   ``jaxrl.trainer.logprobs.token_logprobs``), bit for bit what runs without this module.
 * ``"pallas"``: always the compiled kernels; an error at start-up where they cannot run.
@@ -37,6 +38,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl.parallel.rules import logical_to_spec
 from kernels import cpu_cached_attention as cpu_kernel
+from kernels import cpu_matmul
 from kernels import select
 from kernels.attention import segment_attention, tpu_segment_attention
 from kernels.decode_attention import decode_attention
@@ -88,6 +90,12 @@ class Kernels:
         """Resolve ``choice`` for ``mesh``'s platform (JAX's default backend without a mesh)."""
         platform = mesh.devices.flat[0].platform if mesh is not None else select.current_platform()
         return cls(resolve(choice, platform, field=field), mesh, cpu_attention=choice == "auto" and platform == "cpu")
+
+    def packs_matmul_weights(self) -> bool:
+        """Whether the engine's decode projections run on the CPU matmul kernel
+        (``kernels.cpu_matmul``: weights packed once per update): "auto" on a one-device CPU
+        engine, where the kernel builds. Under a mesh XLA partitions the dots instead."""
+        return self.cpu_attention and self.mesh is None and cpu_matmul.load() is not None
 
     @property
     def reference(self) -> bool:

@@ -69,8 +69,8 @@ def _prefill(graphdef, state, cache, tokens, positions, rows, last, sampling):  
     matmuls beat the CPU kernel's per-query dot products from 16-token chunks up (measured, one
     core, 800 cached positions: 16 rows x 16 tokens 28 vs 35 ms, 4 x 128 37 vs 69 ms), and the
     TPU decode kernel takes one-token steps only."""
-    model = nnx.merge(graphdef, state)
-    hidden, cache = model(tokens, positions, cache=cache, cache_rows=rows)
+    model, layers = W.serving_model(graphdef, state)
+    hidden, cache = model(tokens, positions, cache=cache, cache_rows=rows, layers=layers)
     h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
     next_tokens, logprobs = sample(model.logits_f32(h_last), sampling)
     return cache, next_tokens, logprobs
@@ -84,12 +84,12 @@ def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, sh
     position. Padding entries have a row index out of range (their writes are dropped,
     what they read is discarded) and position 0. ``shared``: ``DecodePlan``'s share rows/lengths.
     """
-    model = nnx.merge(graphdef, state)
+    model, layers = W.serving_model(graphdef, state)
 
     def body(carry, _):  # type: ignore[no-untyped-def]
         cache, tok, pos, index = carry
         hidden, cache = model(
-            tok[:, None], pos[:, None], cache=cache, cache_rows=rows, kernels=kernels, cache_shared=shared
+            tok[:, None], pos[:, None], cache=cache, cache_rows=rows, kernels=kernels, cache_shared=shared, layers=layers
         )
         new, logp = sample(model.logits_f32(hidden[:, 0]), replace(sampling, draw_position=index))
         return (cache, new, pos + 1, index + 1), (new, logp)
@@ -225,16 +225,27 @@ class Engine:
         self._sharding_fn = W.param_sharding_fn(mesh)
         graphdef, state = nnx.split(model)
         self._param_shardings = W.state_shardings(state, self._sharding_fn)
-        # Always a copy: the caller (the trainer) may donate or overwrite its arrays later.
-        self._state: nnx.State = W.place_state(state, state, self._param_shardings)
+        # Updates are placed like this (the model's stacked layout) and then served as ``_served``.
+        self._stacked = jax.tree.map(
+            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, self._param_shardings
+        )
         self._param_dtype = jax.tree.leaves(state)[0].dtype
         self._compute_dtype = model.dtype
+        self.kernels = Kernels.create(config.kernels, field="inference.kernels", mesh=mesh)
+        platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+        loop = config.layer_loop if config.layer_loop != "auto" else ("unrolled" if platform == "cpu" else "scan")
+        self._split_names = model.layer_weight_names() if loop == "unrolled" else None
+        # Projections by the CPU matmul kernel (float32 only): their weights are packed for it.
+        f32 = self._param_dtype == jnp.float32 and jnp.dtype(model.dtype) == jnp.float32
+        pack = loop == "unrolled" and f32 and self.kernels.packs_matmul_weights()
+        self._packed = model.matmul_weights() if pack else None
+        # Always a copy: the caller (the trainer) may donate or overwrite its arrays later.
+        self._state: nnx.State = self._served(W.place_state(state, state, self._param_shardings))
         layout = EngineLayout.create(arch, config, model.dtype, mesh)
         self._cache = KVCache(
             *(W.zeros_like_sharded(layout.cache_shape, layout.cache_dtype, layout.cache_sharding) for _ in range(2))
         )
         self._inputs = layout.inputs
-        self.kernels = Kernels.create(config.kernels, field="inference.kernels", mesh=mesh)
         self._layout = layout
         programs = engine_programs(graphdef, layout, self.kernels)
         self._prefill_fn, self._decode_fn, self._copy_fn, self._traces = programs
@@ -281,8 +292,12 @@ class Engine:
 
     @property
     def params(self) -> nnx.State:
-        """The weights being served (read-only: the engine may swap them at any step)."""
+        """The weights being served (read-only: the engine may swap them at any step), in the
+        layout its programs take (``W.split_layers`` with ``layer_loop = "unrolled"``)."""
         return self._state
+
+    def _served(self, placed: nnx.State) -> nnx.State:
+        return placed if self._split_names is None else W.split_layers(placed, self._split_names, self._packed)
 
     @property
     def vocab_size(self) -> int:
@@ -427,8 +442,8 @@ class Engine:
         between engine steps (see ``InferenceConfig.weight_update``). Returns the policy version
         served after the swap when ``wait``, else the version the update will have.
         """
-        placed = W.place_state(state, self._state, self._param_shardings)
-        return self._enqueue_update(placed, version, wait)
+        placed = W.place_state(state, self._stacked, self._param_shardings)
+        return self._enqueue_update(self._served(placed), version, wait)
 
     def update_weights_from_path(
         self, path: str | Path, *, version: int | None = None, wait: bool = True
@@ -439,7 +454,7 @@ class Engine:
         )
         if model.arch != self.arch:
             raise ValueError(f"update_weights: {path} holds a different architecture than the served model")
-        return self._enqueue_update(nnx.state(model), version, wait)
+        return self._enqueue_update(self._served(nnx.state(model)), version, wait)
 
     def _enqueue_update(self, state: nnx.State, version: int | None, wait: bool) -> int:
         done = threading.Event()

@@ -14,7 +14,7 @@ engine's dtypes when they differ. No files are written.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from jaxrl.models import sharding
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import param_name
+from kernels.cpu_matmul import PackedWeight
 
 ShardingFn = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]
 
@@ -119,3 +120,47 @@ def _cast_fn(
 def zeros_like_sharded(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     """A zero array created directly in its sharding (no host copy)."""
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+def split_layers(state: nnx.State, names: Sequence[str], packed: Mapping[str, int] | None = None) -> nnx.State:
+    """``state`` with each stacked layer weight in ``names`` (leading axis = layers) replaced by a
+    tuple of per-layer arrays, each on its stacked sharding less the layer axis: the engine's
+    "unrolled" layout (``InferenceConfig.layer_loop``). ``packed`` {name: K}: those weights are
+    also packed for the CPU matmul kernel (``kernels.cpu_matmul.PackedWeight``; one device, no
+    mesh). Fresh buffers; the stacked arrays are freed once the caller drops them."""
+    wanted, packed = set(names), dict(packed or {})
+
+    def split(path: Any, x: jax.Array) -> Any:
+        name = param_name(path)
+        if name not in wanted:
+            return x
+        if name in packed:
+            return tuple(PackedWeight.pack(x[i], packed[name]) for i in range(x.shape[0]))
+        return tuple(x[i] for i in range(x.shape[0]))
+
+    return jax.tree_util.tree_map_with_path(split, state)
+
+
+def _is_split(x: Any) -> bool:
+    return isinstance(x, tuple)
+
+
+def _stack(layers: tuple[Any, ...]) -> jax.Array:
+    return jnp.stack([w.unpack() if isinstance(w, PackedWeight) else w for w in layers])
+
+
+def serving_model(graphdef: nnx.GraphDef, state: nnx.State) -> tuple[Decoder, list[dict[str, Any]] | None]:
+    """Inside an engine program: the model, and its layer weights as separate arrays (or
+    ``PackedWeight``s) when ``state`` is in the ``split_layers`` layout (else None). The model's
+    own stacked weights are rebuilt from the split ones: XLA drops that as dead code when the
+    forward reads the separate arrays only (``Decoder.__call__(layers=...)``)."""
+    split = {
+        param_name(p): x
+        for p, x in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_split)[0]
+        if _is_split(x)
+    }
+    if not split:
+        return nnx.merge(graphdef, state), None
+    model = nnx.merge(graphdef, jax.tree.map(lambda x: _stack(x) if _is_split(x) else x, state, is_leaf=_is_split))
+    layers = [{n: xs[i] for n, xs in split.items()} for i in range(model.arch.num_layers)]
+    return model, layers

@@ -11,6 +11,7 @@ sampler log-probs come from one implementation of the math.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import TYPE_CHECKING, Any, Literal
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.arch import ModelArch
+from kernels.cpu_matmul import PackedWeight
 
 if TYPE_CHECKING:
     from jaxrl.kernel_dispatch import Kernels
@@ -357,13 +359,25 @@ class Decoder(nnx.Module):
         if not arch.tie_word_embeddings:
             self.lm_head = param((D, V))
 
-    def _layer_weights(self) -> dict[str, jax.Array]:
+    def layer_weight_names(self) -> list[str]:
+        """The per-layer weights, each stacked on a leading ``layers`` axis."""
         names = ["attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"]
         if self.arch.qkv_bias:
             names += ["bq", "bk", "bv"]
         if self.arch.qk_norm:
             names += ["q_norm", "k_norm"]
-        return {n: getattr(self, n)[...] for n in names}
+        return names
+
+    def matmul_weights(self) -> dict[str, int]:
+        """The layer weights that are projections, each with its contracted size K (the
+        product of its leading axes as stored: ``wq`` [D, heads, head_dim] is [D, heads *
+        head_dim], ``wo`` [heads, head_dim, D] is [heads * head_dim, D])."""
+        arch = self.arch
+        d, q = arch.hidden_size, arch.num_heads * arch.head_dim
+        return {"wq": d, "wk": d, "wv": d, "wo": q, "w_gate": d, "w_up": d, "w_down": arch.intermediate_size}
+
+    def _layer_weights(self) -> dict[str, jax.Array]:
+        return {n: getattr(self, n)[...] for n in self.layer_weight_names()}
 
     def lm_head_weight(self) -> jax.Array:
         """[D, V] output projection (the transposed embedding when tied)."""
@@ -392,6 +406,7 @@ class Decoder(nnx.Module):
         kernels: Kernels | None = None,
         lora: LayerAdapters | None = None,
         cache_shared: tuple[jax.Array, jax.Array] | None = None,
+        layers: Sequence[dict[str, jax.Array]] | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """tokens, positions, segment_ids: int [B, T].
 
@@ -403,12 +418,18 @@ class Decoder(nnx.Module):
         ``cache_rows[b]`` hold the same keys/values as row share_rows[b] (a read hint for the CPU
         kernel, ``Kernels.cached_attention``; the result does not change).
         ``lora`` (training forward only): adapters merged into each layer's weights in the scan.
+        ``layers`` (cached forward only): the same layer weights as separate arrays, one dict per
+        layer (the engine's CPU layout, ``jaxrl.inference.weights.split_layers``); the layers then
+        run as an unrolled loop instead of a scan over the stacked weights, whose per-layer slices
+        XLA:CPU copies out before every matmul (measured: a 4-layer MLP at batch 32, 256 wide,
+        2.32 ms scanned vs 1.28 ms on separate arrays).
         """
         arch = self.arch
         x = self.embed[...].astype(self.dtype)[tokens]
         cos, sin = rope_tables(positions, jnp.asarray(arch.inv_freq()))
         weights = self._layer_weights()
         if cache is None:
+            assert layers is None, "split layers are a serving (cached forward) layout"
             seg = jnp.ones_like(tokens) if segment_ids is None else segment_ids
             mask = packed_causal_mask(seg)
             kernel = kernels.training_attention(seg) if kernels is not None else None
@@ -432,6 +453,7 @@ class Decoder(nnx.Module):
             h, _ = jax.lax.scan(body, x, (weights, {} if lora is None else lora.adapters))
         else:
             assert lora is None, "the cached (serving) forward runs merged weights"
+            assert layers is None or len(layers) == arch.num_layers, "one weight dict per layer"
             rows = jnp.arange(tokens.shape[0]) if cache_rows is None else cache_rows
             kernel = kernels.cached_attention(positions, rows, cache_shared) if kernels is not None else None
 
@@ -455,7 +477,13 @@ class Decoder(nnx.Module):
                 h = self._block(h, w, cos, sin, attend)
                 return (h, kc, vc, layer + 1), None
 
-            (h, kc, vc, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), weights)
+            carry = (x, cache.k, cache.v, jnp.int32(0))
+            if layers is None:
+                carry, _ = jax.lax.scan(body, carry, weights)
+            else:
+                for w in layers:
+                    carry, _ = body(carry, w)
+            h, kc, vc, _ = carry
             cache = KVCache(kc, vc)
         return rms_norm(h, self.final_norm[...], arch.rms_norm_eps), cache
 
@@ -466,18 +494,27 @@ class Decoder(nnx.Module):
         b, t, d = x.shape
         H, K, Dh = arch.num_heads, arch.num_kv_heads, arch.head_dim
         # Head weights are stored [D, heads, head_dim]; as [D, heads * head_dim] they are one matmul.
+
+        def proj(h: jax.Array, name: str, k: int) -> jax.Array:
+            """``h @ w[name]`` with the weight as [k, N]; a ``PackedWeight`` (the engine's CPU
+            serving layout) multiplies through its kernel."""
+            wt = w[name]
+            if isinstance(wt, PackedWeight):
+                return wt.matmul(h).astype(dt)
+            return dense(h, wt.astype(dt).reshape(k, -1))
+
         h = rms_norm(x, w["attn_norm"], eps)
-        q = dense(h, w["wq"].astype(dt).reshape(d, H * Dh)).reshape(b, t, H, Dh)
-        k = dense(h, w["wk"].astype(dt).reshape(d, K * Dh)).reshape(b, t, K, Dh)
-        v = dense(h, w["wv"].astype(dt).reshape(d, K * Dh)).reshape(b, t, K, Dh)
+        q = proj(h, "wq", d).reshape(b, t, H, Dh)
+        k = proj(h, "wk", d).reshape(b, t, K, Dh)
+        v = proj(h, "wv", d).reshape(b, t, K, Dh)
         if arch.qkv_bias:
             q, k, v = q + w["bq"].astype(dt), k + w["bk"].astype(dt), v + w["bv"].astype(dt)
         if arch.qk_norm:
             q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = attend(q, k, v)
-        x = x + dense(attn.reshape(b, t, H * Dh), w["wo"].astype(dt).reshape(H * Dh, d))
+        x = x + proj(attn.reshape(b, t, H * Dh), "wo", H * Dh)
         h = rms_norm(x, w["mlp_norm"], eps)
-        gate = dense(h, w["w_gate"].astype(dt))
-        up = dense(h, w["w_up"].astype(dt))
-        return x + dense(jax.nn.silu(gate) * up, w["w_down"].astype(dt))
+        gate = proj(h, "w_gate", d)
+        up = proj(h, "w_up", d)
+        return x + proj(jax.nn.silu(gate) * up, "w_down", arch.intermediate_size)

@@ -91,7 +91,7 @@ def test_dispatch_takes_the_kernel_for_auto_on_cpu() -> None:
 
 def test_no_compiler_falls_back_to_the_reference_with_a_warning(tmp_path, monkeypatch, caplog) -> None:
     monkeypatch.setenv("JAXRL_KERNEL_CACHE", str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu_build"):
         assert cpu_kernel.build_and_register(None) is None
         assert cpu_kernel.build_and_register(str(tmp_path / "no-such-c++")) is None
     assert "no C++ compiler" in caplog.text and "pure-JAX reference" in caplog.text

@@ -1,0 +1,130 @@
+"""The C++ CPU matmul on packed weights (``kernels.cpu_matmul``) against ``x @ w``: row counts
+off the kernel's 8-row tiles, column counts off its 32-wide panels (zero padding never written),
+the decoder's 3-D projection weights, the XLA path for prefill-sized inputs, determinism, and
+the engine serving the packed layout with the same tokens as the scanned one."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import tiny_model
+
+from jaxrl.inference.config import InferenceConfig
+from jaxrl.inference.engine import Engine
+from jaxrl.inference.sampling import SamplingParams
+from jaxrl.inference.scheduler import Request
+from kernels import cpu_matmul
+from kernels.cpu_matmul import MAX_KERNEL_ROWS, PackedWeight
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    if not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("no C++ compiler: the engine runs XLA's dots (tested elsewhere)")
+    assert cpu_matmul.load() is not None, "a C++ compiler is installed, so the kernel must build"
+
+
+@pytest.mark.parametrize("m", [1, 5, 8, 13, 32, 64])
+@pytest.mark.parametrize("k, n", [(16, 32), (100, 70), (256, 200), (64, 1536)])
+def test_kernel_matches_the_product(m: int, k: int, n: int) -> None:
+    rng = np.random.default_rng(m * 1000 + n)
+    x = rng.normal(size=(m, k)).astype(np.float32)
+    w = rng.normal(size=(k, n)).astype(np.float32)
+    packed = PackedWeight.pack(jnp.asarray(w), k)
+    assert packed.panels.shape == (-(-n // 32), k, 32)
+    got = np.asarray(jax.jit(PackedWeight.matmul)(packed, jnp.asarray(x)))
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    assert got.shape == (m, n)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+def test_packing_round_trips_the_decoders_weight_shapes() -> None:
+    rng = np.random.default_rng(0)
+    wq = jnp.asarray(rng.normal(size=(48, 3, 20)), jnp.float32)  # [D, heads, head_dim]: N = 60
+    wo = jnp.asarray(rng.normal(size=(3, 20, 48)), jnp.float32)  # [heads, head_dim, D]: K = 60
+    for w, k in ((wq, 48), (wo, 60)):
+        packed = PackedWeight.pack(w, k)
+        np.testing.assert_array_equal(np.asarray(packed.unpack()), np.asarray(w))
+        x = jnp.asarray(rng.normal(size=(2, 3, k)), jnp.float32)  # leading axes kept
+        got = packed.matmul(x)
+        want = jnp.einsum("btk,kn->btn", x, w.reshape(k, -1), precision="highest")
+        assert got.shape == (2, 3, w.size // k)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+
+
+def test_prefill_sized_inputs_go_through_xla_with_the_same_result() -> None:
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.normal(size=(64, 96)), jnp.float32)
+    packed = PackedWeight.pack(w, 64)
+    x = jnp.asarray(rng.normal(size=(MAX_KERNEL_ROWS + 8, 64)), jnp.float32)
+    hlo = jax.jit(PackedWeight.matmul).lower(packed, x).as_text()
+    assert cpu_matmul.KERNEL.target not in hlo  # XLA's dot on the unpacked weight
+    assert cpu_matmul.KERNEL.target in jax.jit(PackedWeight.matmul).lower(packed, x[:MAX_KERNEL_ROWS]).as_text()
+    big = np.asarray(jax.jit(PackedWeight.matmul)(packed, x))
+    small = np.asarray(jax.jit(PackedWeight.matmul)(packed, x[:MAX_KERNEL_ROWS]))
+    np.testing.assert_allclose(big[:MAX_KERNEL_ROWS], small, rtol=1e-5, atol=1e-4)
+
+
+def test_results_do_not_depend_on_timing() -> None:
+    """Every output element is summed in one fixed order, whichever thread takes its item."""
+    rng = np.random.default_rng(2)
+    packed = PackedWeight.pack(jnp.asarray(rng.normal(size=(256, 512)), jnp.float32), 256)
+    x = jnp.asarray(rng.normal(size=(32, 256)), jnp.float32)
+    run = jax.jit(PackedWeight.matmul)
+    first = np.asarray(run(packed, x))
+    for _ in range(20):
+        np.testing.assert_array_equal(np.asarray(run(packed, x)), first)
+
+
+def test_no_compiler_leaves_the_kernel_unbuilt_with_a_warning(tmp_path, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("JAXRL_KERNEL_CACHE", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu_build"):
+        assert cpu_matmul.KERNEL.build_and_register(None) is None
+        assert cpu_matmul.KERNEL.build_and_register(str(tmp_path / "no-such-c++")) is None
+    assert "no C++ compiler" in caplog.text and "cpu_matmul.cc" in caplog.text
+    assert not list(tmp_path.glob("*.so"))
+
+
+def _engine(model, layer_loop: str) -> Engine:  # type: ignore[no-untyped-def]
+    cfg = InferenceConfig(
+        max_model_len=64, max_seqs=4, max_batched_tokens=64, layer_loop=layer_loop, decode_batch_buckets=[4]
+    )
+    return Engine(model, cfg)
+
+
+def _is_packed(x: object) -> bool:
+    return isinstance(x, PackedWeight)
+
+
+def test_engine_serves_packed_weights_with_the_scanned_tokens() -> None:
+    """On CPU "auto" unrolls the layers and packs their projections; the tokens are those of
+    the scanned, unpacked layout and the log-probs agree to rounding, before and after a weight
+    update (which lands in the packed layout too)."""
+    model = tiny_model(seed=3, intermediate_size=72)  # 72: a partial last panel
+    unrolled, scanned = _engine(model, "auto"), _engine(model, "scan")
+    packed = [x for x in jax.tree.leaves(unrolled.params, is_leaf=_is_packed) if _is_packed(x)]
+    assert len(packed) == 7 * model.arch.num_layers  # q, k, v, o, gate, up, down per layer
+    assert not any(_is_packed(x) for x in jax.tree.leaves(scanned.params, is_leaf=_is_packed))
+
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17], [3, 3]]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+
+    def same_outputs() -> None:
+        a, b = (e.generate([Request(p, greedy) for p in prompts]) for e in (unrolled, scanned))
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
+
+    same_outputs()
+    update = jax.tree.map(lambda x: x * 1.5, nnx.state(model))
+    assert unrolled.update_weights_from_state(update) == 1 == scanned.update_weights_from_state(update)
+    after = [x for x in jax.tree.leaves(unrolled.params, is_leaf=_is_packed) if _is_packed(x)]
+    np.testing.assert_allclose(np.asarray(after[0].panels), 1.5 * np.asarray(packed[0].panels), rtol=1e-6)
+    same_outputs()
