@@ -23,10 +23,10 @@ from kernels.cpu_build import CppKernel
 KERNEL = CppKernel("cpu_matmul.cc", "JaxrlCpuMatmul", "jaxrl_cpu_matmul")
 PANEL = 32  # the kernel's panel width (kNr)
 
-# Above this many rows (prefill chunks) a matmul goes to XLA on the unpacked weight: its dots
-# are as fast as the kernel there, and unpacking (one copy of the weight) is small next to
-# that many rows of work.
-MAX_KERNEL_ROWS = 256
+# Floats of x per kernel call (1 MiB, half a core's L2 on the hosts measured): every panel
+# re-reads x, so longer inputs (prefill chunks) go through in row blocks of this size, each one
+# call that streams the weight once.
+X_BLOCK_FLOATS = 2**18
 
 
 def load() -> str | None:
@@ -60,13 +60,17 @@ class PackedWeight:
         return self.panels.transpose(1, 0, 2).reshape(k, p * PANEL)[:, : self.n].reshape(self.shape)
 
     def matmul(self, x: jax.Array) -> jax.Array:
-        """``x [..., K] @ w`` in float32 (the kernel for up to ``MAX_KERNEL_ROWS`` rows)."""
+        """``x [..., K] @ w`` in float32, by the kernel."""
+        target = load()
+        assert target is not None, "PackedWeight.matmul needs load() to succeed"
         k = self.panels.shape[1]
         rows = x.reshape(-1, k).astype(jnp.float32)
-        if rows.shape[0] > MAX_KERNEL_ROWS:
-            out = jnp.dot(rows, self.unpack().reshape(k, self.n))
-        else:
-            target = load()
-            assert target is not None, "PackedWeight.matmul needs load() to succeed"
-            out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], self.n), jnp.float32))(rows, self.panels)
+        block = max(X_BLOCK_FLOATS // k, 8)
+        call = lambda r: jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((r.shape[0], self.n), jnp.float32))(r, self.panels)  # noqa: E731
+        out = jnp.concatenate([call(rows[i : i + block]) for i in range(0, rows.shape[0], block)] or [call(rows)])
         return out.reshape(*x.shape[:-1], self.n)
+
+    def columns(self, index: jax.Array) -> jax.Array:
+        """``w[:, index]`` as [..., K] vectors (a tied embedding's rows, read from its packed
+        transpose: the embedding is kept once, as the output projection's panels)."""
+        return self.panels[index // PANEL, :, index % PANEL]

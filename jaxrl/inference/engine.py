@@ -69,10 +69,10 @@ def _prefill(graphdef, state, cache, tokens, positions, rows, last, sampling):  
     matmuls beat the CPU kernel's per-query dot products from 16-token chunks up (measured, one
     core, 800 cached positions: 16 rows x 16 tokens 28 vs 35 ms, 4 x 128 37 vs 69 ms), and the
     TPU decode kernel takes one-token steps only."""
-    model, layers = W.serving_model(graphdef, state)
-    hidden, cache = model(tokens, positions, cache=cache, cache_rows=rows, layers=layers)
+    model, layers, head = W.serving_model(graphdef, state)
+    hidden, cache = model(tokens, positions, cache=cache, cache_rows=rows, layers=layers, head=head)
     h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-    next_tokens, logprobs = sample(model.logits_f32(h_last), sampling)
+    next_tokens, logprobs = sample(model.logits_f32(h_last, head), sampling)
     return cache, next_tokens, logprobs
 
 
@@ -84,14 +84,15 @@ def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, sh
     position. Padding entries have a row index out of range (their writes are dropped,
     what they read is discarded) and position 0. ``shared``: ``DecodePlan``'s share rows/lengths.
     """
-    model, layers = W.serving_model(graphdef, state)
+    model, layers, head = W.serving_model(graphdef, state)
 
     def body(carry, _):  # type: ignore[no-untyped-def]
         cache, tok, pos, index = carry
         hidden, cache = model(
-            tok[:, None], pos[:, None], cache=cache, cache_rows=rows, kernels=kernels, cache_shared=shared, layers=layers
+            tok[:, None], pos[:, None], cache=cache, cache_rows=rows, kernels=kernels, cache_shared=shared,
+            layers=layers, head=head,
         )
-        new, logp = sample(model.logits_f32(hidden[:, 0]), replace(sampling, draw_position=index))
+        new, logp = sample(model.logits_f32(hidden[:, 0], head), replace(sampling, draw_position=index))
         return (cache, new, pos + 1, index + 1), (new, logp)
 
     carry = (cache, tokens, positions, sampling.draw_position)
@@ -297,7 +298,10 @@ class Engine:
         return self._state
 
     def _served(self, placed: nnx.State) -> nnx.State:
-        return placed if self._split_names is None else W.split_layers(placed, self._split_names, self._packed)
+        if self._split_names is None:
+            return placed
+        head = None if self._packed is None else ("embed" if self.arch.tie_word_embeddings else "lm_head")
+        return W.split_layers(placed, self._split_names, self._packed, head)
 
     @property
     def vocab_size(self) -> int:

@@ -122,16 +122,24 @@ def zeros_like_sharded(shape: tuple[int, ...], dtype: Any, sharding: jax.shardin
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
 
-def split_layers(state: nnx.State, names: Sequence[str], packed: Mapping[str, int] | None = None) -> nnx.State:
-    """``state`` with each stacked layer weight in ``names`` (leading axis = layers) replaced by a
-    tuple of per-layer arrays, each on its stacked sharding less the layer axis: the engine's
-    "unrolled" layout (``InferenceConfig.layer_loop``). ``packed`` {name: K}: those weights are
-    also packed for the CPU matmul kernel (``kernels.cpu_matmul.PackedWeight``; one device, no
-    mesh). Fresh buffers; the stacked arrays are freed once the caller drops them."""
+def split_layers(
+    state: nnx.State, names: Sequence[str], packed: Mapping[str, int] | None = None, head: str | None = None
+) -> nnx.State:
+    """``state`` in the engine's "unrolled" layout (``InferenceConfig.layer_loop``): each stacked
+    layer weight in ``names`` (leading axis = layers) replaced by a tuple of per-layer arrays,
+    each on its stacked sharding less the layer axis.
+
+    For the CPU matmul kernel (``kernels.cpu_matmul``; one device, float32): ``packed`` {name: K}
+    names the layer weights to pack as ``PackedWeight``s, and ``head`` ("lm_head", or "embed"
+    when tied) the output projection to pack ([D, V]: a tied embedding's transpose; its rows are
+    then read from the panels, so it is still kept once). Fresh buffers; the stacked arrays are
+    freed once the caller drops them."""
     wanted, packed = set(names), dict(packed or {})
 
     def split(path: Any, x: jax.Array) -> Any:
         name = param_name(path)
+        if name == head:
+            return PackedWeight.pack(x.T if name == "embed" else x, x.shape[1 if name == "embed" else 0])
         if name not in wanted:
             return x
         if name in packed:
@@ -141,26 +149,36 @@ def split_layers(state: nnx.State, names: Sequence[str], packed: Mapping[str, in
     return jax.tree_util.tree_map_with_path(split, state)
 
 
-def _is_split(x: Any) -> bool:
-    return isinstance(x, tuple)
+def _served_leaf(x: Any) -> bool:
+    return isinstance(x, (tuple, PackedWeight))
 
 
-def _stack(layers: tuple[Any, ...]) -> jax.Array:
-    return jnp.stack([w.unpack() if isinstance(w, PackedWeight) else w for w in layers])
+def _model_value(name: str, x: Any) -> jax.Array:
+    """A served leaf back in the model's own layout."""
+    if isinstance(x, tuple):
+        return jnp.stack([w.unpack() if isinstance(w, PackedWeight) else w for w in x])
+    if isinstance(x, PackedWeight):
+        return x.unpack().T if name == "embed" else x.unpack()
+    return x
 
 
-def serving_model(graphdef: nnx.GraphDef, state: nnx.State) -> tuple[Decoder, list[dict[str, Any]] | None]:
-    """Inside an engine program: the model, and its layer weights as separate arrays (or
-    ``PackedWeight``s) when ``state`` is in the ``split_layers`` layout (else None). The model's
-    own stacked weights are rebuilt from the split ones: XLA drops that as dead code when the
-    forward reads the separate arrays only (``Decoder.__call__(layers=...)``)."""
-    split = {
-        param_name(p): x
-        for p, x in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_split)[0]
-        if _is_split(x)
-    }
-    if not split:
-        return nnx.merge(graphdef, state), None
-    model = nnx.merge(graphdef, jax.tree.map(lambda x: _stack(x) if _is_split(x) else x, state, is_leaf=_is_split))
-    layers = [{n: xs[i] for n, xs in split.items()} for i in range(model.arch.num_layers)]
-    return model, layers
+def serving_model(
+    graphdef: nnx.GraphDef, state: nnx.State
+) -> tuple[Decoder, list[dict[str, Any]] | None, PackedWeight | None]:
+    """Inside an engine program: the model, its layer weights as separate arrays (or
+    ``PackedWeight``s) when ``state`` is in the ``split_layers`` layout (else None), and the
+    packed output projection (else None). The model's own weights are rebuilt from the served
+    ones: XLA drops that as dead code, as the forward reads the served ones only
+    (``Decoder.__call__(layers=..., head=...)``)."""
+    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=_served_leaf)[0]
+    served = {param_name(p): x for p, x in flat if _served_leaf(x)}
+    if not served:
+        return nnx.merge(graphdef, state), None, None
+    model_state = jax.tree_util.tree_map_with_path(
+        lambda p, x: _model_value(param_name(p), x), state, is_leaf=_served_leaf
+    )
+    model = nnx.merge(graphdef, model_state)
+    split = {n: x for n, x in served.items() if isinstance(x, tuple)}
+    layers = [{n: xs[i] for n, xs in split.items()} for i in range(model.arch.num_layers)] if split else None
+    head = next((x for x in served.values() if isinstance(x, PackedWeight)), None)
+    return model, layers, head

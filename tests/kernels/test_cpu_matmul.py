@@ -21,7 +21,7 @@ from jaxrl.inference.engine import Engine
 from jaxrl.inference.sampling import SamplingParams
 from jaxrl.inference.scheduler import Request
 from kernels import cpu_matmul
-from kernels.cpu_matmul import MAX_KERNEL_ROWS, PackedWeight
+from kernels.cpu_matmul import X_BLOCK_FLOATS, PackedWeight
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -59,17 +59,25 @@ def test_packing_round_trips_the_decoders_weight_shapes() -> None:
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
-def test_prefill_sized_inputs_go_through_xla_with_the_same_result() -> None:
+def test_long_inputs_go_through_in_row_blocks_with_the_same_result() -> None:
+    """Prefill chunks: x longer than ``X_BLOCK_FLOATS`` is cut into row blocks, one call each."""
     rng = np.random.default_rng(1)
-    w = jnp.asarray(rng.normal(size=(64, 96)), jnp.float32)
-    packed = PackedWeight.pack(w, 64)
-    x = jnp.asarray(rng.normal(size=(MAX_KERNEL_ROWS + 8, 64)), jnp.float32)
-    hlo = jax.jit(PackedWeight.matmul).lower(packed, x).as_text()
-    assert cpu_matmul.KERNEL.target not in hlo  # XLA's dot on the unpacked weight
-    assert cpu_matmul.KERNEL.target in jax.jit(PackedWeight.matmul).lower(packed, x[:MAX_KERNEL_ROWS]).as_text()
-    big = np.asarray(jax.jit(PackedWeight.matmul)(packed, x))
-    small = np.asarray(jax.jit(PackedWeight.matmul)(packed, x[:MAX_KERNEL_ROWS]))
-    np.testing.assert_allclose(big[:MAX_KERNEL_ROWS], small, rtol=1e-5, atol=1e-4)
+    k = 64
+    w = rng.normal(size=(k, 96)).astype(np.float32)
+    packed = PackedWeight.pack(jnp.asarray(w), k)
+    rows = X_BLOCK_FLOATS // k
+    x = rng.normal(size=(2 * rows + 5, k)).astype(np.float32)
+    hlo = jax.jit(PackedWeight.matmul).lower(packed, jnp.asarray(x)).as_text()
+    assert hlo.count(f"@{cpu_matmul.KERNEL.target}(") == 3
+    got = np.asarray(jax.jit(PackedWeight.matmul)(packed, jnp.asarray(x)))
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+
+
+def test_columns_read_a_tied_embedding_from_its_packed_transpose() -> None:
+    embed = jnp.asarray(np.random.default_rng(4).normal(size=(70, 24)), jnp.float32)  # [V, D]
+    head = PackedWeight.pack(embed.T, 24)
+    tokens = jnp.array([[0, 31, 32], [69, 5, 64]])
+    np.testing.assert_array_equal(np.asarray(head.columns(tokens)), np.asarray(embed[tokens]))
 
 
 def test_results_do_not_depend_on_timing() -> None:
@@ -103,14 +111,19 @@ def _is_packed(x: object) -> bool:
     return isinstance(x, PackedWeight)
 
 
-def test_engine_serves_packed_weights_with_the_scanned_tokens() -> None:
-    """On CPU "auto" unrolls the layers and packs their projections; the tokens are those of
-    the scanned, unpacked layout and the log-probs agree to rounding, before and after a weight
+@pytest.mark.parametrize("tied", [False, True])
+def test_engine_serves_packed_weights_with_the_scanned_tokens(tied: bool) -> None:
+    """On CPU "auto" unrolls the layers and packs their projections and the output projection
+    (a tied embedding's rows are then read from its panels); the tokens are those of the
+    scanned, unpacked layout and the log-probs agree to rounding, before and after a weight
     update (which lands in the packed layout too)."""
-    model = tiny_model(seed=3, intermediate_size=72)  # 72: a partial last panel
+    model = tiny_model(seed=3, intermediate_size=72, tie_word_embeddings=tied, vocab=70)  # partial last panels
     unrolled, scanned = _engine(model, "auto"), _engine(model, "scan")
     packed = [x for x in jax.tree.leaves(unrolled.params, is_leaf=_is_packed) if _is_packed(x)]
-    assert len(packed) == 7 * model.arch.num_layers  # q, k, v, o, gate, up, down per layer
+    assert len(packed) == 7 * model.arch.num_layers + 1  # q, k, v, o, gate, up, down per layer; head
+    # A tied table is kept once, packed as the output projection; untied, the head alone is packed.
+    assert _is_packed(unrolled.params["embed"].value) == tied
+    assert tied or _is_packed(unrolled.params["lm_head"].value)
     assert not any(_is_packed(x) for x in jax.tree.leaves(scanned.params, is_leaf=_is_packed))
 
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17], [3, 3]]
