@@ -295,6 +295,12 @@ class InferenceConfig(BaseModel):
     external: ExternalConfig = Field(default_factory=ExternalConfig)
     """The servers of ``backend = "external"``."""
 
+    def resolved_layer_loop(self, platform: str) -> Literal["scan", "unrolled"]:
+        """``layer_loop`` on devices of ``platform`` ("cpu", "tpu", ...)."""
+        if self.layer_loop != "auto":
+            return self.layer_loop
+        return "unrolled" if platform == "cpu" else "scan"
+
     @model_validator(mode="before")
     @classmethod
     def _removed(cls, data: Any) -> Any:

@@ -234,7 +234,7 @@ class Engine:
         self._compute_dtype = model.dtype
         self.kernels = Kernels.create(config.kernels, field="inference.kernels", mesh=mesh)
         platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
-        loop = config.layer_loop if config.layer_loop != "auto" else ("unrolled" if platform == "cpu" else "scan")
+        loop = config.resolved_layer_loop(platform)
         self._split_names = model.layer_weight_names() if loop == "unrolled" else None
         # Projections by the CPU matmul kernel (float32 only): their weights are packed for it.
         f32 = self._param_dtype == jnp.float32 and jnp.dtype(model.dtype) == jnp.float32

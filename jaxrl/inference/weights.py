@@ -144,9 +144,20 @@ def split_layers(
             return x
         if name in packed:
             return tuple(PackedWeight.pack(x[i], packed[name]) for i in range(x.shape[0]))
-        return tuple(x[i] for i in range(x.shape[0]))
+        return tuple(_layer(x, i) for i in range(x.shape[0]))
 
     return jax.tree_util.tree_map_with_path(split, state)
+
+
+def _layer(x: jax.Array | jax.ShapeDtypeStruct, i: int) -> jax.Array | jax.ShapeDtypeStruct:
+    """Layer ``i`` of a stacked weight; of an abstract one (``jaxrl.aot``), its shape and
+    sharding less the layer axis."""
+    if not isinstance(x, jax.ShapeDtypeStruct):
+        return x[i]
+    sharding = x.sharding
+    if isinstance(sharding, NamedSharding):
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding)
 
 
 def _served_leaf(x: Any) -> bool:
