@@ -154,12 +154,15 @@ class RowTable:
         self.origin: list[tuple[int, int]] = [(-1 - r, 0) for r in range(rows)]
         self._fills = 0
 
-    def set_origin(self, row: int, seq: Sequence, source: int) -> None:
+    def set_origin(self, row: int, seq: Sequence, source: int, *, fresh: bool = False) -> None:
         """Record where ``row``'s leading positions come from once ``seq`` (whose first
         ``seq.prefilled`` positions are kept from row ``source``: itself or a copy's source)
-        owns it."""
+        owns it. ``fresh``: the row was taken for being free, not for its contents; the few
+        positions it happens to keep (fewer than ``min_prefix_reuse``, say a chat template's
+        opening) would tie it to an unrelated fill for no gain, and cap what later copies of
+        this prompt could share at those few, so it starts a fill of its own."""
         fill, n = self.origin[source]
-        if seq.prefilled == 0:
+        if seq.prefilled == 0 or fresh:
             self._fills += 1
             self.origin[row] = (self._fills, len(seq.prompt))
         else:
@@ -318,7 +321,8 @@ class Scheduler:
         if upcoming - best >= self.cfg.min_prefix_reuse:
             return None
         copy = (-1, -1)
-        if best_row is not None and (best >= self.cfg.min_prefix_reuse or best_key[1]):
+        reuse = best_row is not None and (best >= self.cfg.min_prefix_reuse or best_key[1])
+        if reuse:
             if self.rows.owner[best_row] is None:
                 row = best_row
             else:
@@ -331,7 +335,7 @@ class Scheduler:
             best = common_prefix(self.rows.tokens(row), prompt)
         self.rows.assign(row, seq)
         seq.prefilled = seq.cached_prompt = min(best, len(prompt) - 1)
-        self.rows.set_origin(row, seq, copy[0] if copy != (-1, -1) else row)
+        self.rows.set_origin(row, seq, copy[0] if copy != (-1, -1) else row, fresh=not reuse)
         self.running.append(seq)
         self.stats.prompt_tokens += len(prompt)
         self.stats.cached_prompt_tokens += seq.cached_prompt

@@ -256,3 +256,37 @@ def test_shared_prefix_rows_hold_the_same_values_as_the_rows_they_name() -> None
                 if len(seq.prompt) + len(seq.tokens) < cfg.max_model_len - 16:
                     sessions[seq.request.session_id] = list(seq.prompt) + seq.tokens
     assert shared_positions > 2_000  # the system prompt is read from one row by many
+
+
+def test_a_group_prefilled_in_a_reused_row_shares_its_whole_prompt() -> None:
+    """A free row taken for a new prompt may keep a few tokens it happens to share (a chat
+    template's opening); the group's copies of that row must still share the whole prompt, not
+    just those few tokens (seen: an engine that had served another env first lost the lookup
+    env's shared system prompt)."""
+    cfg = InferenceConfig(
+        max_model_len=64, max_seqs=4, max_batched_tokens=64, decode_steps=1, decode_batch_buckets=[4],
+        prefill_len_buckets=[8, 32], prefill_batch_buckets=[1, 4], min_prefix_reuse=4,
+    )
+    s = Scheduler(cfg)
+    opening = [1, 2]
+    for i in range(4):  # every row warm with an unrelated conversation that opens the same way
+        s.add(_seq(opening + [100 + i] * 6, max_tokens=1))
+    s.admit()
+    while (plan := s.plan_prefill()) is not None:
+        s.finish_prefill(plan, np.full(len(plan.seqs), STOP), np.zeros(len(plan.seqs)), 0)
+    assert s.idle and all(len(w) == 8 for w in s.rows.warm)
+
+    prompt = opening + list(range(30, 50))
+    group = [_seq(prompt, max_tokens=4) for _ in range(3)]
+    for seq in group:
+        s.add(seq)
+    while s.waiting or any(seq.prefilling for seq in group):
+        s.admit()
+        if (plan := s.plan_prefill()) is not None:
+            s.finish_prefill(plan, np.full(len(plan.seqs), 7), np.zeros(len(plan.seqs)), 0)
+    assert group[0].cached_prompt == 2 and group[1].cached_prompt == len(prompt) - 1
+    plan = s.plan_decode(1)
+    by_row = {seq.row: (r, n) for seq, r, n in zip(plan.seqs, plan.share_rows, plan.share_lens)}
+    canonical = {int(r) for r, _ in by_row.values()}
+    assert len(canonical) == 1  # one row read by all three
+    assert all(n >= len(prompt) - 1 for _, n in by_row.values())
