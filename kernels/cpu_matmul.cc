@@ -1,6 +1,9 @@
-// Small-batch matmul for XLA:CPU decode steps, as an XLA FFI custom call: out = x @ w with
-// x [M, K] and out [M, N] float32 row-major, and w [K, N] float32 pre-packed into column panels
-// [ceil(N / 32), K, 32] (zero-padded; kernels/cpu_matmul.py packs it once per weight update).
+// Small-batch matmul for XLA:CPU decode steps, as an XLA FFI custom call: out = x @ w[layer]
+// with x [M, K] and out [M, N] float32 row-major, and w a stack of L matrices [K, N] float32,
+// each pre-packed into column panels: [L, ceil(N / 32), K, 32] (zero-padded;
+// kernels/cpu_matmul.py packs them once per weight update). The kernel reads layer `layer` of
+// the stack in place, so a layer scan hands it the whole stack: XLA:CPU would copy a sliced
+// layer out of the stack before every call.
 //
 // Why C++ and not XLA: a decode step multiplies a few dozen rows (one per sequence) by every
 // weight matrix, and XLA:CPU runs those dots at a third of what the cores can do (measured on a
@@ -99,16 +102,18 @@ struct Work {
 };
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                ffi::ResultBuffer<ffi::F32> out) {
+                ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto od = out->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || od.size() != 2 || wd[2] != kNr || xd[1] != wd[1] ||
-      od[0] != xd[0] || od[1] > wd[0] * kNr || od[1] <= (wd[0] - 1) * kNr)
-    return ffi::Error::InvalidArgument("x must be [M, K], w packed [ceil(N / 32), K, 32], out [M, N]");
-  const int64_t M = xd[0], K = xd[1], N = od[1], panels = wd[0];
+  if (xd.size() != 2 || wd.size() != 4 || od.size() != 2 || wd[3] != kNr || xd[1] != wd[2] ||
+      od[0] != xd[0] || od[1] > wd[1] * kNr || od[1] <= (wd[1] - 1) * kNr)
+    return ffi::Error::InvalidArgument("x must be [M, K], w packed [L, ceil(N / 32), K, 32], out [M, N]");
+  const int64_t M = xd[0], K = xd[1], N = od[1], panels = wd[1];
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("layer out of range");
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
+  const float* wp = w.typed_data() + l * panels * K * kNr;
   float* op = out->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
   // Items are (panel, block of rows): whole panels where there are enough of them (each
@@ -146,4 +151,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlCpuMatmul, Impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

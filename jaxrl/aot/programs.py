@@ -230,8 +230,6 @@ def _engine_shapes(cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo
     graphdef, state = nnx.split(trainer_model)  # the engine serves the trainer's model (jaxrl.rl)
     shardings = W.state_shardings(state, W.param_sharding_fn(mesh))
     weights = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings)
-    if icfg.resolved_layer_loop(topo.devices[0].platform) == "unrolled":  # as the engine would serve them
-        weights = W.split_layers(weights, trainer_model.layer_weight_names())
     layout = EngineLayout.create(arch, icfg, trainer_model.dtype, mesh)
     kernels = Kernels.create(icfg.kernels, field="inference.kernels", mesh=mesh)
     return EngineShapes(icfg, mesh, graphdef, weights, layout, kernels)

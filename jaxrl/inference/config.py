@@ -259,14 +259,6 @@ class InferenceConfig(BaseModel):
     "pallas": always that one ("pallas" on a backend without the kernel fails at start-up).
     "pallas_interpret": the kernel in Pallas interpret mode on any backend (slow; for tests)."""
 
-    layer_loop: Literal["auto", "scan", "unrolled"] = "auto"
-    """How the engine's programs run the model's layers. "scan": one ``lax.scan`` over the stacked
-    layer weights (compile time independent of depth). "unrolled": the engine keeps each layer's
-    weights as separate arrays and the layers run as an unrolled loop; XLA:CPU copies every scanned
-    layer's weight slice before its matmuls, so on CPU this is 1.3x faster per decode step at batch
-    32 (``bench/decode.py``). "auto": "unrolled" on CPU, "scan" elsewhere (XLA:TPU reads the
-    scanned slices in place)."""
-
     weight_update: Literal["drain", "immediate"] = "drain"
     """When new weights take effect. "drain": admission pauses, requests in flight finish on the
     old weights, then the swap happens (no request ever mixes two policies). "immediate": the swap
@@ -294,12 +286,6 @@ class InferenceConfig(BaseModel):
 
     external: ExternalConfig = Field(default_factory=ExternalConfig)
     """The servers of ``backend = "external"``."""
-
-    def resolved_layer_loop(self, platform: str) -> Literal["scan", "unrolled"]:
-        """``layer_loop`` on devices of ``platform`` ("cpu", "tpu", ...)."""
-        if self.layer_loop != "auto":
-            return self.layer_loop
-        return "unrolled" if platform == "cpu" else "scan"
 
     @model_validator(mode="before")
     @classmethod

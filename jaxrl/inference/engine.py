@@ -69,8 +69,8 @@ def _prefill(graphdef, state, cache, tokens, positions, rows, last, sampling):  
     matmuls beat the CPU kernel's per-query dot products from 16-token chunks up (measured, one
     core, 800 cached positions: 16 rows x 16 tokens 28 vs 35 ms, 4 x 128 37 vs 69 ms), and the
     TPU decode kernel takes one-token steps only."""
-    model, layers, head = W.serving_model(graphdef, state)
-    hidden, cache = model(tokens, positions, cache=cache, cache_rows=rows, layers=layers, head=head)
+    model, packed, head = W.serving_model(graphdef, state)
+    hidden, cache = model(tokens, positions, cache=cache, cache_rows=rows, packed=packed, head=head)
     h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
     next_tokens, logprobs = sample(model.logits_f32(h_last, head), sampling)
     return cache, next_tokens, logprobs
@@ -84,13 +84,13 @@ def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, sh
     position. Padding entries have a row index out of range (their writes are dropped,
     what they read is discarded) and position 0. ``shared``: ``DecodePlan``'s share rows/lengths.
     """
-    model, layers, head = W.serving_model(graphdef, state)
+    model, packed, head = W.serving_model(graphdef, state)
 
     def body(carry, _):  # type: ignore[no-untyped-def]
         cache, tok, pos, index = carry
         hidden, cache = model(
             tok[:, None], pos[:, None], cache=cache, cache_rows=rows, kernels=kernels, cache_shared=shared,
-            layers=layers, head=head,
+            packed=packed, head=head,
         )
         new, logp = sample(model.logits_f32(hidden[:, 0], head), replace(sampling, draw_position=index))
         return (cache, new, pos + 1, index + 1), (new, logp)
@@ -233,13 +233,9 @@ class Engine:
         self._param_dtype = jax.tree.leaves(state)[0].dtype
         self._compute_dtype = model.dtype
         self.kernels = Kernels.create(config.kernels, field="inference.kernels", mesh=mesh)
-        platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
-        loop = config.resolved_layer_loop(platform)
-        self._split_names = model.layer_weight_names() if loop == "unrolled" else None
         # Projections by the CPU matmul kernel (float32 only): their weights are packed for it.
         f32 = self._param_dtype == jnp.float32 and jnp.dtype(model.dtype) == jnp.float32
-        pack = loop == "unrolled" and f32 and self.kernels.packs_matmul_weights()
-        self._packed = model.matmul_weights() if pack else None
+        self._packed = model.matmul_weights() if f32 and self.kernels.packs_matmul_weights() else None
         # Always a copy: the caller (the trainer) may donate or overwrite its arrays later.
         self._state: nnx.State = self._served(W.place_state(state, state, self._param_shardings))
         layout = EngineLayout.create(arch, config, model.dtype, mesh)
@@ -294,14 +290,13 @@ class Engine:
     @property
     def params(self) -> nnx.State:
         """The weights being served (read-only: the engine may swap them at any step), in the
-        layout its programs take (``W.split_layers`` with ``layer_loop = "unrolled"``)."""
+        layout its programs take (``W.pack_for_cpu`` on one CPU device)."""
         return self._state
 
     def _served(self, placed: nnx.State) -> nnx.State:
-        if self._split_names is None:
+        if self._packed is None:
             return placed
-        head = None if self._packed is None else ("embed" if self.arch.tie_word_embeddings else "lm_head")
-        return W.split_layers(placed, self._split_names, self._packed, head)
+        return W.pack_for_cpu(placed, self._packed, "embed" if self.arch.tie_word_embeddings else "lm_head")
 
     @property
     def vocab_size(self) -> int:

@@ -14,7 +14,7 @@ engine's dtypes when they differ. No files are written.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -122,74 +122,52 @@ def zeros_like_sharded(shape: tuple[int, ...], dtype: Any, sharding: jax.shardin
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
 
-def split_layers(
-    state: nnx.State, names: Sequence[str], packed: Mapping[str, int] | None = None, head: str | None = None
-) -> nnx.State:
-    """``state`` in the engine's "unrolled" layout (``InferenceConfig.layer_loop``): each stacked
-    layer weight in ``names`` (leading axis = layers) replaced by a tuple of per-layer arrays,
-    each on its stacked sharding less the layer axis.
+def pack_for_cpu(state: nnx.State, packed: Mapping[str, int], head: str | None) -> nnx.State:
+    """``state`` with the layer projections in ``packed`` ({name: K}) replaced by
+    ``PackedWeight`` stacks for the CPU matmul kernel (``kernels.cpu_matmul``; one device,
+    float32), and the output projection ``head`` ("lm_head", or "embed" when tied: packed as its
+    transpose [D, V], its rows then read from the panels, so the table is still kept once).
+    Fresh buffers; the plain arrays are freed once the caller drops them."""
 
-    For the CPU matmul kernel (``kernels.cpu_matmul``; one device, float32): ``packed`` {name: K}
-    names the layer weights to pack as ``PackedWeight``s, and ``head`` ("lm_head", or "embed"
-    when tied) the output projection to pack ([D, V]: a tied embedding's transpose; its rows are
-    then read from the panels, so it is still kept once). Fresh buffers; the stacked arrays are
-    freed once the caller drops them."""
-    wanted, packed = set(names), dict(packed or {})
-
-    def split(path: Any, x: jax.Array) -> Any:
+    def pack(path: Any, x: jax.Array) -> Any:
         name = param_name(path)
         if name == head:
-            return PackedWeight.pack(x.T if name == "embed" else x, x.shape[1 if name == "embed" else 0])
-        if name not in wanted:
-            return x
+            mat = x.T if name == "embed" else x  # [D, V]
+            return PackedWeight.pack(mat[None], mat.shape[0])
         if name in packed:
-            return tuple(PackedWeight.pack(x[i], packed[name]) for i in range(x.shape[0]))
-        return tuple(_layer(x, i) for i in range(x.shape[0]))
+            return PackedWeight.pack(x, packed[name])
+        return x
 
-    return jax.tree_util.tree_map_with_path(split, state)
-
-
-def _layer(x: jax.Array | jax.ShapeDtypeStruct, i: int) -> jax.Array | jax.ShapeDtypeStruct:
-    """Layer ``i`` of a stacked weight; of an abstract one (``jaxrl.aot``), its shape and
-    sharding less the layer axis."""
-    if not isinstance(x, jax.ShapeDtypeStruct):
-        return x[i]
-    sharding = x.sharding
-    if isinstance(sharding, NamedSharding):
-        sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
-    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding)
+    return jax.tree_util.tree_map_with_path(pack, state)
 
 
-def _served_leaf(x: Any) -> bool:
-    return isinstance(x, (tuple, PackedWeight))
+def _is_packed(x: Any) -> bool:
+    return isinstance(x, PackedWeight)
 
 
 def _model_value(name: str, x: Any) -> jax.Array:
     """A served leaf back in the model's own layout."""
-    if isinstance(x, tuple):
-        return jnp.stack([w.unpack() if isinstance(w, PackedWeight) else w for w in x])
-    if isinstance(x, PackedWeight):
-        return x.unpack().T if name == "embed" else x.unpack()
-    return x
+    if not isinstance(x, PackedWeight):
+        return x
+    if name in ("embed", "lm_head"):
+        mat = x.unpack()[0]  # [D, V]
+        return mat.T if name == "embed" else mat
+    return x.unpack()
 
 
 def serving_model(
     graphdef: nnx.GraphDef, state: nnx.State
-) -> tuple[Decoder, list[dict[str, Any]] | None, PackedWeight | None]:
-    """Inside an engine program: the model, its layer weights as separate arrays (or
-    ``PackedWeight``s) when ``state`` is in the ``split_layers`` layout (else None), and the
-    packed output projection (else None). The model's own weights are rebuilt from the served
-    ones: XLA drops that as dead code, as the forward reads the served ones only
-    (``Decoder.__call__(layers=..., head=...)``)."""
-    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=_served_leaf)[0]
-    served = {param_name(p): x for p, x in flat if _served_leaf(x)}
+) -> tuple[Decoder, dict[str, PackedWeight] | None, PackedWeight | None]:
+    """Inside an engine program: the model, its packed layer projections ({name: stack}) when
+    ``state`` is in the ``pack_for_cpu`` layout (else None), and the packed output projection
+    (else None). The model's own weights are rebuilt from the packed ones: XLA drops that as
+    dead code, as the forward reads the packed ones only (``Decoder.__call__(packed=...,
+    head=...)``)."""
+    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_packed)[0]
+    served = {param_name(p): x for p, x in flat if _is_packed(x)}
     if not served:
         return nnx.merge(graphdef, state), None, None
-    model_state = jax.tree_util.tree_map_with_path(
-        lambda p, x: _model_value(param_name(p), x), state, is_leaf=_served_leaf
-    )
-    model = nnx.merge(graphdef, model_state)
-    split = {n: x for n, x in served.items() if isinstance(x, tuple)}
-    layers = [{n: xs[i] for n, xs in split.items()} for i in range(model.arch.num_layers)] if split else None
-    head = next((x for x in served.values() if isinstance(x, PackedWeight)), None)
-    return model, layers, head
+    model_state = jax.tree_util.tree_map_with_path(lambda p, x: _model_value(param_name(p), x), state, is_leaf=_is_packed)
+    head = next((x for n, x in served.items() if n in ("embed", "lm_head")), None)
+    layers = {n: x for n, x in served.items() if n not in ("embed", "lm_head")}
+    return nnx.merge(graphdef, model_state), layers, head

@@ -11,7 +11,7 @@ sampler log-probs come from one implementation of the math.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import TYPE_CHECKING, Any, Literal
@@ -409,7 +409,7 @@ class Decoder(nnx.Module):
         kernels: Kernels | None = None,
         lora: LayerAdapters | None = None,
         cache_shared: tuple[jax.Array, jax.Array] | None = None,
-        layers: Sequence[dict[str, Any]] | None = None,
+        packed: Mapping[str, PackedWeight] | None = None,
         head: PackedWeight | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """tokens, positions, segment_ids: int [B, T].
@@ -422,13 +422,13 @@ class Decoder(nnx.Module):
         ``cache_rows[b]`` hold the same keys/values as row share_rows[b] (a read hint for the CPU
         kernel, ``Kernels.cached_attention``; the result does not change).
         ``lora`` (training forward only): adapters merged into each layer's weights in the scan.
-        ``layers`` (cached forward only): the same layer weights as separate arrays, one dict per
-        layer (the engine's CPU layout, ``jaxrl.inference.weights.split_layers``); the layers then
-        run as an unrolled loop instead of a scan over the stacked weights, whose per-layer slices
-        XLA:CPU copies out before every matmul (measured: a 4-layer MLP at batch 32, 256 wide,
-        2.32 ms scanned vs 1.28 ms on separate arrays). Its projections may be ``PackedWeight``s.
-        ``head`` (same layout): the output projection packed; a tied embedding's rows are read
-        from it (the engine keeps that table once, packed).
+        ``packed`` (cached forward only; the engine's CPU layout, ``jaxrl.inference.weights.
+        pack_for_cpu``): layer projections as ``PackedWeight`` stacks, used in place of the stacked
+        weights of those names. The layer scan does not slice them (XLA:CPU would copy each
+        layer's slice out before its matmuls: measured, a 4-layer MLP at batch 32, 256 wide,
+        2.32 ms scanned vs 1.28 ms on separate arrays); the kernel reads layer ``i`` of the stack
+        in place. ``head``: the output projection packed; a tied embedding's rows are read from
+        it (the engine keeps that table once, packed).
         """
         arch = self.arch
         if head is not None and arch.tie_word_embeddings:
@@ -438,7 +438,7 @@ class Decoder(nnx.Module):
         cos, sin = rope_tables(positions, jnp.asarray(arch.inv_freq()))
         weights = self._layer_weights()
         if cache is None:
-            assert layers is None, "split layers are a serving (cached forward) layout"
+            assert packed is None and head is None, "packed weights are a serving (cached forward) layout"
             seg = jnp.ones_like(tokens) if segment_ids is None else segment_ids
             mask = packed_causal_mask(seg)
             kernel = kernels.training_attention(seg) if kernels is not None else None
@@ -462,7 +462,6 @@ class Decoder(nnx.Module):
             h, _ = jax.lax.scan(body, x, (weights, {} if lora is None else lora.adapters))
         else:
             assert lora is None, "the cached (serving) forward runs merged weights"
-            assert layers is None or len(layers) == arch.num_layers, "one weight dict per layer"
             rows = jnp.arange(tokens.shape[0]) if cache_rows is None else cache_rows
             kernel = kernels.cached_attention(positions, rows, cache_shared) if kernels is not None else None
 
@@ -483,16 +482,13 @@ class Decoder(nnx.Module):
                         return kernel(q, kc, vc, layer)
                     return cached_attention(q, kc, vc, layer, rows, positions)
 
+                w = {**w, **{n: p.at(layer) for n, p in packed.items()}}
                 h = self._block(h, w, cos, sin, attend)
                 return (h, kc, vc, layer + 1), None
 
-            carry = (x, cache.k, cache.v, jnp.int32(0))
-            if layers is None:
-                carry, _ = jax.lax.scan(body, carry, weights)
-            else:
-                for w in layers:
-                    carry, _ = body(carry, w)
-            h, kc, vc, _ = carry
+            packed = packed or {}
+            scanned = {n: v for n, v in weights.items() if n not in packed}
+            (h, kc, vc, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), scanned)
             cache = KVCache(kc, vc)
         return rms_norm(h, self.final_norm[...], arch.rms_norm_eps), cache
 

@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import pytest
 
 pytest.importorskip("libtpu")
@@ -76,25 +75,6 @@ def test_lora_compiles_with_the_frozen_base_resident_and_adapter_sized_optimizer
     assert fits["engine_decode[16x512]"].resident_other_bytes == resident
     step = fits["train_micro_step[4x512]"]
     assert step.argument_bytes >= lora_sb["trainer_frozen"] + 2 * lora_sb["trainer_params"]  # base + adapters + grads
-
-
-def test_unrolled_engine_layers_compile_for_tpu_on_the_same_weights() -> None:
-    """``inference.layer_loop = "unrolled"`` (the CPU default; a choice on TPU): the engine's
-    programs take each layer's weights as separate arrays, each sharded as its stacked weight;
-    they compile and fit, with the same weight bytes per chip as the scanned layout."""
-    topo = get_topology("v5e:2x2")
-    cfgs = {loop: build_config(read_toml(SMALL), ["--inference.layer_loop", loop]) for loop in ("scan", "unrolled")}
-    from jaxrl.aot.programs import run_shapes
-
-    leaves = {loop: jax.tree.leaves(run_shapes(cfg, topo).engine.weights) for loop, cfg in cfgs.items()}
-    layer_weights = 2 + 4 + 3 + 2  # norms, q/k/v/o, gate/up/down, q/k norms; 2 layers each
-    assert len(leaves["unrolled"]) == len(leaves["scan"]) + layer_weights
-    fits = {loop: {f.program: f for f in plan(cfg, topo, trainer=False)} for loop, cfg in cfgs.items()}
-    for by_name in fits.values():
-        assert all(f.error is None and f.fits for f in by_name.values()), by_name
-    scan, unrolled = (fits[loop]["engine_decode[16x512]"] for loop in ("scan", "unrolled"))
-    assert unrolled.argument_bytes == scan.argument_bytes
-    assert unrolled.resident_other_bytes == scan.resident_other_bytes
 
 
 def test_command_exits_nonzero_naming_the_program_and_knobs(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
-"""The C++ CPU matmul on packed weights (``kernels.cpu_matmul``) against ``x @ w``: row counts
-off the kernel's 8-row tiles, column counts off its 32-wide panels (zero padding never written),
-the decoder's 3-D projection weights, the XLA path for prefill-sized inputs, determinism, and
-the engine serving the packed layout with the same tokens as the scanned one."""
+"""The C++ CPU matmul on packed weight stacks (``kernels.cpu_matmul``) against ``x @ w[layer]``:
+row counts off the kernel's 8-row tiles, column counts off its 32-wide panels (zero padding
+never written), every layer of a stack (a traced index, as in the layer scan), the decoder's
+3-D projection weights, long inputs in row blocks, determinism, and the engine serving the
+packed layout with the reference's tokens."""
 
 from __future__ import annotations
 
@@ -36,26 +37,28 @@ def built() -> None:
 def test_kernel_matches_the_product(m: int, k: int, n: int) -> None:
     rng = np.random.default_rng(m * 1000 + n)
     x = rng.normal(size=(m, k)).astype(np.float32)
-    w = rng.normal(size=(k, n)).astype(np.float32)
+    w = rng.normal(size=(3, k, n)).astype(np.float32)  # three layers
     packed = PackedWeight.pack(jnp.asarray(w), k)
-    assert packed.panels.shape == (-(-n // 32), k, 32)
-    got = np.asarray(jax.jit(PackedWeight.matmul)(packed, jnp.asarray(x)))
-    want = x.astype(np.float64) @ w.astype(np.float64)
-    assert got.shape == (m, n)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    assert packed.panels.shape == (3, -(-n // 32), k, 32)
+    run = jax.jit(lambda p, x, i: p.at(i).matmul(x))
+    for layer in range(3):
+        got = np.asarray(run(packed, jnp.asarray(x), layer))
+        want = x.astype(np.float64) @ w[layer].astype(np.float64)
+        assert got.shape == (m, n)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
 
 
 def test_packing_round_trips_the_decoders_weight_shapes() -> None:
     rng = np.random.default_rng(0)
-    wq = jnp.asarray(rng.normal(size=(48, 3, 20)), jnp.float32)  # [D, heads, head_dim]: N = 60
-    wo = jnp.asarray(rng.normal(size=(3, 20, 48)), jnp.float32)  # [heads, head_dim, D]: K = 60
+    wq = jnp.asarray(rng.normal(size=(2, 48, 3, 20)), jnp.float32)  # [L, D, heads, head_dim]: N = 60
+    wo = jnp.asarray(rng.normal(size=(2, 3, 20, 48)), jnp.float32)  # [L, heads, head_dim, D]: K = 60
     for w, k in ((wq, 48), (wo, 60)):
         packed = PackedWeight.pack(w, k)
         np.testing.assert_array_equal(np.asarray(packed.unpack()), np.asarray(w))
         x = jnp.asarray(rng.normal(size=(2, 3, k)), jnp.float32)  # leading axes kept
-        got = packed.matmul(x)
-        want = jnp.einsum("btk,kn->btn", x, w.reshape(k, -1), precision="highest")
-        assert got.shape == (2, 3, w.size // k)
+        got = packed.at(1).matmul(x)
+        want = jnp.einsum("btk,kn->btn", x, w[1].reshape(k, -1), precision="highest")
+        assert got.shape == (2, 3, w[1].size // k)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
@@ -64,7 +67,7 @@ def test_long_inputs_go_through_in_row_blocks_with_the_same_result() -> None:
     rng = np.random.default_rng(1)
     k = 64
     w = rng.normal(size=(k, 96)).astype(np.float32)
-    packed = PackedWeight.pack(jnp.asarray(w), k)
+    packed = PackedWeight.pack(jnp.asarray(w)[None], k)
     rows = X_BLOCK_FLOATS // k
     x = rng.normal(size=(2 * rows + 5, k)).astype(np.float32)
     hlo = jax.jit(PackedWeight.matmul).lower(packed, jnp.asarray(x)).as_text()
@@ -75,7 +78,7 @@ def test_long_inputs_go_through_in_row_blocks_with_the_same_result() -> None:
 
 def test_columns_read_a_tied_embedding_from_its_packed_transpose() -> None:
     embed = jnp.asarray(np.random.default_rng(4).normal(size=(70, 24)), jnp.float32)  # [V, D]
-    head = PackedWeight.pack(embed.T, 24)
+    head = PackedWeight.pack(embed.T[None], 24)
     tokens = jnp.array([[0, 31, 32], [69, 5, 64]])
     np.testing.assert_array_equal(np.asarray(head.columns(tokens)), np.asarray(embed[tokens]))
 
@@ -83,7 +86,7 @@ def test_columns_read_a_tied_embedding_from_its_packed_transpose() -> None:
 def test_results_do_not_depend_on_timing() -> None:
     """Every output element is summed in one fixed order, whichever thread takes its item."""
     rng = np.random.default_rng(2)
-    packed = PackedWeight.pack(jnp.asarray(rng.normal(size=(256, 512)), jnp.float32), 256)
+    packed = PackedWeight.pack(jnp.asarray(rng.normal(size=(1, 256, 512)), jnp.float32), 256)
     x = jnp.asarray(rng.normal(size=(32, 256)), jnp.float32)
     run = jax.jit(PackedWeight.matmul)
     first = np.asarray(run(packed, x))
@@ -100,10 +103,8 @@ def test_no_compiler_leaves_the_kernel_unbuilt_with_a_warning(tmp_path, monkeypa
     assert not list(tmp_path.glob("*.so"))
 
 
-def _engine(model, layer_loop: str) -> Engine:  # type: ignore[no-untyped-def]
-    cfg = InferenceConfig(
-        max_model_len=64, max_seqs=4, max_batched_tokens=64, layer_loop=layer_loop, decode_batch_buckets=[4]
-    )
+def _engine(model, kernels: str) -> Engine:  # type: ignore[no-untyped-def]
+    cfg = InferenceConfig(max_model_len=64, max_seqs=4, max_batched_tokens=64, kernels=kernels, decode_batch_buckets=[4])
     return Engine(model, cfg)
 
 
@@ -112,32 +113,30 @@ def _is_packed(x: object) -> bool:
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_engine_serves_packed_weights_with_the_scanned_tokens(tied: bool) -> None:
-    """On CPU "auto" unrolls the layers and packs their projections and the output projection
-    (a tied embedding's rows are then read from its panels); the tokens are those of the
-    scanned, unpacked layout and the log-probs agree to rounding, before and after a weight
-    update (which lands in the packed layout too)."""
+def test_engine_serves_packed_weights_with_the_reference_tokens(tied: bool) -> None:
+    """On one CPU device ``kernels = "auto"`` packs the layer projections and the output
+    projection (a tied embedding's rows are then read from its panels); the tokens are those of
+    the references (XLA's dots on plain weights) and the log-probs agree to rounding, before and
+    after a weight update (which lands in the packed layout too)."""
     model = tiny_model(seed=3, intermediate_size=72, tie_word_embeddings=tied, vocab=70)  # partial last panels
-    unrolled, scanned = _engine(model, "auto"), _engine(model, "scan")
-    packed = [x for x in jax.tree.leaves(unrolled.params, is_leaf=_is_packed) if _is_packed(x)]
-    assert len(packed) == 7 * model.arch.num_layers + 1  # q, k, v, o, gate, up, down per layer; head
-    # A tied table is kept once, packed as the output projection; untied, the head alone is packed.
-    assert _is_packed(unrolled.params["embed"].value) == tied
-    assert tied or _is_packed(unrolled.params["lm_head"].value)
-    assert not any(_is_packed(x) for x in jax.tree.leaves(scanned.params, is_leaf=_is_packed))
+    auto, reference = _engine(model, "auto"), _engine(model, "reference")
+    packed = {n: x.get_value() for n, x in auto.params.items() if _is_packed(x.get_value())}
+    assert set(packed) == {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "embed" if tied else "lm_head"}
+    assert not tied or "lm_head" not in auto.params  # a tied table is kept once, packed
+    assert not any(_is_packed(x) for x in jax.tree.leaves(reference.params, is_leaf=_is_packed))
 
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17], [3, 3]]
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
 
     def same_outputs() -> None:
-        a, b = (e.generate([Request(p, greedy) for p in prompts]) for e in (unrolled, scanned))
+        a, b = (e.generate([Request(p, greedy) for p in prompts]) for e in (auto, reference))
         for x, y in zip(a, b):
             assert x.token_ids == y.token_ids
             np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
 
     same_outputs()
     update = jax.tree.map(lambda x: x * 1.5, nnx.state(model))
-    assert unrolled.update_weights_from_state(update) == 1 == scanned.update_weights_from_state(update)
-    after = [x for x in jax.tree.leaves(unrolled.params, is_leaf=_is_packed) if _is_packed(x)]
-    np.testing.assert_allclose(np.asarray(after[0].panels), 1.5 * np.asarray(packed[0].panels), rtol=1e-6)
+    assert auto.update_weights_from_state(update) == 1 == reference.update_weights_from_state(update)
+    after = auto.params["w_up"].get_value()
+    np.testing.assert_allclose(np.asarray(after.panels), 1.5 * np.asarray(packed["w_up"].panels), rtol=1e-6)
     same_outputs()
