@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels.cpu_build import CppKernel
 
@@ -37,37 +38,49 @@ def load() -> str | None:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class PackedWeight:
-    """A stack of L projection weights, each [K, N] (stored by the model as ``shape``, e.g.
-    [L, D, heads, head_dim]), packed for the kernel: ``panels`` [L, ceil(N / 32), K, 32],
-    zero-padded, each panel one contiguous block the kernel streams front to back. ``index``:
-    the layer a multiplication uses (``at``; a traced scalar inside a layer scan), 0 if unset."""
+    """Stacks of L projection weights that multiply the same input (``names``: e.g. q, k and v),
+    each [K, N_i] per layer, packed side by side for the kernel: ``panels`` [L, ceil(N / 32), K,
+    32] with N = sum(``parts``), zero-padded, each panel one contiguous block the kernel streams
+    front to back. One call computes every part (fewer, larger calls: vLLM's merged QKV and
+    gate-up projections). ``shapes``: each part as the model stores it (e.g. [L, D, heads,
+    head_dim]). ``index``: the layer a multiplication uses (``at``: a traced scalar inside the
+    layer scan), 0 if unset."""
 
     panels: jax.Array
-    shape: tuple[int, ...] = field(metadata={"static": True})  # the weights as the model stores them
-    n: int = field(metadata={"static": True})  # columns of each [K, N] matrix
+    names: tuple[str, ...] = field(metadata={"static": True})
+    shapes: tuple[tuple[int, ...], ...] = field(metadata={"static": True})
+    parts: tuple[int, ...] = field(metadata={"static": True})  # N of each part
     index: jax.Array | None = None
 
     @classmethod
-    def pack(cls, w: jax.Array, k: int) -> PackedWeight:
-        """``w`` [L, ...]: L matrices, each of whose leading axes (after L) multiply to ``k``."""
-        layers = w.shape[0]
-        mat = w.reshape(layers, k, -1)
-        n = mat.shape[2]
+    def pack(cls, ws: dict[str, jax.Array], k: int) -> PackedWeight:
+        """``ws`` {name: [L, ...]}: stacks whose axes after L multiply to ``k`` x N_i."""
+        mats = [w.reshape(w.shape[0], k, -1) for w in ws.values()]
+        mat = jnp.concatenate(mats, axis=2) if len(mats) > 1 else mats[0]
+        layers, _, n = mat.shape
         p = -(-n // PANEL)
         padded = jnp.pad(mat, ((0, 0), (0, 0), (0, p * PANEL - n)))
-        return cls(padded.reshape(layers, k, p, PANEL).transpose(0, 2, 1, 3), tuple(w.shape), n)
+        panels = padded.reshape(layers, k, p, PANEL).transpose(0, 2, 1, 3)
+        return cls(panels, tuple(ws), tuple(tuple(w.shape) for w in ws.values()), tuple(m.shape[2] for m in mats))
 
-    def unpack(self) -> jax.Array:
-        """The weights in their stored shape (a copy)."""
+    @property
+    def n(self) -> int:
+        return sum(self.parts)
+
+    def unpack(self) -> dict[str, jax.Array]:
+        """Each part in its stored shape (copies)."""
         layers, p, k, _ = self.panels.shape
-        return self.panels.transpose(0, 2, 1, 3).reshape(layers, k, p * PANEL)[..., : self.n].reshape(self.shape)
+        mat = self.panels.transpose(0, 2, 1, 3).reshape(layers, k, p * PANEL)
+        ends = np.cumsum(self.parts)
+        return {n: mat[..., e - c : e].reshape(s) for n, s, c, e in zip(self.names, self.shapes, self.parts, ends)}
 
     def at(self, index: jax.Array | int) -> PackedWeight:
-        """The same stack, multiplying with layer ``index``."""
-        return PackedWeight(self.panels, self.shape, self.n, jnp.asarray(index, jnp.int32))
+        """The same stacks, multiplying with layer ``index``."""
+        return PackedWeight(self.panels, self.names, self.shapes, self.parts, jnp.asarray(index, jnp.int32))
 
-    def matmul(self, x: jax.Array) -> jax.Array:
-        """``x [..., K] @ w[index]`` in float32, by the kernel (which reads the layer in place)."""
+    def matmul(self, x: jax.Array) -> list[jax.Array]:
+        """``x [..., K] @ w_i[index]`` for every part, in float32, by one kernel call (per row
+        block; the kernel reads the layer in place)."""
         target = load()
         assert target is not None, "PackedWeight.matmul needs load() to succeed"
         k = self.panels.shape[2]
@@ -80,9 +93,19 @@ class PackedWeight:
             return jax.ffi.ffi_call(target, out)(r, self.panels, index)
 
         out = jnp.concatenate([call(rows[i : i + block]) for i in range(0, rows.shape[0], block)] or [call(rows)])
-        return out.reshape(*x.shape[:-1], self.n)
+        out = out.reshape(*x.shape[:-1], self.n)
+        return jnp.split(out, np.cumsum(self.parts)[:-1].tolist(), axis=-1) if len(self.parts) > 1 else [out]
 
     def columns(self, index: jax.Array) -> jax.Array:
         """Columns ``index`` of layer 0 as [..., K] vectors (a tied embedding's rows, read from
         its packed transpose: the embedding is kept once, as the output projection's panels)."""
         return self.panels[0, index // PANEL, :, index % PANEL]
+
+
+@jax.tree_util.register_static
+@dataclass(frozen=True)
+class PackedInto:
+    """Stands for a weight packed into another's ``PackedWeight`` (``name``: the first of its
+    ``names``), in the engine's served state."""
+
+    name: str

@@ -368,13 +368,13 @@ class Decoder(nnx.Module):
             names += ["q_norm", "k_norm"]
         return names
 
-    def matmul_weights(self) -> dict[str, int]:
-        """The layer weights that are projections, each with its contracted size K (the
-        product of its leading axes as stored: ``wq`` [D, heads, head_dim] is [D, heads *
-        head_dim], ``wo`` [heads, head_dim, D] is [heads * head_dim, D])."""
+    def matmul_weights(self) -> dict[tuple[str, ...], int]:
+        """The layer projections, grouped by the input they multiply, each group with its
+        contracted size K (the product of a weight's leading axes as stored: ``wq`` [D, heads,
+        head_dim] is [D, heads * head_dim], ``wo`` [heads, head_dim, D] is [heads * head_dim, D])."""
         arch = self.arch
         d, q = arch.hidden_size, arch.num_heads * arch.head_dim
-        return {"wq": d, "wk": d, "wv": d, "wo": q, "w_gate": d, "w_up": d, "w_down": arch.intermediate_size}
+        return {("wq", "wk", "wv"): d, ("wo",): q, ("w_gate", "w_up"): d, ("w_down",): arch.intermediate_size}
 
     def _layer_weights(self) -> dict[str, jax.Array]:
         return {n: getattr(self, n)[...] for n in self.layer_weight_names()}
@@ -389,7 +389,7 @@ class Decoder(nnx.Module):
         the transposed table once per decode call (1 ms of a 7 ms step at 8192 x 256).
         ``head``: the same projection packed for the CPU matmul kernel (the engine's layout)."""
         if head is not None:
-            return head.matmul(hidden)
+            return head.matmul(hidden)[0]
         h = hidden.astype(jnp.float32)
         if self.arch.tie_word_embeddings:
             return jnp.einsum("...d,vd->...v", h, self.embed[...].astype(jnp.float32))
@@ -423,7 +423,8 @@ class Decoder(nnx.Module):
         kernel, ``Kernels.cached_attention``; the result does not change).
         ``lora`` (training forward only): adapters merged into each layer's weights in the scan.
         ``packed`` (cached forward only; the engine's CPU layout, ``jaxrl.inference.weights.
-        pack_for_cpu``): layer projections as ``PackedWeight`` stacks, used in place of the stacked
+        pack_for_cpu``): layer projections as ``PackedWeight`` stacks (one per ``matmul_weights``
+        group, keyed by its first name), used in place of the stacked
         weights of those names. The layer scan does not slice them (XLA:CPU would copy each
         layer's slice out before its matmuls: measured, a 4-layer MLP at batch 32, 256 wide,
         2.32 ms scanned vs 1.28 ms on separate arrays); the kernel reads layer ``i`` of the stack
@@ -487,7 +488,8 @@ class Decoder(nnx.Module):
                 return (h, kc, vc, layer + 1), None
 
             packed = packed or {}
-            scanned = {n: v for n, v in weights.items() if n not in packed}
+            covered = {n for p in packed.values() for n in p.names}
+            scanned = {n: v for n, v in weights.items() if n not in covered}
             (h, kc, vc, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), scanned)
             cache = KVCache(kc, vc)
         return rms_norm(h, self.final_norm[...], arch.rms_norm_eps), cache
@@ -500,26 +502,25 @@ class Decoder(nnx.Module):
         H, K, Dh = arch.num_heads, arch.num_kv_heads, arch.head_dim
         # Head weights are stored [D, heads, head_dim]; as [D, heads * head_dim] they are one matmul.
 
-        def proj(h: jax.Array, name: str, k: int) -> jax.Array:
-            """``h @ w[name]`` with the weight as [k, N]; a ``PackedWeight`` (the engine's CPU
-            serving layout) multiplies through its kernel."""
-            wt = w[name]
+        def proj(h: jax.Array, names: tuple[str, ...], k: int) -> list[jax.Array]:
+            """``h @ w[name]`` for each of ``names`` (a ``matmul_weights`` group), each weight
+            as [k, N]; a ``PackedWeight`` (the engine's CPU serving layout) multiplies the whole
+            group through its kernel in one call."""
+            wt = w[names[0]]
             if isinstance(wt, PackedWeight):
-                return wt.matmul(h).astype(dt)
-            return dense(h, wt.astype(dt).reshape(k, -1))
+                return [y.astype(dt) for y in wt.matmul(h)]
+            return [dense(h, w[n].astype(dt).reshape(k, -1)) for n in names]
 
         h = rms_norm(x, w["attn_norm"], eps)
-        q = proj(h, "wq", d).reshape(b, t, H, Dh)
-        k = proj(h, "wk", d).reshape(b, t, K, Dh)
-        v = proj(h, "wv", d).reshape(b, t, K, Dh)
+        q, k, v = proj(h, ("wq", "wk", "wv"), d)
+        q, k, v = q.reshape(b, t, H, Dh), k.reshape(b, t, K, Dh), v.reshape(b, t, K, Dh)
         if arch.qkv_bias:
             q, k, v = q + w["bq"].astype(dt), k + w["bk"].astype(dt), v + w["bv"].astype(dt)
         if arch.qk_norm:
             q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = attend(q, k, v)
-        x = x + proj(attn.reshape(b, t, H * Dh), "wo", H * Dh)
+        x = x + proj(attn.reshape(b, t, H * Dh), ("wo",), H * Dh)[0]
         h = rms_norm(x, w["mlp_norm"], eps)
-        gate = proj(h, "w_gate", d)
-        up = proj(h, "w_up", d)
-        return x + proj(jax.nn.silu(gate) * up, "w_down", arch.intermediate_size)
+        gate, up = proj(h, ("w_gate", "w_up"), d)
+        return x + proj(jax.nn.silu(gate) * up, ("w_down",), arch.intermediate_size)[0]

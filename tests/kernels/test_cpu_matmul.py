@@ -38,9 +38,9 @@ def test_kernel_matches_the_product(m: int, k: int, n: int) -> None:
     rng = np.random.default_rng(m * 1000 + n)
     x = rng.normal(size=(m, k)).astype(np.float32)
     w = rng.normal(size=(3, k, n)).astype(np.float32)  # three layers
-    packed = PackedWeight.pack(jnp.asarray(w), k)
+    packed = PackedWeight.pack({"w": jnp.asarray(w)}, k)
     assert packed.panels.shape == (3, -(-n // 32), k, 32)
-    run = jax.jit(lambda p, x, i: p.at(i).matmul(x))
+    run = jax.jit(lambda p, x, i: p.at(i).matmul(x)[0])
     for layer in range(3):
         got = np.asarray(run(packed, jnp.asarray(x), layer))
         want = x.astype(np.float64) @ w[layer].astype(np.float64)
@@ -48,18 +48,26 @@ def test_kernel_matches_the_product(m: int, k: int, n: int) -> None:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
 
 
-def test_packing_round_trips_the_decoders_weight_shapes() -> None:
+def test_packing_round_trips_the_decoders_weight_shapes_and_groups() -> None:
+    """q, k and v packed side by side (one call gives all three), and o alone."""
     rng = np.random.default_rng(0)
-    wq = jnp.asarray(rng.normal(size=(2, 48, 3, 20)), jnp.float32)  # [L, D, heads, head_dim]: N = 60
-    wo = jnp.asarray(rng.normal(size=(2, 3, 20, 48)), jnp.float32)  # [L, heads, head_dim, D]: K = 60
-    for w, k in ((wq, 48), (wo, 60)):
-        packed = PackedWeight.pack(w, k)
-        np.testing.assert_array_equal(np.asarray(packed.unpack()), np.asarray(w))
-        x = jnp.asarray(rng.normal(size=(2, 3, k)), jnp.float32)  # leading axes kept
+    f32 = jnp.float32
+    wq = jnp.asarray(rng.normal(size=(2, 48, 3, 20)), f32)  # [L, D, heads, head_dim]: N = 60
+    wk = jnp.asarray(rng.normal(size=(2, 48, 1, 20)), f32)  # N = 20: the group's N = 100
+    wv = jnp.asarray(rng.normal(size=(2, 48, 1, 20)), f32)
+    wo = jnp.asarray(rng.normal(size=(2, 3, 20, 48)), f32)  # [L, heads, head_dim, D]: K = 60
+    for ws, k in (({"wq": wq, "wk": wk, "wv": wv}, 48), ({"wo": wo}, 60)):
+        packed = PackedWeight.pack(ws, k)
+        assert packed.names == tuple(ws)
+        for name, w in packed.unpack().items():
+            np.testing.assert_array_equal(np.asarray(w), np.asarray(ws[name]))
+        x = jnp.asarray(rng.normal(size=(2, 3, k)), f32)  # leading axes kept
         got = packed.at(1).matmul(x)
-        want = jnp.einsum("btk,kn->btn", x, w[1].reshape(k, -1), precision="highest")
-        assert got.shape == (2, 3, w[1].size // k)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+        assert len(got) == len(ws)
+        for y, w in zip(got, ws.values()):
+            want = jnp.einsum("btk,kn->btn", x, w[1].reshape(k, -1), precision="highest")
+            assert y.shape == (2, 3, w[1].size // k)
+            np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
 def test_long_inputs_go_through_in_row_blocks_with_the_same_result() -> None:
@@ -67,18 +75,18 @@ def test_long_inputs_go_through_in_row_blocks_with_the_same_result() -> None:
     rng = np.random.default_rng(1)
     k = 64
     w = rng.normal(size=(k, 96)).astype(np.float32)
-    packed = PackedWeight.pack(jnp.asarray(w)[None], k)
+    packed = PackedWeight.pack({"w": jnp.asarray(w)[None]}, k)
     rows = X_BLOCK_FLOATS // k
     x = rng.normal(size=(2 * rows + 5, k)).astype(np.float32)
     hlo = jax.jit(PackedWeight.matmul).lower(packed, jnp.asarray(x)).as_text()
     assert hlo.count(f"@{cpu_matmul.KERNEL.target}(") == 3
-    got = np.asarray(jax.jit(PackedWeight.matmul)(packed, jnp.asarray(x)))
+    got = np.asarray(jax.jit(PackedWeight.matmul)(packed, jnp.asarray(x))[0])
     np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
 
 
 def test_columns_read_a_tied_embedding_from_its_packed_transpose() -> None:
     embed = jnp.asarray(np.random.default_rng(4).normal(size=(70, 24)), jnp.float32)  # [V, D]
-    head = PackedWeight.pack(embed.T[None], 24)
+    head = PackedWeight.pack({"embed": embed.T[None]}, 24)
     tokens = jnp.array([[0, 31, 32], [69, 5, 64]])
     np.testing.assert_array_equal(np.asarray(head.columns(tokens)), np.asarray(embed[tokens]))
 
@@ -86,9 +94,9 @@ def test_columns_read_a_tied_embedding_from_its_packed_transpose() -> None:
 def test_results_do_not_depend_on_timing() -> None:
     """Every output element is summed in one fixed order, whichever thread takes its item."""
     rng = np.random.default_rng(2)
-    packed = PackedWeight.pack(jnp.asarray(rng.normal(size=(1, 256, 512)), jnp.float32), 256)
+    packed = PackedWeight.pack({"w": jnp.asarray(rng.normal(size=(1, 256, 512)), jnp.float32)}, 256)
     x = jnp.asarray(rng.normal(size=(32, 256)), jnp.float32)
-    run = jax.jit(PackedWeight.matmul)
+    run = jax.jit(lambda p, x: p.matmul(x)[0])
     first = np.asarray(run(packed, x))
     for _ in range(20):
         np.testing.assert_array_equal(np.asarray(run(packed, x)), first)
@@ -121,7 +129,8 @@ def test_engine_serves_packed_weights_with_the_reference_tokens(tied: bool) -> N
     model = tiny_model(seed=3, intermediate_size=72, tie_word_embeddings=tied, vocab=70)  # partial last panels
     auto, reference = _engine(model, "auto"), _engine(model, "reference")
     packed = {n: x.get_value() for n, x in auto.params.items() if _is_packed(x.get_value())}
-    assert set(packed) == {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "embed" if tied else "lm_head"}
+    assert set(packed) == {"wq", "wo", "w_gate", "w_down", "embed" if tied else "lm_head"}  # one per group
+    assert packed["wq"].names == ("wq", "wk", "wv") and packed["w_gate"].names == ("w_gate", "w_up")
     assert not tied or "lm_head" not in auto.params  # a tied table is kept once, packed
     assert not any(_is_packed(x) for x in jax.tree.leaves(reference.params, is_leaf=_is_packed))
 
@@ -137,6 +146,6 @@ def test_engine_serves_packed_weights_with_the_reference_tokens(tied: bool) -> N
     same_outputs()
     update = jax.tree.map(lambda x: x * 1.5, nnx.state(model))
     assert auto.update_weights_from_state(update) == 1 == reference.update_weights_from_state(update)
-    after = auto.params["w_up"].get_value()
-    np.testing.assert_allclose(np.asarray(after.panels), 1.5 * np.asarray(packed["w_up"].panels), rtol=1e-6)
+    after = auto.params["w_gate"].get_value()
+    np.testing.assert_allclose(np.asarray(after.panels), 1.5 * np.asarray(packed["w_gate"].panels), rtol=1e-6)
     same_outputs()
