@@ -359,14 +359,6 @@ class Decoder(nnx.Module):
         if not arch.tie_word_embeddings:
             self.lm_head = param((D, V))
 
-    def layer_weight_names(self) -> list[str]:
-        """The per-layer weights, each stacked on a leading ``layers`` axis."""
-        names = ["attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"]
-        if self.arch.qkv_bias:
-            names += ["bq", "bk", "bv"]
-        if self.arch.qk_norm:
-            names += ["q_norm", "k_norm"]
-        return names
 
     def matmul_weights(self) -> dict[tuple[str, ...], int]:
         """The layer projections, grouped by the input they multiply, each group with its
@@ -377,7 +369,12 @@ class Decoder(nnx.Module):
         return {("wq", "wk", "wv"): d, ("wo",): q, ("w_gate", "w_up"): d, ("w_down",): arch.intermediate_size}
 
     def _layer_weights(self) -> dict[str, jax.Array]:
-        return {n: getattr(self, n)[...] for n in self.layer_weight_names()}
+        names = ["attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"]
+        if self.arch.qkv_bias:
+            names += ["bq", "bk", "bv"]
+        if self.arch.qk_norm:
+            names += ["q_norm", "k_norm"]
+        return {n: getattr(self, n)[...] for n in names}
 
     def lm_head_weight(self) -> jax.Array:
         """[D, V] output projection (the transposed embedding when tied)."""
