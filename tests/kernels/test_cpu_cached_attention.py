@@ -7,8 +7,6 @@ padding rows (out of range, negative) and padding positions (>= the cache length
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +16,12 @@ import pytest
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.decoder import cached_attention
 from kernels import cpu_cached_attention as cpu_kernel
+from kernels.cpu_build import default_compiler
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
-    if not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
+    if default_compiler() is None:
         pytest.skip("no C++ compiler: the engine runs the pure-JAX reference (tested elsewhere)")
     assert cpu_kernel.load() is not None, "a C++ compiler is installed, so the kernel must build"
 

@@ -7,8 +7,6 @@ packed layout with the reference's tokens."""
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -22,12 +20,13 @@ from jaxrl.inference.engine import Engine
 from jaxrl.inference.sampling import SamplingParams
 from jaxrl.inference.scheduler import Request
 from kernels import cpu_matmul
+from kernels.cpu_build import default_compiler
 from kernels.cpu_matmul import X_BLOCK_FLOATS, PackedWeight
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
-    if not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
+    if default_compiler() is None:
         pytest.skip("no C++ compiler: the engine runs XLA's dots (tested elsewhere)")
     assert cpu_matmul.load() is not None, "a C++ compiler is installed, so the kernel must build"
 
