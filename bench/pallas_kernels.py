@@ -4,7 +4,7 @@ Accuracy runs on the CPU device in Pallas interpret mode (any machine): the max 
 each kernel's outputs (and, for log-probs and attention, its input gradients) against the
 reference, on small awkward shapes (edge tiles, GQA, packed segments, short cache rows).
 
-Timings run only where ``kernels.select.use_pallas()`` is true (TPU): reference vs kernel
+Timings run only where ``jaxrl_kernels.select.use_pallas()`` is true (TPU): reference vs kernel
 (vs splash for attention), forward and forward+backward, median wall time of jitted calls.
 Elsewhere a line says why they were skipped (the kernels are Mosaic kernels; see
 ``kernels/select.py``).
@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.attention import segment_attention, segment_attention_reference, splash_segment_attention
-from kernels.decode_attention import decode_attention, decode_attention_reference
-from kernels.logprobs import logprobs, logprobs_reference
-from kernels.select import current_platform, use_pallas
+from jaxrl_kernels.attention import segment_attention, segment_attention_reference, splash_segment_attention
+from jaxrl_kernels.decode_attention import decode_attention, decode_attention_reference
+from jaxrl_kernels.logprobs import logprobs, logprobs_reference
+from jaxrl_kernels.select import current_platform, use_pallas
 
 
 def emit(**row) -> None:

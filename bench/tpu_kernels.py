@@ -39,10 +39,10 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no TPU
 from jax.experimental import topologies  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-from kernels.attention import tpu_segment_attention  # noqa: E402
-from kernels.decode_attention import choose_block_s, decode_attention  # noqa: E402
-from kernels.logprobs import logprobs, plan_blocks  # noqa: E402
-from kernels.tpu_budget import compiled_kernel_vmem, target_chip  # noqa: E402
+from jaxrl_kernels.attention import tpu_segment_attention  # noqa: E402
+from jaxrl_kernels.decode_attention import choose_block_s, decode_attention  # noqa: E402
+from jaxrl_kernels.logprobs import logprobs, plan_blocks  # noqa: E402
+from jaxrl_kernels.tpu_budget import compiled_kernel_vmem, target_chip  # noqa: E402
 
 VOCAB, KV_HEADS, HEAD_DIM = 151936, 8, 128
 QWEN3 = {"0.6B": (1024, 16), "8B": (4096, 32), "32B": (5120, 64)}  # hidden, query heads

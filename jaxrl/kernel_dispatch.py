@@ -7,10 +7,10 @@ at start-up from ``trainer.kernels`` / ``inference.kernels``, and gets back a fu
 for "keep your own reference" (so this module imports neither the trainer nor the engine, which
 must not depend on each other):
 
-* ``"auto"``: the Pallas kernels where ``kernels.select`` says they run (TPU), the references
+* ``"auto"``: the Pallas kernels where ``jaxrl_kernels.select`` says they run (TPU), the references
   elsewhere, except the engine's decode on CPU: attention over the KV cache by the C++ kernel
-  ``kernels.cpu_cached_attention`` (one pass over the cache where XLA:CPU makes three) and, on
-  one device, projections by ``kernels.cpu_matmul`` (``packs_matmul_weights``); both built
+  ``jaxrl_kernels.cpu_cached_attention`` (one pass over the cache where XLA:CPU makes three) and, on
+  one device, projections by ``jaxrl_kernels.cpu_matmul`` (``packs_matmul_weights``); both built
   once per machine, the references where no C++ compiler is found.
 * ``"reference"``: always the pure-JAX references (the decoder's own attention and
   ``jaxrl.trainer.logprobs.token_logprobs``), bit for bit what runs without this module.
@@ -37,12 +37,12 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl.parallel.rules import logical_to_spec
-from kernels import cpu_cached_attention as cpu_kernel
-from kernels import cpu_matmul
-from kernels import select
-from kernels.attention import segment_attention, tpu_segment_attention
-from kernels.decode_attention import decode_attention
-from kernels.logprobs import logprobs as pallas_logprobs
+from jaxrl_kernels import cpu_cached_attention as cpu_kernel
+from jaxrl_kernels import cpu_matmul
+from jaxrl_kernels import select
+from jaxrl_kernels.attention import segment_attention, tpu_segment_attention
+from jaxrl_kernels.decode_attention import decode_attention
+from jaxrl_kernels.logprobs import logprobs as pallas_logprobs
 
 KernelChoice = Literal["auto", "reference", "pallas", "pallas_interpret"]
 Impl = Literal["reference", "pallas", "pallas_interpret"]
@@ -93,7 +93,7 @@ class Kernels:
 
     def packs_matmul_weights(self) -> bool:
         """Whether the engine's decode projections run on the CPU matmul kernel
-        (``kernels.cpu_matmul``: weights packed once per update): "auto" on a one-device CPU
+        (``jaxrl_kernels.cpu_matmul``: weights packed once per update): "auto" on a one-device CPU
         engine, where the kernel builds. Under a mesh XLA partitions the dots instead."""
         return self.cpu_attention and self.mesh is None and cpu_matmul.load() is not None
 

@@ -19,7 +19,7 @@ itself, so no softmax row is empty.
 
 ``select_attention`` picks the implementation per platform: jax's splash attention on TPU
 (block-sparse, tuned) when the sequence length suits it, this kernel on TPU otherwise, and the
-pure-JAX reference on CPU and GPU (see ``kernels.select``).
+pure-JAX reference on CPU and GPU (see ``jaxrl_kernels.select``).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels._util import MASK_VALUE, check_block, round_up, tpu_params
-from kernels.select import current_platform, use_pallas
+from jaxrl_kernels._util import MASK_VALUE, check_block, round_up, tpu_params
+from jaxrl_kernels.select import current_platform, use_pallas
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
@@ -369,7 +369,7 @@ def select_attention(platform: str | None = None) -> AttentionFn:
     """The segment attention to use on ``platform`` (default: JAX's default backend).
 
     TPU: splash attention when T is a multiple of 128, else our kernel (decided per call from
-    static shapes). CPU and GPU: the pure-JAX reference (see ``kernels.select``).
+    static shapes). CPU and GPU: the pure-JAX reference (see ``jaxrl_kernels.select``).
     """
     if not use_pallas(platform or current_platform()):
         return segment_attention_reference

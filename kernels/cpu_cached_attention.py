@@ -6,7 +6,7 @@ XLA:CPU reads the cache about three times per step (a gathered copy of each chun
 products); the kernel reads each live key and value once. See the .cc file for the semantics,
 which are the reference's (tests compare the two).
 
-The source is built and registered by ``kernels.cpu_build`` (once per machine; where it cannot
+The source is built and registered by ``jaxrl_kernels.cpu_build`` (once per machine; where it cannot
 be built, ``load()`` returns None and callers keep the reference).
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.cpu_build import CppKernel
+from jaxrl_kernels.cpu_build import CppKernel
 
 KERNEL = CppKernel("cpu_cached_attention.cc", "JaxrlCpuCachedAttention", "jaxrl_cpu_cached_attention")
 

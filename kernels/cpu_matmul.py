@@ -7,7 +7,7 @@ engine packs each layer's projection weights once per weight update (``PackedWei
 the decoder's serving forward multiplies through ``PackedWeight.matmul``. ``x @ w`` is the
 semantics; the tests compare the two.
 
-Built and registered by ``kernels.cpu_build``; where it cannot be built, ``load()`` returns None
+Built and registered by ``jaxrl_kernels.cpu_build``; where it cannot be built, ``load()`` returns None
 and the engine keeps plain weights and XLA's dots.
 """
 
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.cpu_build import CppKernel
+from jaxrl_kernels.cpu_build import CppKernel
 
 KERNEL = CppKernel("cpu_matmul.cc", "JaxrlCpuMatmul", "jaxrl_cpu_matmul")
 PANEL = 32  # the kernel's panel width (kNr)

@@ -29,8 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels._util import MASK_VALUE, cdiv, check_block
-from kernels.tpu_budget import MiB, Chip, compiler_params, target_chip
+from jaxrl_kernels._util import MASK_VALUE, cdiv, check_block
+from jaxrl_kernels.tpu_budget import MiB, Chip, compiler_params, target_chip
 
 # Bytes of K plus V per grid step to aim for: enough that a step's DMA (~1-3 us on v5e-v6e)
 # dwarfs the ~0.35 us per-step overhead, small enough that a short row wastes little of its

@@ -17,7 +17,7 @@ for peak memory of one ``[block_n, block_v]`` tile. ``logprobs_reference`` is th
 full-softmax version with the same semantics as ``jaxrl.trainer.logprobs.token_logprobs``.
 
 Block sizes are chosen per kernel, at trace time, for the TPU being compiled for
-(``kernels.tpu_budget``): the largest tiles that fit its VMEM, ranked by a roofline estimate.
+(``jaxrl_kernels.tpu_budget``): the largest tiles that fit its VMEM, ranked by a roofline estimate.
 The forward and ``d_hidden`` kernels re-read ``lm_head`` once per token block, so they want tall
 token blocks; the ``d_lm_head`` kernel re-reads ``hidden`` once per vocabulary block, so it wants
 wide vocabulary blocks. ``[D, block_v]`` and ``[block_n, D]`` tiles grow with the model width, so
@@ -44,8 +44,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels._util import cdiv, check_block, round_up
-from kernels.tpu_budget import Chip, best_blocks, compiler_params, target_chip
+from jaxrl_kernels._util import cdiv, check_block, round_up
+from jaxrl_kernels.tpu_budget import Chip, best_blocks, compiler_params, target_chip
 
 BLOCK_N_CANDIDATES = (16, 32, 64, 128, 256, 512, 1024, 2048)
 BLOCK_V_CANDIDATES = (128, 256, 512, 1024, 2048, 4096)

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from jaxrl.models import sharding
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import param_name
-from kernels.cpu_matmul import PackedInto, PackedWeight
+from jaxrl_kernels.cpu_matmul import PackedInto, PackedWeight
 
 ShardingFn = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]
 
@@ -124,7 +124,7 @@ def zeros_like_sharded(shape: tuple[int, ...], dtype: Any, sharding: jax.shardin
 
 def pack_for_cpu(state: nnx.State, groups: Mapping[tuple[str, ...], int], head: str | None) -> nnx.State:
     """``state`` with the layer projections in ``groups`` ({names: K}, ``Decoder.
-    matmul_weights``) packed for the CPU matmul kernel (``kernels.cpu_matmul``; one device,
+    matmul_weights``) packed for the CPU matmul kernel (``jaxrl_kernels.cpu_matmul``; one device,
     float32): each group is one ``PackedWeight`` in place of its first weight, the others
     ``PackedInto`` it. ``head`` ("lm_head", or "embed" when tied) is the output projection,
     packed as [D, V] (a tied table as its transpose, its rows then read from the panels: still

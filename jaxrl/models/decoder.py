@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.arch import ModelArch
-from kernels.cpu_matmul import PackedWeight
+from jaxrl_kernels.cpu_matmul import PackedWeight
 
 if TYPE_CHECKING:
     from jaxrl.kernel_dispatch import Kernels
@@ -79,7 +79,7 @@ class KVCache:
 
     Heads-major, ``[layers, rows, kv_heads, max_len, head_dim]``: one (layer, row, kv head) is a
     contiguous ``[max_len, head_dim]`` matrix, the tile TPU's layout and the decode kernel
-    (``kernels.decode_attention``) read in place; a positions-major layout would need a relayout
+    (``jaxrl_kernels.decode_attention``) read in place; a positions-major layout would need a relayout
     copy of the whole cache per decode step there. A token whose position is >= ``max_len`` is
     not written (scatter mode "drop"): the engine gives padding tokens such a position.
     """

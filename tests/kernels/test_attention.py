@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxrl.models.decoder import attention, packed_causal_mask
-from kernels.attention import (
+from jaxrl_kernels.attention import (
     segment_attention,
     segment_attention_reference,
     select_attention,

@@ -1,4 +1,4 @@
-"""The C++ CPU cached attention (``kernels.cpu_cached_attention``) against the pure-JAX reference
+"""The C++ CPU cached attention (``jaxrl_kernels.cpu_cached_attention``) against the pure-JAX reference
 (``cached_attention``): one-token and multi-token queries, grouped heads, positions across several
 of the kernel's 64-position blocks, a head_dim off the vector width, float32 and bfloat16 caches,
 padding rows (out of range, negative) and padding positions (>= the cache length) giving zeros.
@@ -15,8 +15,8 @@ import pytest
 
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.decoder import cached_attention
-from kernels import cpu_cached_attention as cpu_kernel
-from kernels.cpu_build import default_compiler
+from jaxrl_kernels import cpu_cached_attention as cpu_kernel
+from jaxrl_kernels.cpu_build import default_compiler
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -90,7 +90,7 @@ def test_dispatch_takes_the_kernel_for_auto_on_cpu() -> None:
 
 def test_no_compiler_falls_back_to_the_reference_with_a_warning(tmp_path, monkeypatch, caplog) -> None:
     monkeypatch.setenv("JAXRL_KERNEL_CACHE", str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="kernels.cpu_build"):
+    with caplog.at_level(logging.WARNING, logger="jaxrl_kernels.cpu_build"):
         assert cpu_kernel.build_and_register(None) is None
         assert cpu_kernel.build_and_register(str(tmp_path / "no-such-c++")) is None
     assert "no C++ compiler" in caplog.text and "pure-JAX reference" in caplog.text

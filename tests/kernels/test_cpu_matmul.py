@@ -1,4 +1,4 @@
-"""The C++ CPU matmul on packed weight stacks (``kernels.cpu_matmul``) against ``x @ w[layer]``:
+"""The C++ CPU matmul on packed weight stacks (``jaxrl_kernels.cpu_matmul``) against ``x @ w[layer]``:
 row counts off the kernel's 8-row tiles, column counts off its 32-wide panels (zero padding
 never written), every layer of a stack (a traced index, as in the layer scan), the decoder's
 3-D projection weights, long inputs in row blocks, determinism, and the engine serving the
@@ -19,9 +19,9 @@ from jaxrl.inference.config import InferenceConfig
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.sampling import SamplingParams
 from jaxrl.inference.scheduler import Request
-from kernels import cpu_matmul
-from kernels.cpu_build import default_compiler
-from kernels.cpu_matmul import X_BLOCK_FLOATS, PackedWeight
+from jaxrl_kernels import cpu_matmul
+from jaxrl_kernels.cpu_build import default_compiler
+from jaxrl_kernels.cpu_matmul import X_BLOCK_FLOATS, PackedWeight
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -103,7 +103,7 @@ def test_results_do_not_depend_on_timing() -> None:
 
 def test_no_compiler_leaves_the_kernel_unbuilt_with_a_warning(tmp_path, monkeypatch, caplog) -> None:
     monkeypatch.setenv("JAXRL_KERNEL_CACHE", str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="kernels.cpu_build"):
+    with caplog.at_level(logging.WARNING, logger="jaxrl_kernels.cpu_build"):
         assert cpu_matmul.KERNEL.build_and_register(None) is None
         assert cpu_matmul.KERNEL.build_and_register(str(tmp_path / "no-such-c++")) is None
     assert "no C++ compiler" in caplog.text and "cpu_matmul.cc" in caplog.text

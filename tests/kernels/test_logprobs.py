@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxrl.trainer.logprobs import token_logprobs_reference
-from kernels.logprobs import logprobs, logprobs_reference
+from jaxrl_kernels.logprobs import logprobs, logprobs_reference
 
 
 def _inputs(n, d, v, dtype, seed=0):

@@ -2,7 +2,7 @@
 
 transformers 5 probes for Hugging Face's ``kernels`` package (DESIGN 9): it must find ours
 unusable (version below its minimum) without importing jax; then its hub-kernels integration
-never runs ``from kernels import ...``. Checked in a fresh interpreter, since this one has jax
+never runs ``from jaxrl_kernels import ...``. Checked in a fresh interpreter, since this one has jax
 loaded already.
 """
 
@@ -12,12 +12,12 @@ import textwrap
 
 import jax
 
-from kernels.select import use_pallas
+from jaxrl_kernels.select import use_pallas
 
 PROBE = textwrap.dedent(
     """
     import sys
-    import kernels
+    import jaxrl_kernels
     assert "jax" not in sys.modules, "kernels/__init__.py imported jax"
     from transformers.utils.import_utils import is_kernels_available
     assert not is_kernels_available(), "transformers takes jaxrl's kernels for Hugging Face's"

@@ -37,9 +37,9 @@ from jaxrl.inference.sampling import SamplingBatch, SamplingParams  # noqa: E402
 from jaxrl.kernel_dispatch import Kernels  # noqa: E402
 from jaxrl.models.arch import ModelArch  # noqa: E402
 from jaxrl.models.decoder import Decoder, KVCache  # noqa: E402
-from kernels.attention import segment_attention, tpu_segment_attention  # noqa: E402
-from kernels.decode_attention import decode_attention  # noqa: E402
-from kernels.logprobs import logprobs  # noqa: E402
+from jaxrl_kernels.attention import segment_attention, tpu_segment_attention  # noqa: E402
+from jaxrl_kernels.decode_attention import decode_attention  # noqa: E402
+from jaxrl_kernels.logprobs import logprobs  # noqa: E402
 
 GENERATIONS = ["v5e:2x2", "v6e:2x2"]
 VOCAB = 151936

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 from jax import export
 
-from kernels.attention import segment_attention, splash_segment_attention
-from kernels.decode_attention import decode_attention
-from kernels.logprobs import logprobs
+from jaxrl_kernels.attention import segment_attention, splash_segment_attention
+from jaxrl_kernels.decode_attention import decode_attention
+from jaxrl_kernels.logprobs import logprobs
 
 S = jax.ShapeDtypeStruct
 BF16 = jnp.bfloat16
