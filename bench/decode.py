@@ -107,9 +107,9 @@ class VLLMPeer:
 
     def __init__(self, model_dir: Path, tmp: Path, args: argparse.Namespace):
         from jaxrl.inference.config import InferenceConfig
-        from jaxrl.inference.vllm_backend import VLLMBackend
         from jaxrl.models.hf_io import load_decoder
         from jaxrl.models.tokenizer import build_tokenizer
+        from jaxrl.rollout.vllm import VLLMBackend
 
         max_len = args.prompt_len + args.new_tokens + 8
         cfg = InferenceConfig(

@@ -172,8 +172,8 @@ def bench_vllm(model_dir: Path, tok_dir: Path, args: argparse.Namespace, tmp: Pa
                model_core: int | None, env_core: int | None) -> None:
     """The same env servers against a vLLM server (jaxrl's vLLM backend: loopback proxy in front)."""
     from jaxrl.inference.config import InferenceConfig
-    from jaxrl.inference.vllm_backend import VLLMBackend
     from jaxrl.models.hf_io import load_decoder
+    from jaxrl.rollout.vllm import VLLMBackend
 
     cfg = InferenceConfig(backend="vllm", max_model_len=args.max_model_len, max_seqs=args.concurrency,
                           server={"port": 0})

@@ -3,7 +3,7 @@
     orchestrator thread: env servers run rollouts against the backend's HTTP API
     main thread:         batch for step n -> samples -> train step -> weights -> backend
 
-The rollout backend (``jaxrl.inference.rollout_backend``) is the embedded engine (weights
+The rollout backend (``jaxrl.rollout``) is the embedded engine (weights
 handed over in memory), a vLLM server, or external ``jaxrl.serve`` servers (weights through
 files); after every optimizer step it serves the new parameters as policy version n.
 Timings per step are split into rollout wait, scoring, train and weight sync
@@ -25,7 +25,6 @@ import jax
 
 from jaxrl.config import RunConfig, check_multihost_rl
 from jaxrl.inference.http_thread import check_port_free
-from jaxrl.inference.rollout_backend import RolloutBackend, RolloutServerDead, start_rollout_backend
 from jaxrl.metrics import MetricsLogger
 from jaxrl.orchestrator.algo import OPDConfig
 from jaxrl.orchestrator.batch import build_batch
@@ -33,6 +32,8 @@ from jaxrl.orchestrator.env_server import EnvServerDead
 from jaxrl.orchestrator.orchestrator import Orchestrator
 from jaxrl.parallel.distributed import broadcast_from_main, initialize, is_main_process
 from jaxrl.preemption import RunAborted
+from jaxrl.rollout.base import RolloutBackend, RolloutServerDead
+from jaxrl.rollout.factory import start_rollout_backend
 from jaxrl.run_common import TrainingRun
 from jaxrl.trainer.teacher import Teacher
 
@@ -82,7 +83,11 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     run = TrainingRun(cfg, plot_keys=PLOT_KEYS)
     meta = run.maybe_resume(resume)
     leader = is_main_process()  # runs the orchestrator and env servers; every process trains
-    backend = start_rollout_backend(run)
+    backend = start_rollout_backend(
+        run.trainer.model(), run.trainer.params, version=run.trainer.step, hf_config=run.hf_config,
+        inference=cfg.inference, model_config=cfg.model, output_dir=run.out,
+        tokenizer_dir=run.tokenizer_dir, renderer=run.renderer,
+    )  # fmt: skip
     orch = (
         Orchestrator(ocfg, backend.endpoint, output_dir=run.out, seed=cfg.seed, policy_version=lambda: backend.policy_version)
         if leader

@@ -1,6 +1,6 @@
-"""An ASGI app served by uvicorn in a background thread: what the engine's HTTP API and the vLLM
-log-prob proxy both need (the training process keeps its main thread; tests start and stop the
-server in-process).
+"""An ASGI app served by uvicorn in a background thread: what the engine's HTTP API and the
+rollout proxy (``jaxrl.rollout.proxy``) both need (the training process keeps its main thread;
+tests start and stop the server in-process).
 
 Binds the socket itself so ``port = 0`` resolves to a free port before serving, and keeps idle
 client connections open ``keep_alive_s`` (see ``ServerConfig.keep_alive_s`` for why long).

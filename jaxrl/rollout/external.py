@@ -29,7 +29,6 @@ With several processes (multi-host training) every process takes part in writing
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -38,17 +37,15 @@ from typing import Any
 
 import httpx
 import jax
-from etils import epath
 from flax import nnx
 
 from jaxrl.endpoint import ModelEndpoint
 from jaxrl.inference.config import InferenceConfig
-from jaxrl.inference.proxy import ProxyServer
-from jaxrl.inference.rollout_backend import RolloutServerDead
-from jaxrl.inference.vllm_backend import export_for_vllm, reload_vllm_weights, vllm_weight_version
 from jaxrl.models.decoder import Decoder
-from jaxrl.models.hf_io import copy_model_dir, export_hf, is_url
 from jaxrl.parallel.distributed import broadcast_from_main
+from jaxrl.rollout.base import RolloutServerDead
+from jaxrl.rollout.proxy import ProxyServer
+from jaxrl.rollout.weight_files import WeightFiles, reload_vllm_weights, vllm_weight_version
 
 logger = logging.getLogger(__name__)
 
@@ -69,16 +66,14 @@ class ExternalBackend:
         self.config = config
         self.ecfg = config.external
         self.urls = config.server_urls()
-        self.hf_config = dict(hf_config)
         self.tokenizer_dir = str(tokenizer_dir)
         self.renderer = dict(renderer) if renderer is not None else None
-        self.weights_dir = epath.Path(self.ecfg.weights_dir or Path(output_dir) / "rollout_weights")
+        weights_root = self.ecfg.weights_dir or Path(output_dir) / "rollout_weights"
+        self.weights = WeightFiles(model, hf_config, weights_root, for_vllm=self.ecfg.server == "vllm")
         self.main = jax.process_index() == 0  # only process 0 talks to the servers
-        self._graphdef = nnx.graphdef(model)
         self._model: Decoder | None = model
         self._version = -1  # nothing pushed yet
         self._offset = self._offset_base = 0
-        self._last_dir: epath.Path | None = None
         self._dead: RolloutServerDead | None = None
         self._endpoint: ModelEndpoint | None = None
         self.proxy: ProxyServer | None = None
@@ -86,14 +81,6 @@ class ExternalBackend:
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._timeout = httpx.Timeout(self.ecfg.request_timeout_s, connect=self.ecfg.connect_timeout_s)
         self._http = httpx.Client(timeout=self._timeout)
-
-    @classmethod
-    def for_run(cls, run: Any) -> ExternalBackend:
-        """The (not yet started) backend for ``run`` (a ``jaxrl.run_common.TrainingRun``)."""
-        return cls(
-            run.trainer.model(), run.hf_config, run.cfg.inference, output_dir=run.out,
-            tokenizer_dir=run.tokenizer_dir, renderer=run.renderer,
-        )  # fmt: skip
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -201,28 +188,14 @@ class ExternalBackend:
         """Write ``state`` once, have every server load it as ``version``. Every process calls this."""
         if version <= self._version:
             raise ValueError(f"weight update version {version} must be greater than {self._version}")
-        model = state if isinstance(state, Decoder) else nnx.merge(self._graphdef, state)
-        path = self._write(model, self.weights_dir / f"policy-{version:08d}")
+        path = self.weights.write(state, f"policy-{version:08d}")
         if self.main:
             self.check()
             body = {"path": str(path), "version": self._offset + version}
             self._each(lambda url: self._post_update(url, body))
-            if self._last_dir is not None:
-                self._last_dir.rmtree(missing_ok=True)
-            self._last_dir = path
+            self.weights.served(path)
         self._version = version
         return version
-
-    def _write(self, model: Decoder, dest: epath.Path) -> epath.Path:
-        """HF safetensors at ``dest``: directly on a local path, staged then copied to a URL."""
-        export = export_for_vllm if self.ecfg.server == "vllm" else export_hf
-        if not is_url(dest):
-            return epath.Path(export(model, Path(dest), self.hf_config).resolve())  # servers may run elsewhere
-        with tempfile.TemporaryDirectory(prefix="jaxrl-weights-") as tmp:
-            local = export(model, Path(tmp) / dest.name, self.hf_config)
-            if self.main:
-                copy_model_dir(local, dest)
-        return dest
 
     def _post_update(self, url: str, body: dict[str, Any]) -> None:
         if self.ecfg.server == "vllm":

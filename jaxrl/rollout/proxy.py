@@ -11,7 +11,7 @@ Two jobs:
   which server produced them.
 - **A server that stops answering** (connection refused or reset, or no answer within the
   timeout) is reported once through ``on_unreachable(url, reason)`` and the request answers
-  502 naming it: the RL loop stops the run with a checkpoint (``jaxrl.inference.external``).
+  502 naming it: the RL loop stops the run with a checkpoint (``jaxrl.rollout.external``).
 
 And for vLLM, log-probs readable by ``renderers`` 0.1.12 (DESIGN contract 6). Why: vLLM 0.32's ``POST /inference/v1/generate`` answers in its "tokens" output mode
 unless the request says otherwise, with log-prob entries ``{"token_id": 7, "logprob": x, ...}``.

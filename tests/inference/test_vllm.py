@@ -30,8 +30,8 @@ from renderers.client import generate
 from transformers import AutoTokenizer
 
 from jaxrl.inference.config import InferenceConfig
-from jaxrl.inference.vllm_backend import VLLMBackend
 from jaxrl.models.hf_io import load_decoder
+from jaxrl.rollout.vllm import VLLMBackend
 from jaxrl.trainer.logprobs import token_logprobs
 
 pytestmark = pytest.mark.skipif(

@@ -24,9 +24,9 @@ from renderers.client import MalformedGenerateResponseError, generate
 from transformers import AutoTokenizer
 
 from jaxrl.inference.config import InferenceConfig, VLLMConfig
-from jaxrl.inference.vllm_backend import VLLMBackend
-from jaxrl.inference.proxy import ProxyServer, rewrite_generate_response
 from jaxrl.models.hf_io import load_decoder
+from jaxrl.rollout.proxy import ProxyServer, rewrite_generate_response
+from jaxrl.rollout.vllm import VLLMBackend
 
 LOGPROBS = [-0.25, -1.5, -0.125]
 
@@ -252,7 +252,7 @@ def test_attached_backend_syncs_weights_with_vllm_routes_in_order(upstream, mode
 def test_external_vllm_servers_get_every_version_through_vllm_routes(model_dir, tokenizer_dir, tmp_path, completion) -> None:
     """backend = "external" with inference.external.server = "vllm" (the GKE layout: several
     vLLM servers): each server reloads every version through vLLM's RL routes, in order."""
-    from jaxrl.inference.external import ExternalBackend
+    from jaxrl.rollout.external import ExternalBackend
 
     seen: list[list[dict]] = [[], []]
     ups = [Upstream(vllm_like_app(s, completion)) for s in seen]

@@ -1,0 +1,75 @@
+"""``[inference] backend`` -> the ``RolloutBackend`` that serves it, started on the trainer's
+weights. The one place that knows every backend; each backend module knows only ``base``.
+
+Everything a backend needs is passed in (the model, its HF config, the ``[inference]`` and
+``[model]`` sections, the run's output directory), so this package depends on no training run
+object; ``jaxrl.rl`` calls it with its ``TrainingRun``'s parts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from flax import nnx
+
+from jaxrl.inference.config import InferenceConfig
+from jaxrl.rollout.base import RolloutBackend
+
+if TYPE_CHECKING:
+    from jaxrl.config import ModelConfig
+    from jaxrl.models.decoder import Decoder
+
+
+def start_rollout_backend(
+    model: Decoder,
+    state: nnx.State,
+    *,
+    version: int,
+    hf_config: Mapping[str, Any],
+    inference: InferenceConfig,
+    model_config: ModelConfig,
+    output_dir: str | Path,
+    tokenizer_dir: str | Path,
+    renderer: Mapping[str, Any] | None,
+) -> RolloutBackend:
+    """The backend ``inference.backend`` names, built with ``model`` (graph and weights; its HF
+    config ``hf_config``) and started serving ``state`` as policy ``version``; stopped again if
+    it fails to start. ``model_config`` gives the served model's name, hub revision and dtype;
+    file-fed backends write weights and logs under ``output_dir`` unless configured elsewhere."""
+    backend: RolloutBackend
+    served_name = model_config.name or "jaxrl"
+    if inference.backend == "vllm":
+        from jaxrl.rollout.vllm import VLLMBackend
+
+        backend = VLLMBackend(
+            model, hf_config, inference, output_dir=output_dir, tokenizer_dir=tokenizer_dir,
+            model_name=inference.server.served_model_name or served_name, model_dtype=model_config.dtype,
+            renderer=renderer,
+        )  # fmt: skip
+    elif inference.backend == "external":
+        from jaxrl.rollout.external import ExternalBackend
+
+        backend = ExternalBackend(
+            model, hf_config, inference, output_dir=output_dir, tokenizer_dir=tokenizer_dir, renderer=renderer
+        )
+    else:
+        from jaxrl.inference.engine import Engine
+        from jaxrl.inference.serving import build_engine_server
+        from jaxrl.models.hub import resolve_model_dir
+        from jaxrl.rollout.embedded import EmbeddedBackend
+
+        engine = Engine(model, inference)
+        model_dir = resolve_model_dir(model_config.name, model_config.revision) if model_config.name else None
+        server = build_engine_server(
+            engine, inference, tokenizer_dir=tokenizer_dir, model_dir=model_dir, model_name=served_name,
+            renderer=renderer,
+        )  # fmt: skip
+        backend = EmbeddedBackend(engine, server, tokenizer_dir=str(tokenizer_dir), renderer=renderer)
+    try:
+        backend.start(state, version=version)
+    except BaseException:
+        backend.stop()
+        raise
+    return backend
