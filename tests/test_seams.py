@@ -1,7 +1,9 @@
-"""Dependency seams: jaxrl.parallel knows axis names only; one rules table shards both meshes."""
+"""Dependency seams: jaxrl.parallel knows axis names only; one rules table shards both meshes;
+the engine knows nothing of the rollout backends built on it; no import cycle anywhere in jaxrl."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
         # parallel knows axis names and meshes, not layers.
         ("jaxrl.parallel.mesh, jaxrl.parallel.rules, jaxrl.parallel.distributed",
          ("jaxrl.models", "jaxrl.trainer", "jaxrl.inference")),
-        # Rollout backends produce a `jaxrl.endpoint.ModelEndpoint`; none of them knows the orchestrator.
-        ("jaxrl.inference.vllm_backend, jaxrl.inference.serving, jaxrl.inference.server, "
-         "jaxrl.inference.external, jaxrl.inference.rollout_backend", ("jaxrl.orchestrator",)),
+        # Rollout backends produce a `jaxrl.endpoint.ModelEndpoint`; none of them knows the orchestrator
+        # or the training run (the factory takes explicit parameters).
+        ("jaxrl.rollout.factory, jaxrl.rollout.vllm, jaxrl.rollout.external, jaxrl.rollout.embedded, "
+         "jaxrl.inference.serving, jaxrl.inference.server", ("jaxrl.orchestrator", "jaxrl.run_common")),
         # The orchestrator reaches the engine over HTTP only (sampling ranges: jaxrl.sampling_ranges).
         ("jaxrl.orchestrator.orchestrator, jaxrl.orchestrator.config, jaxrl.orchestrator.sampling",
          ("jaxrl.inference",)),
@@ -52,3 +55,101 @@ def test_serving_and_training_meshes_shard_by_the_same_rules() -> None:
     cache = (2, 8, 2, 32, 16)
     assert tuple(cache_sharding(serve, cache).spec) == (None, None, "tensor", None, None)
     assert tuple(sharding.cache_sharding(train, cache).spec) == (None, "fsdp", "tensor", None, None)
+
+
+# -- the static import graph (every import statement, lazy ones inside functions included) ---------
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted((ROOT / "jaxrl").rglob("*.py"))}
+
+
+def _imported(path: Path) -> set[str]:
+    """The jaxrl modules ``path`` imports anywhere (module level or inside functions), except
+    under ``if TYPE_CHECKING:`` (annotations only, never run)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for other in child.orelse:
+                    visit(other)
+                continue
+            if isinstance(child, ast.Import):
+                found.update(a.name for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                assert child.level == 0 and child.module, f"{path}: relative import; write the absolute module"
+                found.add(child.module)
+                found.update(f"{child.module}.{a.name}" for a in child.names)  # `from pkg import module`
+            visit(child)
+
+    visit(ast.parse(path.read_text(), filename=str(path)))
+    return {m for m in found if m in MODULES}
+
+
+IMPORTS = {name: _imported(path) for name, path in MODULES.items()}
+
+
+def _reaches(start: str, forbidden: tuple[str, ...]) -> list[list[str]]:
+    """Import chains from ``start`` to a module under one of the ``forbidden`` prefixes."""
+    chains, seen, todo = [], {start}, [[start]]
+    while todo:
+        chain = todo.pop()
+        for nxt in sorted(IMPORTS[chain[-1]]):
+            if nxt.startswith(forbidden):
+                chains.append([*chain, nxt])
+            elif nxt not in seen:
+                seen.add(nxt)
+                todo.append([*chain, nxt])
+    return chains
+
+
+def test_the_engine_knows_nothing_of_rollout_backends_or_the_run() -> None:
+    engine_modules = [m for m in MODULES if m.startswith("jaxrl.inference")]
+    assert "jaxrl.inference.engine" in engine_modules and "jaxrl.inference.server" in engine_modules
+    bad = {m: c for m in engine_modules if (c := _reaches(m, ("jaxrl.rollout", "jaxrl.orchestrator", "jaxrl.run_common")))}
+    assert not bad, bad
+
+
+BACKENDS = ("jaxrl.rollout.embedded", "jaxrl.rollout.vllm", "jaxrl.rollout.external")
+SHARED = ("jaxrl.rollout.base", "jaxrl.rollout.proxy", "jaxrl.rollout.weight_files")  # protocol + helpers
+
+
+def test_each_rollout_backend_imports_only_the_protocol_and_shared_helpers() -> None:
+    # As in Tunix's rl/rollout: a backend never imports another backend or the factory that picks
+    # one, so each can be added, changed or removed alone; only the factory knows them all.
+    assert set(BACKENDS) | set(SHARED) | {"jaxrl.rollout", "jaxrl.rollout.factory"} == {
+        m for m in MODULES if m.startswith("jaxrl.rollout")
+    }, "a new jaxrl.rollout module: list it in BACKENDS or SHARED"
+    for backend in BACKENDS:
+        siblings = {m for m in IMPORTS[backend] if m.startswith("jaxrl.rollout")}
+        assert siblings <= set(SHARED), (backend, sorted(siblings - set(SHARED)))
+    for helper in SHARED:
+        siblings = {m for m in IMPORTS[helper] if m.startswith("jaxrl.rollout")}
+        assert siblings <= {"jaxrl.rollout.base"}, (helper, sorted(siblings))
+    assert set(BACKENDS) <= IMPORTS["jaxrl.rollout.factory"]
+
+
+def test_no_import_cycle_among_jaxrl_modules() -> None:
+    # Depth-first search; a back edge (to a module still on the stack) closes a cycle.
+    state: dict[str, str] = {}  # "open" while on the stack, "done" after
+
+    def dfs(module: str, stack: list[str]) -> list[str] | None:
+        state[module] = "open"
+        for nxt in sorted(IMPORTS[module]):
+            if state.get(nxt) == "open":
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (cycle := dfs(nxt, [*stack, nxt])):
+                return cycle
+        state[module] = "done"
+        return None
+
+    assert len(MODULES) > 50 and IMPORTS["jaxrl.rl"] >= {"jaxrl.rollout.factory", "jaxrl.rollout.base"}
+    for module in MODULES:
+        if module not in state:
+            cycle = dfs(module, [module])
+            assert cycle is None, " -> ".join(cycle)
