@@ -1,12 +1,20 @@
 """Request and response bodies of the inference HTTP API (DESIGN contract 6).
 
 Requests accept and ignore unknown fields: real clients send extras (``cache_salt``,
-``priority``, ``skip_special_tokens``, ``routed_experts_prompt_start``, penalties, ...). The
-sampling settings honoured are those of ``jaxrl.inference.sampling.SamplingParams`` plus ``n``
-(choice i uses seed + i when a seed is given), ``stop`` strings, ``ignore_eos`` (drop the
-tokenizer's EOS from the stop tokens) and ``logprobs``; the rest (penalties, min_p, min_tokens,
-...) are accepted and have no effect. Only the sampled token's log-prob is returned
-(``top_logprobs`` lists are empty).
+``priority``, ``skip_special_tokens``, ``routed_experts_prompt_start``, ...). Every sampling field
+a request names is honoured or refused, never ignored: those of
+``jaxrl.inference.sampling.SamplingParams`` (penalties included, with vLLM's semantics and
+ranges) plus ``n`` (choice i uses seed + i when a seed is given), ``stop`` strings,
+``ignore_eos`` (drop the tokenizer's EOS from the stop tokens) and ``logprobs``; ``min_p`` and
+``min_tokens`` are not implemented and accept only their neutral value 0 (the schema says so).
+Only the sampled token's log-prob is returned (``top_logprobs`` lists are empty).
+
+Which distribution a log-prob is of: ``log_softmax(logits' / temperature)[token]`` where
+``logits'`` are the model's logits after the request's penalties (repetition, then frequency,
+then presence, as vLLM), before top-k / top-p filtering; temperature 0 reports temperature 1.
+Without penalties that is exactly what the trainer recomputes (``logits / temperature``); with
+penalties it is the distribution the token was drawn from (as vLLM's ``processed_logprobs``
+reports post-penalty values), so the trainer sees penalised tokens as off-policy by the penalty.
 
 Every value a request carries is range-checked here, so a bad value is a 400 naming the field
 and nothing out of range reaches the engine thread (a ``top_k`` of 2**31 once overflowed an
@@ -20,7 +28,6 @@ so ``output_mode`` is accepted and needs no switch.
 
 from __future__ import annotations
 
-import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -35,12 +42,13 @@ from pydantic import (
 # The range types live beside the config layer's users, outside jaxrl.inference (the orchestrator
 # validates its sampling settings with them and must not import the engine side).
 from jaxrl.sampling_ranges import (
-    FLOAT32_MAX,
-    INT32_MAX,
     INT64_MAX,
     MAX_STOP_STRINGS,
+    FrequencyPenalty,
     LogprobCount,
     MaxTokens,
+    PresencePenalty,
+    RepetitionPenalty,
     Seed,
     StopString,
     Temperature,
@@ -48,23 +56,8 @@ from jaxrl.sampling_ranges import (
     TopP,
 )
 
-log = logging.getLogger(__name__)
-
-
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
-
-
-# Sampling fields that are range-checked and accepted but have no effect (real clients send
-# them, mostly at their neutral value); a non-neutral value is logged once per field.
-_NO_EFFECT = {
-    "min_p": 0.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_tokens": 0,
-}
-_warned: set[str] = set()
 
 
 class SamplingFields(_Body):
@@ -78,11 +71,12 @@ class SamplingFields(_Body):
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[StrictInt], Field(max_length=1024)] | None = None
     ignore_eos: bool = False
-    min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
-    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
-    repetition_penalty: float = Field(1.0, gt=0, le=FLOAT32_MAX, allow_inf_nan=False)
-    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    presence_penalty: PresencePenalty = 0.0
+    frequency_penalty: FrequencyPenalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    # Not implemented: only the neutral value (which real clients send) is accepted.
+    min_p: float = Field(0.0, ge=0, le=0, description="not implemented by this server: only 0 is accepted")
+    min_tokens: int = Field(0, ge=0, le=0, description="not implemented by this server: only 0 is accepted")
 
     @model_validator(mode="after")
     def _check(self) -> SamplingFields:
@@ -90,14 +84,6 @@ class SamplingFields(_Body):
             raise ValueError(
                 f"seed + n - 1 must fit in int64 (choice i samples with seed + i); got seed {self.seed}"
             )
-        for name, neutral in _NO_EFFECT.items():
-            if getattr(self, name) != neutral and name not in _warned:
-                _warned.add(name)
-                log.warning(
-                    "sampling field %s = %r is accepted but not implemented (no effect)",
-                    name,
-                    getattr(self, name),
-                )
         return self
 
 

@@ -42,6 +42,7 @@ import numpy as np
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as in vLLM)
 _F32_MAX = float(np.finfo(np.float32).max)
 _I32_MAX = 2**31 - 1
+_PENALISED_MAX = _F32_MAX * GREEDY_BELOW
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,10 @@ def apply_penalties(logits: jax.Array, output: jax.Array, prompt: jax.Array, bat
     rep = jnp.where(prompt | generated, batch.repetition[:, None], 1.0)
     logits = jnp.where(logits > 0, logits / rep, logits * rep)
     logits = logits - batch.frequency[:, None] * output.astype(jnp.float32)
-    return logits - batch.presence[:, None] * generated.astype(jnp.float32)
+    logits = logits - batch.presence[:, None] * generated.astype(jnp.float32)
+    # An extreme repetition penalty (vLLM allows any > 0) overflows float32; clip so that
+    # ``logits / temperature`` stays finite (temperatures >= GREEDY_BELOW) and no row turns NaN.
+    return jnp.clip(logits, -_PENALISED_MAX, _PENALISED_MAX)
 
 
 def penalize(logits: jax.Array, counts: TokenCounts, rows: jax.Array, batch: SamplingBatch) -> jax.Array:

@@ -340,6 +340,9 @@ class EngineServer:
                     top_k=body.top_k or 0,
                     seed=seed,
                     stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+                    presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty,
+                    repetition_penalty=body.repetition_penalty,
                 )
                 for seed in seeds
             ]
@@ -539,7 +542,9 @@ class EngineServer:
                 }
             )
 
-        @app.post("/update_weights")
+        errors = {"model": api.ErrorResponse}
+        @app.post("/update_weights", responses={403: {**errors, "description": "path outside inference.server.weights_root"},
+                                                404: {**errors, "description": "path is not a model directory"}})
         async def update_weights(body: api.UpdateWeightsRequest, request: Request) -> dict[str, int]:
             self._authorize(request)
             path = self._weights_dir(body.path)
@@ -582,13 +587,15 @@ class EngineServer:
         root = self.weights_root
         if is_url(path):  # checked by name here; its config.json when it is copied
             if ".." in path.split("/") or (root is not None and not path.startswith(f"{root}/")):
-                raise BadRequest(f"path: {path} is outside the allowed weights directory {root}")
+                raise StarletteHTTPException(403, f"path: {path} is outside the allowed weights directory {root}")
             return path
         p = Path(path).resolve()
         if root is not None and not (isinstance(root, Path) and p.is_relative_to(root)):
-            raise BadRequest(f"path: {path} is outside the allowed weights directory {self.weights_root}")
-        if not (p / "config.json").is_file():
-            raise BadRequest(f"path: {path} is not a model directory (no config.json)")
+            raise StarletteHTTPException(
+                403, f"path: {path} is outside the allowed weights directory {self.weights_root}"
+            )
+        if not (p / "config.json").is_file():  # a well-formed request naming no model: not found
+            raise StarletteHTTPException(404, f"path: {path} is not a model directory (no config.json)")
         return p
 
     async def _render_chat(self, body: api.ChatCompletionRequest) -> tuple[list[int], Any]:
