@@ -14,6 +14,11 @@ from pydantic import Field
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# The widest int64 range whose bounds mean the same to a JSON reader that keeps integers exact
+# and to one that reads them as doubles (as schema validators and fuzzers may): near 2**63
+# doubles are 1024 apart, and +-(2**63 - 513) rounds so that every integer past it compares past
+# it in both readings. A schema bound of 2**63 - 1 would admit 2**63 + 500 to a double reader.
+JSON_INT64_MIN, JSON_INT64_MAX = -(2**63) + 513, 2**63 - 513
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32 (~1.18e-38)
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs (and OpenAI's top_logprobs limit)
@@ -30,8 +35,9 @@ rounds (or flushes) to 0 on device and filtering would silently stop; the bound 
 so what the schema allows the server accepts."""
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]
 """-1 or 0 = off; else the number of most likely tokens kept (an int32 on device)."""
-Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-"""Any int64 (as vLLM)."""
+Seed = Annotated[int, Field(ge=JSON_INT64_MIN, le=JSON_INT64_MAX)]
+"""An int64 (as vLLM), within the range JSON readers agree on (``JSON_INT64_MAX``); choice i of
+a request with ``n`` choices samples with seed + i, which then always fits in int64."""
 MaxTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]
 LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]

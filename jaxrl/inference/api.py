@@ -32,17 +32,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictInt,
     StrictStr,
-    model_validator,
 )
 
 # The range types live beside the config layer's users, outside jaxrl.inference (the orchestrator
 # validates its sampling settings with them and must not import the engine side).
 from jaxrl.sampling_ranges import (
-    INT64_MAX,
+    JSON_INT64_MAX,
     MAX_STOP_STRINGS,
     FrequencyPenalty,
     LogprobCount,
@@ -60,6 +60,56 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def _json_integer(v: Any) -> Any:
+    """JSON Schema's ``integer`` is any number with no fractional part (``35.0`` too); strings
+    and booleans stay refused (pydantic's strict int)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+TokenId = Annotated[StrictInt, BeforeValidator(_json_integer)]
+"""A token id as JSON Schema's integer; ``server_schema`` bounds it by the served vocabulary."""
+NoStreaming = Annotated[Literal[False], Field(description="streaming is not supported: false only")]
+RESERVED_TEMPLATE_KWARGS = ("tokenize", "add_generation_prompt", "tools", "conversation", "messages")
+
+
+def server_schema(
+    schema: dict[str, Any], *, vocab_size: int, max_model_len: int, allow_request_chat_template: bool
+) -> dict[str, Any]:
+    """``schema`` (the app's OpenAPI document) narrowed to what one server accepts: token ids in
+    its vocabulary, a token prompt shorter than ``max_model_len``, ``max_tokens`` below it (a
+    prompt holds at least one token), and no request-supplied chat template unless allowed. The
+    server enforces each of these with a 400 naming the field; what no schema can say (prompt +
+    max_tokens within max_model_len, a text or chat prompt's token count, a template that fails
+    on the given messages) is left to that 400 alone."""
+    defs = schema.get("components", {}).get("schemas", {})
+    token = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
+    prompt = {"type": "array", "items": token, "minItems": 1, "maxItems": max_model_len - 1}
+
+    def variants(prop: dict[str, Any]) -> list[dict[str, Any]]:
+        return prop.get("anyOf", [prop])
+
+    for name in ("GenerateSamplingParams", "ChatCompletionRequest", "CompletionRequest"):
+        props = defs[name]["properties"]
+        for v in variants(props["stop_token_ids"]):
+            if v.get("type") == "array":
+                v["items"] = token
+        for field in ("max_tokens", "max_completion_tokens"):
+            for v in variants(props.get(field, {})):
+                if v.get("type") == "integer":
+                    v["maximum"] = max_model_len - 1
+    defs["GenerateRequest"]["properties"]["token_ids"].update(prompt)
+    for v in variants(defs["CompletionRequest"]["properties"]["prompt"]):
+        if v.get("type") == "array":
+            v.update(prompt)
+    if not allow_request_chat_template:
+        chat = defs["ChatCompletionRequest"]["properties"]
+        chat["chat_template"] = {"type": "null", "description": "request-supplied chat templates are off on this server"}
+        for v in variants(chat["chat_template_kwargs"]):
+            if v.get("type") == "object":
+                v["propertyNames"] = {"not": {"enum": [*RESERVED_TEMPLATE_KWARGS, "chat_template"]}}
+    return schema
+
+
 class SamplingFields(_Body):
     """Sampling fields shared by every endpoint (vLLM names)."""
 
@@ -69,7 +119,7 @@ class SamplingFields(_Body):
     top_k: TopK | None = None
     seed: Seed | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: Annotated[list[StrictInt], Field(max_length=1024)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
     ignore_eos: bool = False
     presence_penalty: PresencePenalty = 0.0
     frequency_penalty: FrequencyPenalty = 0.0
@@ -77,14 +127,6 @@ class SamplingFields(_Body):
     # Not implemented: only the neutral value (which real clients send) is accepted.
     min_p: float = Field(0.0, ge=0, le=0, description="not implemented by this server: only 0 is accepted")
     min_tokens: int = Field(0, ge=0, le=0, description="not implemented by this server: only 0 is accepted")
-
-    @model_validator(mode="after")
-    def _check(self) -> SamplingFields:
-        if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
-            raise ValueError(
-                f"seed + n - 1 must fit in int64 (choice i samples with seed + i); got seed {self.seed}"
-            )
-        return self
 
 
 # -- POST /inference/v1/generate ----------------------------------------------------------------
@@ -97,7 +139,7 @@ class GenerateSamplingParams(SamplingFields):
 
 class GenerateRequest(_Body):
     model: str | None = None
-    token_ids: list[StrictInt]
+    token_ids: list[TokenId] = Field(min_length=1)
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     output_mode: str | None = None
     request_id: str | None = None
@@ -164,11 +206,15 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: LogprobCount | None = None
-    stream: bool = False
+    stream: NoStreaming = False
     chat_template: str | None = None
     """A request-supplied template (vLLM's field; also read from ``chat_template_kwargs``):
     refused unless the server allows them (``inference.server.allow_request_chat_template``)."""
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: (
+        Annotated[dict[str, Any], Field(json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}})]
+        | None
+    ) = None
+    """Extra template variables; the server sets those in ``RESERVED_TEMPLATE_KWARGS`` itself."""
     return_token_ids: bool = False
 
 
@@ -202,10 +248,10 @@ class ChatCompletionResponse(BaseModel):
 
 class CompletionRequest(SamplingFields):
     model: str | None = None
-    prompt: StrictStr | Annotated[list[StrictInt], Field(min_length=1)]
+    prompt: Annotated[StrictStr, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
     max_tokens: MaxTokens | None = 16
     logprobs: LogprobCount | None = None
-    stream: bool = False
+    stream: NoStreaming = False
 
 
 class CompletionLogprobs(BaseModel):
@@ -238,7 +284,7 @@ class CompletionResponse(BaseModel):
 class UpdateWeightsRequest(_Body):
     path: StrictStr = Field(min_length=1)
     """A Hugging Face model directory (config.json + safetensors) with the served architecture."""
-    version: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
+    version: Annotated[int, Field(ge=0, le=JSON_INT64_MAX)] | None = None
     """Policy version to assign (must increase); default: current + 1."""
 
 

@@ -227,6 +227,10 @@ def engine_programs(graphdef: nnx.GraphDef, layout: EngineLayout, kernels: Kerne
     return EnginePrograms(prefill, decode, copy, reset, traces)
 
 
+class StaleVersion(ValueError):
+    """A weight update's version is not above the version served or already pending."""
+
+
 @dataclass
 class _Update:
     state: nnx.State
@@ -496,7 +500,7 @@ class Engine:
             if version is None:
                 version = latest + 1
             if version <= latest:
-                raise ValueError(f"weight update version {version} must be greater than {latest}")
+                raise StaleVersion(f"weight update version {version} must be greater than {latest}")
             if self._pending is None:
                 self._pending = _Update(state, version, [done])
             else:

@@ -18,7 +18,8 @@ from jaxrl.inference import api
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.sampling import SamplingParams
 from jaxrl.inference.scheduler import Request as EngineRequest
-from jaxrl.inference.server import EngineServer, parse_tool_calls
+from jaxrl.inference.chat_serving import parse_tool_calls
+from jaxrl.inference.server import EngineServer
 from jaxrl.models.hf_io import load_decoder
 
 MAX_LEN = 1024
@@ -282,8 +283,8 @@ BAD = [
     ),
     (
         "/inference/v1/generate",
-        {"token_ids": [1], "sampling_params": {"seed": 2**63 - 1, "n": 2}},
-        "seed + n - 1",
+        {"token_ids": [1], "sampling_params": {"seed": 2**63 - 512, "n": 2}},
+        "sampling_params.seed",  # beyond the range JSON readers agree on (seed + i always fits)
     ),
     # prompt + max_tokens over max_model_len: refused as vLLM does, not silently cut short
     (
