@@ -7,7 +7,7 @@ a vLLM server when ``JAXRL_VLLM`` names a vLLM venv's python), cold and warm.
 A random Qwen3-shaped model (byte tokenizer with the Qwen special tokens, ~3M parameters) is
 written to a temporary HF directory and served over HTTP on 127.0.0.1 (the engine with
 ``jaxrl.inference.server``, vLLM through jaxrl's vLLM backend). For each env, one real verifiers
-env server process (``jaxrl.orchestrator.env_server``: the built-in taskset, verifiers' train
+env server process (``jaxrl.orchestrator.env_child``: the built-in taskset, verifiers' train
 client, the Qwen3 renderer) runs ``episodes`` rollouts, ``concurrency`` at a time, sampling
 at temperature 1 with ``new_tokens`` tokens at most per model turn. "cold" is the first pass
 after the server reports healthy (compiles not done by the engine's warm-up land here), "warm"
@@ -63,7 +63,9 @@ async def run_episodes(server: Any, endpoint: Any, tasks: list[dict], args: argp
 async def drive(args: argparse.Namespace) -> None:
     """The env side (run in a child process, pinned apart from the model server): env servers
     plus the client that runs episodes through them against ``args.base_url``."""
-    from jaxrl.orchestrator.env_server import EnvConfig, ModelEndpoint, start_env_servers, task_data
+    from jaxrl.endpoint import ModelEndpoint
+    from jaxrl.orchestrator.config import EnvConfig
+    from jaxrl.orchestrator.env_server import start_env_servers, task_data
 
     endpoint = ModelEndpoint(base_url=args.base_url, model="bench", tokenizer_dir=args.tokenizer_dir)
     configs = [EnvConfig(id=e, args={"num_tasks": args.episodes, "seed": 0}) for e in args.envs]

@@ -10,31 +10,39 @@ from __future__ import annotations
 from typing import Annotated
 
 import numpy as np
-from pydantic import AfterValidator, Field
+from pydantic import Field
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# The widest int64 range whose bounds mean the same to a JSON reader that keeps integers exact
+# and to one that reads them as doubles (as schema validators and fuzzers may): near 2**63
+# doubles are 1024 apart, and +-(2**63 - 513) rounds so that every integer past it compares past
+# it in both readings. A schema bound of 2**63 - 1 would admit 2**63 + 500 to a double reader.
+JSON_INT64_MIN, JSON_INT64_MAX = -(2**63) + 513, 2**63 - 513
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32 (~1.18e-38)
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs (and OpenAI's top_logprobs limit)
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024  # each stop string is searched for on the engine thread after every token
 
 
-def _positive_in_float32(v: float) -> float:
-    if not np.float32(v) > 0:
-        raise ValueError(f"{v!r} rounds to 0 in float32 (the sampler's precision); use at least 1e-38")
-    return v
-
-
 # Range types of the sampling values (vLLM's meanings); also used by the config layer.
 Temperature = Annotated[float, Field(ge=0, le=FLOAT32_MAX, allow_inf_nan=False)]
 """0 = greedy; finite (a float32 on device)."""
-TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False), AfterValidator(_positive_in_float32)]
-"""Nucleus mass in (0, 1]; 1 = off. Must stay positive in float32, or filtering would silently stop."""
+TopP = Annotated[float, Field(ge=FLOAT32_TINY, le=1, allow_inf_nan=False)]
+"""Nucleus mass in (0, 1]; 1 = off. At least float32's smallest normal number: a smaller one
+rounds (or flushes) to 0 on device and filtering would silently stop; the bound is in the schema,
+so what the schema allows the server accepts."""
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]
 """-1 or 0 = off; else the number of most likely tokens kept (an int32 on device)."""
-Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-"""Any int64 (as vLLM)."""
+Seed = Annotated[int, Field(ge=JSON_INT64_MIN, le=JSON_INT64_MAX)]
+"""An int64 (as vLLM), within the range JSON readers agree on (``JSON_INT64_MAX``); choice i of
+a request with ``n`` choices samples with seed + i, which then always fits in int64."""
 MaxTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]
 LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+PresencePenalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
+"""vLLM's range; 0 = off."""
+FrequencyPenalty = PresencePenalty
+RepetitionPenalty = Annotated[float, Field(ge=FLOAT32_TINY, le=FLOAT32_MAX, allow_inf_nan=False)]
+"""vLLM's "> 0", as a positive finite float32; 1 = off."""

@@ -127,7 +127,7 @@ def test_prime_rl_keys_fail_in_each_model_too() -> None:
     import pydantic
 
     from jaxrl.orchestrator.config import SamplingConfig
-    from jaxrl.orchestrator.env_server import EnvConfig
+    from jaxrl.orchestrator.config import EnvConfig
 
     with pytest.raises(pydantic.ValidationError, match="`num_workers` was renamed to `pool_size`"):
         EnvConfig(id="reverse_text", num_workers=2)
@@ -186,7 +186,7 @@ def test_help_names_the_flags_and_configs_merge_left_to_right(tmp_path, capsys) 
 def test_elastic_env_pool_is_checked(over, needle) -> None:
     import pydantic
 
-    from jaxrl.orchestrator.env_server import EnvConfig
+    from jaxrl.orchestrator.config import EnvConfig
 
     with pytest.raises(pydantic.ValidationError, match=needle):
         EnvConfig(id="reverse_text", **over)

@@ -274,14 +274,15 @@ def _engine_fits(cfg: RunConfig, eng: EngineShapes, topo: Topology) -> list[Prog
     from jaxrl.inference.engine import engine_programs
 
     icfg, layout = eng.config, eng.layout
-    prefill, decode, _, _ = engine_programs(eng.graphdef, layout, eng.kernels)
-    cache = layout.abstract_cache()
+    programs = engine_programs(eng.graphdef, layout, eng.kernels)
+    prefill, decode = programs.prefill, programs.decode
+    cache, counts = layout.abstract_cache(), layout.abstract_counts()
     md = _mesh_dict(eng.mesh)
     b = icfg.decode_buckets()[-1]
     dfit = ProgramFit(f"engine_decode[{b}x{icfg.max_model_len}]", topo.name, md, knobs=ENGINE_KNOBS)
     steps = icfg.decode_step_counts()[-1]
-    _compile(dfit, decode, steps, eng.weights, cache, *layout.decode_inputs(b))
+    _compile(dfit, decode, steps, eng.weights, cache, counts, *layout.decode_inputs(b))
     pb, pn = icfg.prefill_batches()[-1], icfg.prefill_lengths()[-1]
     pfit = ProgramFit(f"engine_prefill[{pb}x{pn}]", topo.name, md, knobs=ENGINE_KNOBS)
-    _compile(pfit, prefill, eng.weights, cache, *layout.prefill_inputs(pb, pn))
+    _compile(pfit, prefill, eng.weights, cache, counts, *layout.prefill_inputs(pb, pn))
     return [dfit, pfit]

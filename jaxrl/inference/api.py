@@ -1,12 +1,20 @@
 """Request and response bodies of the inference HTTP API (DESIGN contract 6).
 
 Requests accept and ignore unknown fields: real clients send extras (``cache_salt``,
-``priority``, ``skip_special_tokens``, ``routed_experts_prompt_start``, penalties, ...). The
-sampling settings honoured are those of ``jaxrl.inference.sampling.SamplingParams`` plus ``n``
-(choice i uses seed + i when a seed is given), ``stop`` strings, ``ignore_eos`` (drop the
-tokenizer's EOS from the stop tokens) and ``logprobs``; the rest (penalties, min_p, min_tokens,
-...) are accepted and have no effect. Only the sampled token's log-prob is returned
-(``top_logprobs`` lists are empty).
+``priority``, ``skip_special_tokens``, ``routed_experts_prompt_start``, ...). Every sampling field
+a request names is honoured or refused, never ignored: those of
+``jaxrl.inference.sampling.SamplingParams`` (penalties included, with vLLM's semantics and
+ranges) plus ``n`` (choice i uses seed + i when a seed is given), ``stop`` strings,
+``ignore_eos`` (drop the tokenizer's EOS from the stop tokens) and ``logprobs``; ``min_p`` and
+``min_tokens`` are not implemented and accept only their neutral value 0 (the schema says so).
+Only the sampled token's log-prob is returned (``top_logprobs`` lists are empty).
+
+Which distribution a log-prob is of: ``log_softmax(logits' / temperature)[token]`` where
+``logits'`` are the model's logits after the request's penalties (repetition, then frequency,
+then presence, as vLLM), before top-k / top-p filtering; temperature 0 reports temperature 1.
+Without penalties that is exactly what the trainer recomputes (``logits / temperature``); with
+penalties it is the distribution the token was drawn from (as vLLM's ``processed_logprobs``
+reports post-penalty values), so the trainer sees penalised tokens as off-policy by the penalty.
 
 Every value a request carries is range-checked here, so a bad value is a 400 naming the field
 and nothing out of range reaches the engine thread (a ``top_k`` of 2**31 once overflowed an
@@ -20,27 +28,27 @@ so ``output_mode`` is accepted and needs no switch.
 
 from __future__ import annotations
 
-import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictInt,
     StrictStr,
-    model_validator,
 )
 
 # The range types live beside the config layer's users, outside jaxrl.inference (the orchestrator
 # validates its sampling settings with them and must not import the engine side).
 from jaxrl.sampling_ranges import (
-    FLOAT32_MAX,
-    INT32_MAX,
-    INT64_MAX,
+    JSON_INT64_MAX,
     MAX_STOP_STRINGS,
+    FrequencyPenalty,
     LogprobCount,
     MaxTokens,
+    PresencePenalty,
+    RepetitionPenalty,
     Seed,
     StopString,
     Temperature,
@@ -48,23 +56,58 @@ from jaxrl.sampling_ranges import (
     TopP,
 )
 
-log = logging.getLogger(__name__)
-
-
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-# Sampling fields that are range-checked and accepted but have no effect (real clients send
-# them, mostly at their neutral value); a non-neutral value is logged once per field.
-_NO_EFFECT = {
-    "min_p": 0.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_tokens": 0,
-}
-_warned: set[str] = set()
+def _json_integer(v: Any) -> Any:
+    """JSON Schema's ``integer`` is any number with no fractional part (``35.0`` too); strings
+    and booleans stay refused (pydantic's strict int)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+TokenId = Annotated[StrictInt, BeforeValidator(_json_integer)]
+"""A token id as JSON Schema's integer; ``server_schema`` bounds it by the served vocabulary."""
+NoStreaming = Annotated[Literal[False], Field(description="streaming is not supported: false only")]
+RESERVED_TEMPLATE_KWARGS = ("tokenize", "add_generation_prompt", "tools", "conversation", "messages")
+
+
+def server_schema(
+    schema: dict[str, Any], *, vocab_size: int, max_model_len: int, allow_request_chat_template: bool
+) -> dict[str, Any]:
+    """``schema`` (the app's OpenAPI document) narrowed to what one server accepts: token ids in
+    its vocabulary, a token prompt shorter than ``max_model_len``, ``max_tokens`` below it (a
+    prompt holds at least one token), and no request-supplied chat template unless allowed. The
+    server enforces each of these with a 400 naming the field; what no schema can say (prompt +
+    max_tokens within max_model_len, a text or chat prompt's token count, a template that fails
+    on the given messages) is left to that 400 alone."""
+    defs = schema.get("components", {}).get("schemas", {})
+    token = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
+    prompt = {"type": "array", "items": token, "minItems": 1, "maxItems": max_model_len - 1}
+
+    def variants(prop: dict[str, Any]) -> list[dict[str, Any]]:
+        return prop.get("anyOf", [prop])
+
+    for name in ("GenerateSamplingParams", "ChatCompletionRequest", "CompletionRequest"):
+        props = defs[name]["properties"]
+        for v in variants(props["stop_token_ids"]):
+            if v.get("type") == "array":
+                v["items"] = token
+        for field in ("max_tokens", "max_completion_tokens"):
+            for v in variants(props.get(field, {})):
+                if v.get("type") == "integer":
+                    v["maximum"] = max_model_len - 1
+    defs["GenerateRequest"]["properties"]["token_ids"].update(prompt)
+    for v in variants(defs["CompletionRequest"]["properties"]["prompt"]):
+        if v.get("type") == "array":
+            v.update(prompt)
+    if not allow_request_chat_template:
+        chat = defs["ChatCompletionRequest"]["properties"]
+        chat["chat_template"] = {"type": "null", "description": "request-supplied chat templates are off on this server"}
+        for v in variants(chat["chat_template_kwargs"]):
+            if v.get("type") == "object":
+                v["propertyNames"] = {"not": {"enum": [*RESERVED_TEMPLATE_KWARGS, "chat_template"]}}
+    return schema
 
 
 class SamplingFields(_Body):
@@ -76,29 +119,14 @@ class SamplingFields(_Body):
     top_k: TopK | None = None
     seed: Seed | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: Annotated[list[StrictInt], Field(max_length=1024)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
     ignore_eos: bool = False
-    min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
-    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
-    repetition_penalty: float = Field(1.0, gt=0, le=FLOAT32_MAX, allow_inf_nan=False)
-    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
-
-    @model_validator(mode="after")
-    def _check(self) -> SamplingFields:
-        if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
-            raise ValueError(
-                f"seed + n - 1 must fit in int64 (choice i samples with seed + i); got seed {self.seed}"
-            )
-        for name, neutral in _NO_EFFECT.items():
-            if getattr(self, name) != neutral and name not in _warned:
-                _warned.add(name)
-                log.warning(
-                    "sampling field %s = %r is accepted but not implemented (no effect)",
-                    name,
-                    getattr(self, name),
-                )
-        return self
+    presence_penalty: PresencePenalty = 0.0
+    frequency_penalty: FrequencyPenalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    # Not implemented: only the neutral value (which real clients send) is accepted.
+    min_p: float = Field(0.0, ge=0, le=0, description="not implemented by this server: only 0 is accepted")
+    min_tokens: int = Field(0, ge=0, le=0, description="not implemented by this server: only 0 is accepted")
 
 
 # -- POST /inference/v1/generate ----------------------------------------------------------------
@@ -111,7 +139,7 @@ class GenerateSamplingParams(SamplingFields):
 
 class GenerateRequest(_Body):
     model: str | None = None
-    token_ids: list[StrictInt]
+    token_ids: list[TokenId] = Field(min_length=1)
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     output_mode: str | None = None
     request_id: str | None = None
@@ -178,11 +206,15 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: LogprobCount | None = None
-    stream: bool = False
+    stream: NoStreaming = False
     chat_template: str | None = None
     """A request-supplied template (vLLM's field; also read from ``chat_template_kwargs``):
     refused unless the server allows them (``inference.server.allow_request_chat_template``)."""
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: (
+        Annotated[dict[str, Any], Field(json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}})]
+        | None
+    ) = None
+    """Extra template variables; the server sets those in ``RESERVED_TEMPLATE_KWARGS`` itself."""
     return_token_ids: bool = False
 
 
@@ -216,10 +248,10 @@ class ChatCompletionResponse(BaseModel):
 
 class CompletionRequest(SamplingFields):
     model: str | None = None
-    prompt: StrictStr | Annotated[list[StrictInt], Field(min_length=1)]
+    prompt: Annotated[StrictStr, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
     max_tokens: MaxTokens | None = 16
     logprobs: LogprobCount | None = None
-    stream: bool = False
+    stream: NoStreaming = False
 
 
 class CompletionLogprobs(BaseModel):
@@ -252,7 +284,7 @@ class CompletionResponse(BaseModel):
 class UpdateWeightsRequest(_Body):
     path: StrictStr = Field(min_length=1)
     """A Hugging Face model directory (config.json + safetensors) with the served architecture."""
-    version: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
+    version: Annotated[int, Field(ge=0, le=JSON_INT64_MAX)] | None = None
     """Policy version to assign (must increase); default: current + 1."""
 
 

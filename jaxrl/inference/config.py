@@ -368,7 +368,8 @@ class InferenceConfig(BaseModel):
 
     def program_bound(self) -> int:
         """Device programs the engine compiles (its start-up warm-up compiles all of them)."""
-        return len(self.decode_shapes()) + len(self.prefill_shapes()) + 1  # + the row copy of prefix reuse
+        # + the row copy of prefix reuse and the token-count reset of a penalised request
+        return len(self.decode_shapes()) + len(self.prefill_shapes()) + 2
 
     def decode_step_counts(self) -> list[int]:
         """Decode steps per call the engine uses: ``decode_steps`` and ``decode_steps_idle``."""

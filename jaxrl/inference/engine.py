@@ -34,7 +34,7 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +45,7 @@ from jax.sharding import Mesh
 from jaxrl.inference import weights as W
 from jaxrl.inference.config import InferenceConfig
 from jaxrl.inference.engine_metrics import EngineMetrics, RateWindow
-from jaxrl.inference.sampling import SamplingBatch, sample
+from jaxrl.inference.sampling import SamplingBatch, TokenCounts, penalize, sample
 from jaxrl.inference.scheduler import (
     Completion,
     DecodePlan,
@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def _prefill(graphdef, state, cache, tokens, positions, rows, last, sampling):  # type: ignore[no-untyped-def]
+def _prefill(graphdef, state, cache, counts, tokens, positions, rows, last, sampling):  # type: ignore[no-untyped-def]
     """One batch of prompt chunks, with the reference attention on every backend: XLA's batched
     matmuls beat the CPU kernel's per-query dot products from 16-token chunks up (measured, one
     core, 800 cached positions: 16 rows x 16 tokens 28 vs 35 ms, 4 x 128 37 vs 69 ms), and the
@@ -72,12 +72,15 @@ def _prefill(graphdef, state, cache, tokens, positions, rows, last, sampling):  
     model, packed, head = W.serving_model(graphdef, state)
     hidden, cache = model(tokens, positions, cache=cache, cache_rows=rows, packed=packed, head=head)
     h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-    next_tokens, logprobs = sample(model.logits_f32(h_last, head), sampling)
+    logits = penalize(model.logits_f32(h_last, head), counts, rows, sampling)
+    next_tokens, logprobs = sample(logits, sampling)
     return cache, next_tokens, logprobs
 
 
-def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, shared, *, kernels):  # type: ignore[no-untyped-def]
+def _decode(graphdef, steps, state, cache, counts, tokens, positions, rows, sampling, shared, *, kernels):  # type: ignore[no-untyped-def]
     """``steps`` decode steps over the whole cache, read and written in place (donated).
+    ``counts`` (``TokenCounts``, donated too) counts each fed token (the one sampled last) as
+    generated before the step samples, for the penalties.
 
     Attention by ``kernels`` (``inference.kernels``): the decode kernel (TPU) reads each row's
     live blocks, the reference (``cached_attention``) each block of rows up to its furthest
@@ -87,17 +90,23 @@ def _decode(graphdef, steps, state, cache, tokens, positions, rows, sampling, sh
     model, packed, head = W.serving_model(graphdef, state)
 
     def body(carry, _):  # type: ignore[no-untyped-def]
-        cache, tok, pos, index = carry
+        cache, counts, tok, pos, index = carry
+        counts = counts.count(rows, tok)
         hidden, cache = model(
             tok[:, None], pos[:, None], cache=cache, cache_rows=rows, kernels=kernels, cache_shared=shared,
             packed=packed, head=head,
         )
-        new, logp = sample(model.logits_f32(hidden[:, 0], head), replace(sampling, draw_position=index))
-        return (cache, new, pos + 1, index + 1), (new, logp)
+        logits = penalize(model.logits_f32(hidden[:, 0], head), counts, rows, sampling)
+        new, logp = sample(logits, replace(sampling, draw_position=index))
+        return (cache, counts, new, pos + 1, index + 1), (new, logp)
 
-    carry = (cache, tokens, positions, sampling.draw_position)
-    (cache, *_), (new_tokens, logprobs) = jax.lax.scan(body, carry, None, length=steps)
-    return cache, new_tokens, logprobs
+    carry = (cache, counts, tokens, positions, sampling.draw_position)
+    (cache, counts, *_), (new_tokens, logprobs) = jax.lax.scan(body, carry, None, length=steps)
+    return cache, counts, new_tokens, logprobs
+
+
+def _reset_counts(counts: TokenCounts, row: jax.Array, prompt_mask: jax.Array) -> TokenCounts:
+    return counts.reset(row, prompt_mask)
 
 
 def _copy_row(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
@@ -136,7 +145,8 @@ class EngineLayout:
     cache_shape: tuple[int, ...]
     cache_dtype: Any
     cache_sharding: Any
-    inputs: Any  # sharding of host-fed inputs (replicated)
+    counts_shape: tuple[int, int]  # (max_seqs, vocab): ``TokenCounts`` of the penalties
+    inputs: Any  # sharding of host-fed inputs and of the token counts (replicated)
     key: tuple  # every shape the programs compile for (keys the program cache)
 
     @classmethod
@@ -145,11 +155,22 @@ class EngineLayout:
         shape = KVCache.shape(arch, config.max_seqs, config.max_model_len)
         key = (shape, str(jnp.dtype(cache_dtype)), tuple(config.decode_buckets()))
         key += tuple(map(tuple, (config.prefill_lengths(), config.prefill_batches(), config.decode_step_counts())))
-        return cls(mesh, shape, cache_dtype, W.cache_sharding(mesh, shape), W.replicated(mesh), key)
+        counts = (config.max_seqs, arch.vocab_size)
+        return cls(mesh, shape, cache_dtype, W.cache_sharding(mesh, shape), counts, W.replicated(mesh), key + counts)
 
     def abstract_cache(self) -> KVCache:
         one = jax.ShapeDtypeStruct(self.cache_shape, self.cache_dtype, sharding=self.cache_sharding)
         return KVCache(one, one)
+
+    def abstract_counts(self) -> TokenCounts:
+        return TokenCounts(self._abstract(self.counts_shape, jnp.int32), self._abstract(self.counts_shape, jnp.bool_))
+
+    def zero_counts(self) -> TokenCounts:
+        return TokenCounts(*(W.zeros_like_sharded(self.counts_shape, dt, self.inputs) for dt in (jnp.int32, jnp.bool_)))
+
+    def reset_inputs(self) -> tuple[Any, ...]:
+        """Abstract (row, prompt_mask) of a token-counts reset."""
+        return self._abstract((), jnp.int32), self._abstract(self.counts_shape[1:], jnp.bool_)
 
     def _abstract(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self.inputs)
@@ -157,7 +178,10 @@ class EngineLayout:
     def _sampling(self, batch: int) -> SamplingBatch:
         f32, i32 = jnp.float32, jnp.int32
         a = self._abstract
-        return SamplingBatch(a((batch,), f32), a((batch,), f32), a((batch,), i32), a((batch, 2), jnp.uint32), a((batch,), i32))
+        return SamplingBatch(
+            a((batch,), f32), a((batch,), f32), a((batch,), i32), a((batch, 2), jnp.uint32), a((batch,), i32),
+            a((batch,), f32), a((batch,), f32), a((batch,), f32),
+        )
 
     def prefill_inputs(self, batch: int, length: int) -> tuple[Any, ...]:
         """Abstract (tokens, positions, rows, last, sampling) of a prefill call."""
@@ -173,26 +197,38 @@ class EngineLayout:
         return a((batch,), i32), a((batch,), i32), a((batch,), i32), self._sampling(batch), shared
 
 
+class EnginePrograms(NamedTuple):
+    prefill: Any
+    decode: Any  # takes its number of steps as its first (static) argument
+    copy: Any  # one KV cache row to another (prefix reuse)
+    reset: Any  # one row of the token counts (a penalised request's admission)
+    traces: _TraceCounter
+
+
 @functools.cache
-def engine_programs(graphdef: nnx.GraphDef, layout: EngineLayout, kernels: Kernels) -> tuple[Any, Any, Any, _TraceCounter]:
-    """The engine's jitted programs (prefill, decode, row copy), shared by engines of the same
-    model, shardings and shape layout (tests and benchmarks build several engines; each jit
-    object has its own cache). Decode takes its number of steps as its first (static) argument."""
+def engine_programs(graphdef: nnx.GraphDef, layout: EngineLayout, kernels: Kernels) -> EnginePrograms:
+    """The engine's jitted programs, shared by engines of the same model, shardings and shape
+    layout (tests and benchmarks build several engines; each jit object has its own cache)."""
     traces = _TraceCounter()
     cache_sh, inputs_sh = layout.cache_sharding, layout.inputs
     cache_out = KVCache(cache_sh, cache_sh)
-    outs = (cache_out, inputs_sh, inputs_sh)
+    counts_out = TokenCounts(inputs_sh, inputs_sh)
     prefill = jax.jit(
-        traces.wrap(partial(_prefill, graphdef)), donate_argnums=(1,), out_shardings=outs
+        traces.wrap(partial(_prefill, graphdef)), donate_argnums=(1,), out_shardings=(cache_out, inputs_sh, inputs_sh)
     )
     decode = jax.jit(
         traces.wrap(partial(_decode, graphdef, kernels=kernels)),
         static_argnums=(0,),  # steps
-        donate_argnums=(2,),
-        out_shardings=outs,
+        donate_argnums=(2, 3),
+        out_shardings=(cache_out, counts_out, inputs_sh, inputs_sh),
     )
     copy = jax.jit(traces.wrap(_copy_row), donate_argnums=(0,), out_shardings=cache_out)
-    return prefill, decode, copy, traces
+    reset = jax.jit(traces.wrap(_reset_counts), donate_argnums=(0,), out_shardings=counts_out)
+    return EnginePrograms(prefill, decode, copy, reset, traces)
+
+
+class StaleVersion(ValueError):
+    """A weight update's version is not above the version served or already pending."""
 
 
 @dataclass
@@ -242,10 +278,11 @@ class Engine:
         self._cache = KVCache(
             *(W.zeros_like_sharded(layout.cache_shape, layout.cache_dtype, layout.cache_sharding) for _ in range(2))
         )
+        self._counts = layout.zero_counts()
         self._inputs = layout.inputs
         self._layout = layout
         programs = engine_programs(graphdef, layout, self.kernels)
-        self._prefill_fn, self._decode_fn, self._copy_fn, self._traces = programs
+        self._prefill_fn, self._decode_fn, self._copy_fn, self._reset_fn, self._traces = programs
 
         self._sched = Scheduler(config)
         self._rng = np.random.default_rng(config.seed)
@@ -332,15 +369,16 @@ class Engine:
         t0 = time.perf_counter()
         cfg, layout = self.config, self._layout
         jobs = [
-            partial(self._prefill_fn.lower, self._state, self._cache, *layout.prefill_inputs(batch, width))
+            partial(self._prefill_fn.lower, self._state, self._cache, self._counts, *layout.prefill_inputs(batch, width))
             for batch, width in cfg.prefill_shapes()
         ]
         jobs += [
-            partial(self._decode_fn.lower, steps, self._state, self._cache, *layout.decode_inputs(batch))
+            partial(self._decode_fn.lower, steps, self._state, self._cache, self._counts, *layout.decode_inputs(batch))
             for steps, batch in cfg.decode_shapes()
         ]
         index = jax.ShapeDtypeStruct((), jnp.int32, sharding=layout.inputs)
         jobs.append(partial(self._copy_fn.lower, self._cache, index, index))
+        jobs.append(partial(self._reset_fn.lower, self._counts, *layout.reset_inputs()))
         workers = max(1, min(len(os.sched_getaffinity(0)), 8))
         with ThreadPoolExecutor(workers, thread_name_prefix="jaxrl-warmup") as pool:
             list(pool.map(lambda lower: lower().compile(), jobs))
@@ -462,7 +500,7 @@ class Engine:
             if version is None:
                 version = latest + 1
             if version <= latest:
-                raise ValueError(f"weight update version {version} must be greater than {latest}")
+                raise StaleVersion(f"weight update version {version} must be greater than {latest}")
             if self._pending is None:
                 self._pending = _Update(state, version, [done])
             else:
@@ -561,6 +599,8 @@ class Engine:
         old = (self._cache.k, self._cache.v)
         if any(a.is_deleted() for a in old):
             self._cache = KVCache(*(W.zeros_like_sharded(a.shape, a.dtype, a.sharding) for a in old))
+        if any(a.is_deleted() for a in (self._counts.output, self._counts.prompt)):
+            self._counts = self._layout.zero_counts()
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:
@@ -598,6 +638,9 @@ class Engine:
             for src, dst in self._sched.admit():
                 with self._device_timer("copy"):
                     self._cache = self._copy_fn(self._cache, *self._put((np.int32(src), np.int32(dst))))
+            for seq in self._sched.admitted:
+                if seq.params.penalized:
+                    self._reset_counts(seq)
         prefill = self._sched.plan_prefill()
         if prefill is not None:
             self._run_prefill(prefill)
@@ -644,17 +687,24 @@ class Engine:
         finally:
             self._device_s[kind] += time.perf_counter() - t0
 
+    def _reset_counts(self, seq: Sequence) -> None:
+        """Zero the generated-token counts of ``seq``'s row and mark its prompt's tokens."""
+        mask = np.zeros(self.vocab_size, np.bool_)
+        mask[seq.prompt] = True
+        with self._device_timer("copy"):
+            self._counts = self._reset_fn(self._counts, *self._put((np.int32(seq.row), mask)))
+
     def _run_prefill(self, plan: PrefillPlan) -> None:
         with self._device_timer("prefill"):
             args = self._put((plan.tokens, plan.positions, plan.rows, plan.last, plan.sampling))
-            self._cache, tokens, logprobs = self._prefill_fn(self._state, self._cache, *args)
+            self._cache, tokens, logprobs = self._prefill_fn(self._state, self._cache, self._counts, *args)
             tokens, logprobs = jax.device_get((tokens, logprobs))
         self._deliver(self._sched.finish_prefill(plan, tokens, logprobs, self._version))
 
     def _run_decode(self, plan: DecodePlan) -> None:
         with self._device_timer("decode"):
             args = self._put((plan.tokens, plan.positions, plan.rows, plan.sampling, (plan.share_rows, plan.share_lens)))
-            self._cache, tokens, logprobs = self._decode_fn(plan.steps, self._state, self._cache, *args)
+            self._cache, self._counts, tokens, logprobs = self._decode_fn(plan.steps, self._state, self._cache, self._counts, *args)
             tokens, logprobs = jax.device_get((tokens, logprobs))
         self._deliver(self._sched.finish_decode(plan, tokens, logprobs, self._version))
 

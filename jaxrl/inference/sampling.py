@@ -13,7 +13,15 @@ holds for every token:
   (renormalised) distribution instead would make every filtered token look off-policy. vLLM's
   ``processed_logprobs`` mode reports the filtered distribution; use top_k / top_p = off for RL;
 - temperature 0 means greedy (argmax of the logits); its log-prob is reported at temperature
-  1.0, i.e. ``log_softmax(logits)[argmax]``, so train such samples with temperature 1.
+  1.0, i.e. ``log_softmax(logits)[argmax]``, so train such samples with temperature 1;
+- penalties (vLLM's ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty``, in
+  vLLM's order and with its semantics, ``apply_penalties``) change the distribution itself, so
+  they come first: ``logits`` above are then the *penalised* logits, greedy takes their argmax,
+  and the reported log-prob is ``log_softmax(penalised / temperature)[token]``, the distribution
+  the token was drawn from (vLLM's ``processed_logprobs`` also reports post-penalty values). The
+  trainer's ``logits / temperature`` does not know the penalties: penalised samples are
+  off-policy by exactly the penalty, and the importance ratio sees it. A request with neutral
+  penalties (0, 0, 1) is bit-identical to one without.
 
 Random draws invert the cumulative distribution of the temperature-scaled (and, if asked,
 filtered) probabilities at one uniform number drawn with a key derived from (request seed,
@@ -34,6 +42,7 @@ import numpy as np
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as in vLLM)
 _F32_MAX = float(np.finfo(np.float32).max)
 _I32_MAX = 2**31 - 1
+_PENALISED_MAX = _F32_MAX * GREEDY_BELOW
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,10 @@ class SamplingParams:
     top_k: int = 0  # 0 or -1: no top-k
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0  # [-2, 2]; subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # [-2, 2]; subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # > 0; divides positive (multiplies negative) logits of every
+    # token in the prompt or the generated tokens
 
     def __post_init__(self) -> None:
         # Device arrays are float32 / int32: a value that does not fit must fail here, in the
@@ -60,6 +73,13 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 or 0 (off) or a positive int32, got {self.top_k}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):  # vLLM's ranges
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (0 < self.repetition_penalty <= _F32_MAX and np.float32(self.repetition_penalty) > 0):
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}"
+            )
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
@@ -70,6 +90,11 @@ class SamplingParams:
     def filtered(self) -> bool:
         """True when top-k or top-p actually restrict a random draw."""
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+    @property
+    def penalized(self) -> bool:
+        """True when a penalty changes the logits (the engine then tracks the row's tokens)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @jax.tree_util.register_dataclass
@@ -82,6 +107,9 @@ class SamplingBatch:
     top_k: jax.Array  # i32[B]; 0 = off
     seed: jax.Array  # u32[B, 2]: low and high 32 bits of the request seed
     draw_position: jax.Array  # i32[B]: sequence position (prompt + completion) of the token drawn next
+    presence: jax.Array  # f32[B]; 0 = off
+    frequency: jax.Array  # f32[B]; 0 = off
+    repetition: jax.Array  # f32[B]; 1 = off
 
     @classmethod
     def host(
@@ -93,13 +121,63 @@ class SamplingBatch:
         top_k = np.zeros(size, np.int32)
         seed = np.zeros((size, 2), np.uint32)
         index = np.zeros(size, np.int32)
+        presence, frequency, repetition = np.zeros(size, np.float32), np.zeros(size, np.float32), np.ones(size, np.float32)
         for i, (p, s, g) in enumerate(zip(params, seeds, draw_position)):
             temp[i] = 0.0 if p.greedy else p.temperature
             top_p[i] = p.top_p
             top_k[i] = max(p.top_k, 0)
             seed[i] = (s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF)
             index[i] = g
-        return cls(temp, top_p, top_k, seed, index)
+            presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+        return cls(temp, top_p, top_k, seed, index, presence, frequency, repetition)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class TokenCounts:
+    """What the penalties look at, per KV cache row (device-resident, like the cache): how often
+    each vocabulary entry was generated so far, and which entries the prompt holds. Only rows of
+    penalised requests are kept exact (reset at admission, counted as decode feeds each sampled
+    token back); other rows hold stale values that neutral penalties multiply by nothing."""
+
+    output: jax.Array  # i32[R, V]
+    prompt: jax.Array  # bool[R, V]
+
+    def count(self, rows: jax.Array, tokens: jax.Array) -> TokenCounts:
+        """Add one generated ``tokens[i]`` to row ``rows[i]`` (rows out of range: dropped)."""
+        return TokenCounts(self.output.at[rows, tokens].add(1, mode="drop"), self.prompt)
+
+    def reset(self, row: jax.Array, prompt_mask: jax.Array) -> TokenCounts:
+        """Start row ``row`` over for a new request: nothing generated, ``prompt_mask`` (bool[V])."""
+        return TokenCounts(self.output.at[row].set(0), self.prompt.at[row].set(prompt_mask))
+
+
+def apply_penalties(logits: jax.Array, output: jax.Array, prompt: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """vLLM's penalties on f32 [B, V] logits, in its order: repetition (on tokens of the prompt
+    or the output: positive logits divided by it, the others multiplied), then frequency (times
+    each token's output count), then presence (once per token in the output). ``output`` i32
+    [B, V] counts, ``prompt`` bool [B, V]. Neutral values (1, 0, 0) leave a row bit-identical."""
+    generated = output > 0
+    rep = jnp.where(prompt | generated, batch.repetition[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - batch.frequency[:, None] * output.astype(jnp.float32)
+    logits = logits - batch.presence[:, None] * generated.astype(jnp.float32)
+    # An extreme repetition penalty (vLLM allows any > 0) overflows float32; clip so that
+    # ``logits / temperature`` stays finite (temperatures >= GREEDY_BELOW) and no row turns NaN.
+    return jnp.clip(logits, -_PENALISED_MAX, _PENALISED_MAX)
+
+
+def penalize(logits: jax.Array, counts: TokenCounts, rows: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """``apply_penalties`` with the counts of KV cache rows ``rows`` (padding rows, out of range,
+    read a clamped row and have neutral penalties); skipped (``lax.cond``) when no row penalises."""
+    on = (batch.presence != 0) | (batch.frequency != 0) | (batch.repetition != 1)
+
+    def apply() -> jax.Array:
+        output = jnp.take(counts.output, rows, axis=0, mode="clip")
+        prompt = jnp.take(counts.prompt, rows, axis=0, mode="clip")
+        return apply_penalties(logits, output, prompt, batch)
+
+    return jax.lax.cond(jnp.any(on), apply, lambda: logits)
 
 
 def _keys(seed: jax.Array, draw_position: jax.Array) -> jax.Array:
@@ -167,7 +245,8 @@ def argmax_first(x: jax.Array) -> jax.Array:
 
 
 def sample(logits: jax.Array, batch: SamplingBatch) -> tuple[jax.Array, jax.Array]:
-    """Draw one token per row of ``logits`` (f32 [B, V]); returns (tokens i32[B], logprobs f32[B]).
+    """Draw one token per row of ``logits`` (f32 [B, V], penalised already when the request asks:
+    ``penalize``); returns (tokens i32[B], logprobs f32[B]).
 
     A draw is one uniform number per row mapped through the cumulative distribution (inverse
     CDF): exact sampling from ``softmax(logits / T)`` (restricted to the kept tokens when

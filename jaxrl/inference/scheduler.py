@@ -258,6 +258,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.stats = SchedulerStats()
+        self.admitted: list[Sequence] = []  # given rows by the last ``admit``
         self._prefill_lens = config.prefill_lengths()
         self._prefill_batches = config.prefill_batches()
         self._decode_batches = config.decode_buckets()
@@ -294,12 +295,15 @@ class Scheduler:
         before this step's prefill."""
         copies: list[tuple[int, int]] = []
         deferred: list[Sequence] = []
+        self.admitted = []
         while self.waiting and any(o is None for o in self.rows.owner):
             seq = self.waiting.popleft()
             copy = self._place(seq)
             if copy is None:
                 deferred.append(seq)
-            elif copy != (-1, -1):
+                continue
+            self.admitted.append(seq)
+            if copy != (-1, -1):
                 copies.append(copy)
         self.waiting.extendleft(reversed(deferred))
         self.stats.row_copies += len(copies)

@@ -4,13 +4,90 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from jaxrl import renamed
+from jaxrl.envs import check_env_id
+from jaxrl.orchestrator.algo import AlgoConfig, GRPOConfig
+from jaxrl.orchestrator.sampling import SamplingOverride
 
 # The HTTP API's own range types: a run cannot configure what the server would refuse.
 from jaxrl.sampling_ranges import MaxTokens, Temperature, TopK, TopP
-from jaxrl.orchestrator.env_server import EnvConfig
+
+
+class EnvConfig(BaseModel):
+    """One environment of the run (an `[[orchestrator.train.env]]` entry)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    id: str
+    """A built-in env (`reverse_text`, `alphabet_sort`, `lookup`), the import path of a module
+    exporting a verifiers `Taskset` (`my_pkg.my_env`), or an installed verifiers env id."""
+    name: str = ""
+    """Name in logs, metrics and the log file (default: `id`); unique within a run."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Taskset config fields, e.g. `{split = "eval", num_tasks = 100, seed = 1}` for a built-in."""
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    """Other verifiers env config fields: a paired `Env` (`id = "user-sim"`), agent seat
+    overrides (`agent = {max_turns = 4, timeout = {rollout = 60}}`), env timeouts, retries.
+    Every seat runs on the local `subprocess` runtime unless its `runtime` is set here."""
+    address: str | None = None
+    """Attach to an env server already running at this ZeroMQ address (`tcp://host:port`)
+    instead of spawning one."""
+    pool_size: int = Field(1, ge=1)
+    """Worker processes of a spawned server (1: one in-process server; more: verifiers'
+    `EnvServerPool` spreads rollouts over that many processes)."""
+    elastic: bool = False
+    """Grow the pool with load (verifiers' elastic `EnvServerPool`): start with one worker and
+    spawn another whenever rollouts in flight reach 90% of `workers * worker_capacity`, up to
+    `pool_size`. verifiers 0.4 only grows a pool: workers are not reclaimed when load falls
+    (they idle until the run ends). False: all `pool_size` workers start at once."""
+    worker_capacity: int = Field(128, ge=1, le=1_000_000)
+    """Rollouts one worker is expected to carry, the unit of the elastic scale-up trigger
+    (verifiers' `multiplex`); with `elastic = false` it has no effect."""
+    max_concurrent: int | None = Field(None, ge=1)
+    """Episodes in flight per worker (None: no bound)."""
+    group_size: int | None = Field(None, ge=1)
+    """Rollouts per task for this env (None: the orchestrator's `group_size`)."""
+    algo: AlgoConfig = Field(default_factory=GRPOConfig)
+    """How this env's groups become samples: `grpo`, `max_rl`, `echo` or `sft`."""
+    sampling: SamplingOverride | None = None
+    """`[orchestrator.train.env.sampling]`: this env's temperature, max tokens, top-p/k; unset
+    fields inherit the split's `[orchestrator.train.sampling]`."""
+    ratio: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """Relative share of this env's groups in every batch (e.g. 3 and 1: three quarters and one
+    quarter); the schedule is deterministic and keeps every prefix of draws within one group of
+    the exact shares."""
+    startup_timeout: float = Field(300.0, gt=0)
+    """Seconds a spawned server may take to come up and answer health."""
+    max_restarts: int = Field(3, ge=0)
+    """Times a spawned server that dies mid-run is restarted (each logged); once more, the run
+    writes a checkpoint and stops with an error naming this env and its log."""
+    rollout_timeout: float | None = Field(None, gt=0)
+    """Seconds one rollout may take before it is cancelled and recorded as failed (None: no limit)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        return renamed.reject_renamed(data, renamed.ENV)
+
+    @field_validator("id")
+    @classmethod
+    def _known_id(cls, value: str) -> str:
+        check_env_id(value)
+        return value
+
+    @model_validator(mode="after")
+    def _default_name(self) -> EnvConfig:
+        if not self.name:
+            self.name = self.id
+        if "/" in self.name or self.name in (".", ".."):
+            raise ValueError(f"env name {self.name!r} must be usable as a file name; set `name`")
+        if self.elastic and self.pool_size < 2:
+            raise ValueError(f"env {self.name!r}: elastic = true grows the pool up to pool_size; set pool_size >= 2")
+        if self.elastic and self.address is not None:
+            raise ValueError(f"env {self.name!r}: elastic applies to a server jaxrl spawns, not one at `address`")
+        return self
 
 
 class SamplingConfig(BaseModel):

@@ -1,11 +1,12 @@
 """Env servers: spawn (or attach to) verifiers v1 env servers and run rollouts through them.
 
-One env server process per configured env (`[[orchestrator.train.env]]` / eval entries):
-`python -m jaxrl.orchestrator.env_server` runs verifiers' own `serve_env` — a single
-`EnvServer`, or an `EnvServerPool` of `pool_size` worker processes — bound by ZeroMQ to a
-free port on 127.0.0.1, with its logs in `<output_dir>/logs/envs/{train,eval}/<name>.log`.
-It exits when asked (SIGTERM, handled gracefully by verifiers) or when the orchestrator
-dies (its stdin closes). Or an entry names the `address` of a server someone else runs.
+One env server process per configured env (`[[orchestrator.train.env]]` / eval entries, their
+schema `config.EnvConfig`): `python -m jaxrl.orchestrator.env_child` runs verifiers' own
+`serve_env` — a single `EnvServer`, or an `EnvServerPool` of `pool_size` worker processes —
+bound by ZeroMQ to a free port on 127.0.0.1, with its logs in
+`<output_dir>/logs/envs/{train,eval}/<name>.log`. It exits when asked (SIGTERM, handled
+gracefully by verifiers) or when the orchestrator dies (its stdin closes). Or an entry names
+the `address` of a server someone else runs.
 
 Rollouts go through verifiers' `EnvClient.run(client_config, model, sampling, task_data)`:
 the env server renders prompts with the model's tokenizer, calls the engine's
@@ -14,17 +15,13 @@ episode back. Tasks come from the taskset loaded here, on the orchestrator side 
 has no list-tasks call). Every run comes back as a `Rollout`: failures (env errors, provider
 errors, timeouts, a dead server) carry their error instead of being dropped.
 
-verifiers takes seconds to import, so it is imported where it is used: parsing a config
-(`EnvConfig`) stays cheap.
+verifiers takes seconds to import, so it is imported where it is used.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import functools
-import gc
 import json
 import logging
 import os
@@ -32,20 +29,15 @@ import select
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-from jaxrl import renamed
 from jaxrl.endpoint import ModelEndpoint
-from jaxrl.envs import check_env_id, plugin_id, register_plugin
-from jaxrl.orchestrator.algo import AlgoConfig, GRPOConfig
-from jaxrl.orchestrator.sampling import SamplingOverride
+from jaxrl.envs import plugin_id, register_plugin
+from jaxrl.orchestrator.config import EnvConfig
 from jaxrl.orchestrator.traces import Rollout, episode_error
 
 if TYPE_CHECKING:
@@ -54,81 +46,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ENV_LOG_DIR = Path("logs") / "envs"
-
-
-class EnvConfig(BaseModel):
-    """One environment of the run (an `[[orchestrator.train.env]]` entry)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    id: str
-    """A built-in env (`reverse_text`, `alphabet_sort`, `lookup`), the import path of a module
-    exporting a verifiers `Taskset` (`my_pkg.my_env`), or an installed verifiers env id."""
-    name: str = ""
-    """Name in logs, metrics and the log file (default: `id`); unique within a run."""
-    args: dict[str, Any] = Field(default_factory=dict)
-    """Taskset config fields, e.g. `{split = "eval", num_tasks = 100, seed = 1}` for a built-in."""
-    env_args: dict[str, Any] = Field(default_factory=dict)
-    """Other verifiers env config fields: a paired `Env` (`id = "user-sim"`), agent seat
-    overrides (`agent = {max_turns = 4, timeout = {rollout = 60}}`), env timeouts, retries.
-    Every seat runs on the local `subprocess` runtime unless its `runtime` is set here."""
-    address: str | None = None
-    """Attach to an env server already running at this ZeroMQ address (`tcp://host:port`)
-    instead of spawning one."""
-    pool_size: int = Field(1, ge=1)
-    """Worker processes of a spawned server (1: one in-process server; more: verifiers'
-    `EnvServerPool` spreads rollouts over that many processes)."""
-    elastic: bool = False
-    """Grow the pool with load (verifiers' elastic `EnvServerPool`): start with one worker and
-    spawn another whenever rollouts in flight reach 90% of `workers * worker_capacity`, up to
-    `pool_size`. verifiers 0.4 only grows a pool: workers are not reclaimed when load falls
-    (they idle until the run ends). False: all `pool_size` workers start at once."""
-    worker_capacity: int = Field(128, ge=1, le=1_000_000)
-    """Rollouts one worker is expected to carry, the unit of the elastic scale-up trigger
-    (verifiers' `multiplex`); with `elastic = false` it has no effect."""
-    max_concurrent: int | None = Field(None, ge=1)
-    """Episodes in flight per worker (None: no bound)."""
-    group_size: int | None = Field(None, ge=1)
-    """Rollouts per task for this env (None: the orchestrator's `group_size`)."""
-    algo: AlgoConfig = Field(default_factory=GRPOConfig)
-    """How this env's groups become samples: `grpo`, `max_rl`, `echo` or `sft`."""
-    sampling: SamplingOverride | None = None
-    """`[orchestrator.train.env.sampling]`: this env's temperature, max tokens, top-p/k; unset
-    fields inherit the split's `[orchestrator.train.sampling]`."""
-    ratio: float = Field(1.0, gt=0, allow_inf_nan=False)
-    """Relative share of this env's groups in every batch (e.g. 3 and 1: three quarters and one
-    quarter); the schedule is deterministic and keeps every prefix of draws within one group of
-    the exact shares."""
-    startup_timeout: float = Field(300.0, gt=0)
-    """Seconds a spawned server may take to come up and answer health."""
-    max_restarts: int = Field(3, ge=0)
-    """Times a spawned server that dies mid-run is restarted (each logged); once more, the run
-    writes a checkpoint and stops with an error naming this env and its log."""
-    rollout_timeout: float | None = Field(None, gt=0)
-    """Seconds one rollout may take before it is cancelled and recorded as failed (None: no limit)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _renamed(cls, data: Any) -> Any:
-        return renamed.reject_renamed(data, renamed.ENV)
-
-    @field_validator("id")
-    @classmethod
-    def _known_id(cls, value: str) -> str:
-        check_env_id(value)
-        return value
-
-    @model_validator(mode="after")
-    def _default_name(self) -> EnvConfig:
-        if not self.name:
-            self.name = self.id
-        if "/" in self.name or self.name in (".", ".."):
-            raise ValueError(f"env name {self.name!r} must be usable as a file name; set `name`")
-        if self.elastic and self.pool_size < 2:
-            raise ValueError(f"env {self.name!r}: elastic = true grows the pool up to pool_size; set pool_size >= 2")
-        if self.elastic and self.address is not None:
-            raise ValueError(f"env {self.name!r}: elastic applies to a server jaxrl spawns, not one at `address`")
-        return self
 
 
 def verifiers_env_config(config: EnvConfig) -> vf.EnvConfig:
@@ -150,31 +67,6 @@ def verifiers_env_config(config: EnvConfig) -> vf.EnvConfig:
         return resolve_env_config(data)
     except (ValidationError, ImportError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"env {config.name!r} (id {config.id!r}): {e}") from e
-
-
-def _child_setup(aliases: Mapping[str, str]) -> None:
-    """Per-process setup of a spawned env server and each of its pool workers.
-
-    Imports the heavy libraries up front (the renderer's tokenizer stack would otherwise
-    load in front of the first rollout) and freezes everything imported out of the garbage
-    collector: tracing those millions of objects made collections, and interpreter exit
-    (which the pool waits on), take seconds.
-    """
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        force=True,
-        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
-    )
-    for noisy in ("httpx", "aiohttp.access"):  # a line per HTTP request
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    for taskset_id, module in aliases.items():
-        register_plugin(taskset_id, module)
-    import renderers.client  # noqa: F401
-    import transformers  # noqa: F401
-    import verifiers.v1  # noqa: F401
-
-    gc.freeze()
 
 
 class EnvServerError(RuntimeError):
@@ -225,7 +117,7 @@ class EnvServer:
         read_fd, write_fd = os.pipe()
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "jaxrl.orchestrator.env_server", "--address-fd", str(write_fd)],
+                [sys.executable, "-m", "jaxrl.orchestrator.env_child", "--address-fd", str(write_fd)],
                 stdin=subprocess.PIPE,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -497,61 +389,3 @@ async def start_env_servers(
         await asyncio.gather(*(server.aclose() for server in servers), return_exceptions=True)
         raise
     return servers
-
-
-# --- the spawned process ------------------------------------------------------------------
-
-
-class _AddressPipe:
-    """What verifiers' `serve_env` reports its bound address to (an `address_queue`)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def put(self, address: str) -> None:
-        os.write(self.fd, f"{address}\n".encode())
-        os.close(self.fd)
-
-
-def _read_line(fd: int) -> bytes:
-    """One line from a raw fd, unbuffered (the rest of the stream is the parent-death watch)."""
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = os.read(fd, 1)
-        if not chunk:
-            raise SystemExit("env server: stdin closed before the spec arrived")
-        data += chunk
-    return data
-
-
-def _exit_with_parent() -> None:
-    """SIGTERM ourselves (a graceful verifiers teardown) once the orchestrator's end of stdin closes."""
-    with contextlib.suppress(OSError):
-        while os.read(0, 65536):  # the raw fd: a buffered reader would hold its lock at exit
-            pass
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Run one verifiers env server (spawned by jaxrl).")
-    parser.add_argument("--address-fd", type=int, required=True)
-    args = parser.parse_args(argv)
-    spec = json.loads(_read_line(0))
-    _child_setup(spec["aliases"])
-    threading.Thread(target=_exit_with_parent, daemon=True).start()
-    from verifiers.v1.serve import serve_env
-
-    serve_env(
-        max_workers=spec["pool_size"],
-        address="tcp://127.0.0.1:0",
-        address_queue=_AddressPipe(args.address_fd),
-        log_setup=functools.partial(_child_setup, spec["aliases"]),
-        elastic=spec["elastic"],
-        multiplex=spec["worker_capacity"],
-        config_data=spec["config"],
-        max_concurrent=spec["max_concurrent"],
-    )
-
-
-if __name__ == "__main__":
-    main()

@@ -35,9 +35,10 @@ from typing import Any
 
 from jaxrl.endpoint import ModelEndpoint
 from jaxrl.orchestrator.algo import Algorithm, make_algorithm
-from jaxrl.orchestrator.config import EvalConfig, OrchestratorConfig, SamplingConfig
-from jaxrl.orchestrator.env_server import EnvConfig, EnvServer, EnvServerDead, start_env_servers, task_data
+from jaxrl.orchestrator.config import EnvConfig, EvalConfig, OrchestratorConfig, SamplingConfig
+from jaxrl.orchestrator.env_server import EnvServer, EnvServerDead, start_env_servers, task_data
 from jaxrl.orchestrator.tasks import TaskSampler
+from jaxrl.sampling_ranges import JSON_INT64_MAX
 from jaxrl.orchestrator.traces import Rollout
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,9 @@ def rollout_seeds(run_seed: int, *key: object, n: int) -> list[int]:
 
     def one(i: int) -> int:
         text = "/".join(map(str, (run_seed, *key, i)))
-        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest()) >> 1  # < 2**63
+        # < 2**63; the modulus (which leaves all but 512 in 2**63 of them as they are) keeps them
+        # within the seeds an inference server accepts (``JSON_INT64_MAX``).
+        return (int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest()) >> 1) % (JSON_INT64_MAX + 1)
 
     return [one(i) for i in range(n)]
 

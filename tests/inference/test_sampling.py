@@ -107,3 +107,50 @@ def test_argmax_first_is_jnp_argmax_with_ties_and_a_partial_last_block(vocab: in
     x[2, [3, vocab - 1]] = 7.0  # tie across blocks: the first wins
     got = np.asarray(jax.jit(argmax_first)(jnp.asarray(x)))
     np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+
+
+def _penalties_reference(logits, output_counts, prompt_mask, presence, frequency, repetition):
+    """vLLM's penalties, one row, float64 numpy (repetition, then frequency, then presence)."""
+    x = logits.astype(np.float64).copy()
+    seen = prompt_mask | (output_counts > 0)
+    x[seen] = np.where(x[seen] > 0, x[seen] / repetition, x[seen] * repetition)
+    return x - frequency * output_counts - presence * (output_counts > 0)
+
+
+def test_penalties_match_vllm_reference_and_neutral_rows_are_untouched() -> None:
+    from jaxrl.inference.sampling import TokenCounts, apply_penalties, penalize
+
+    rng = np.random.default_rng(0)
+    b, v = 5, 40
+    logits = rng.normal(0, 3, (b, v)).astype(np.float32)
+    counts = rng.integers(0, 3, (b, v)).astype(np.int32) * (rng.random((b, v)) < 0.3)
+    prompt = rng.random((b, v)) < 0.2
+    params = [
+        SamplingParams(presence_penalty=0.5),
+        SamplingParams(frequency_penalty=-1.5, repetition_penalty=1.3),
+        SamplingParams(repetition_penalty=0.7, presence_penalty=-2.0, frequency_penalty=2.0),
+        SamplingParams(),  # neutral: bit-identical
+        SamplingParams(repetition_penalty=2.0),
+    ]
+    batch = SamplingBatch.host(params, [0] * b, [0] * b, b)
+    got = np.asarray(apply_penalties(jnp.asarray(logits), jnp.asarray(counts), jnp.asarray(prompt), batch))
+    for i, p in enumerate(params):
+        want = _penalties_reference(logits[i], counts[i], prompt[i], p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+        np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got[3], logits[3])
+    assert not np.allclose(got[4], logits[4])
+    # ``penalize`` reads rows of the per-cache-row counts; a batch of neutral rows is untouched.
+    table = TokenCounts(jnp.asarray(counts[::-1]), jnp.asarray(prompt[::-1]))
+    rows = jnp.arange(b)[::-1]
+    np.testing.assert_array_equal(np.asarray(penalize(jnp.asarray(logits), table, rows, batch)), got)
+    neutral = SamplingBatch.host([SamplingParams()] * b, [0] * b, [0] * b, b)
+    np.testing.assert_array_equal(np.asarray(penalize(jnp.asarray(logits), table, rows, neutral)), logits)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("repetition_penalty", 0.0), ("repetition_penalty", float("inf"))],
+)
+def test_penalty_ranges_are_vllms(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})

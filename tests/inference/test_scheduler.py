@@ -181,9 +181,9 @@ def test_config_derives_buckets_and_names_bad_fields() -> None:
     assert cfg.decode_buckets() == [1, 8, 16, 24]
     assert cfg.prefill_lengths() == [16, 64, 256, 512]
     assert cfg.prefill_batches() == [1, 2, 4, 8]
-    assert cfg.program_bound() == 4 + 4 * 4 + 1  # decode programs: one per batch bucket, any length
+    assert cfg.program_bound() == 4 + 4 * 4 + 2  # decode programs: one per batch bucket, any length
     idle = InferenceConfig(max_model_len=1000, max_seqs=24, decode_steps_idle=16)
-    assert idle.decode_step_counts() == [4, 16] and idle.program_bound() == 2 * 4 + 4 * 4 + 1
+    assert idle.decode_step_counts() == [4, 16] and idle.program_bound() == 2 * 4 + 4 * 4 + 2
     assert InferenceConfig(max_seqs=1).decode_buckets() == [1]
     for bad, field in [
         ({"backend": "external"}, "base_url"),

@@ -18,7 +18,8 @@ from jaxrl.inference import api
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.sampling import SamplingParams
 from jaxrl.inference.scheduler import Request as EngineRequest
-from jaxrl.inference.server import EngineServer, parse_tool_calls
+from jaxrl.inference.chat_serving import parse_tool_calls
+from jaxrl.inference.server import EngineServer
 from jaxrl.models.hf_io import load_decoder
 
 MAX_LEN = 1024
@@ -220,6 +221,13 @@ OUT_OF_RANGE = [
     ({"stop": ""}, "stop"),
     ({"stop": ["ok", ""]}, "stop"),
     ({"min_p": 2}, "min_p"),
+    ({"min_p": 0.1}, "min_p"),  # not implemented: refused, never ignored
+    ({"min_tokens": 3}, "min_tokens"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),  # vLLM's ranges
+    ({"frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 5e-324}, "repetition_penalty"),  # positive, but 0 in float32
+    ({"top_p": 5e-324}, "top_p"),
     ({"max_tokens": 2**31}, "max_tokens"),
     ({"n": 0}, "n"),
 ]
@@ -275,8 +283,8 @@ BAD = [
     ),
     (
         "/inference/v1/generate",
-        {"token_ids": [1], "sampling_params": {"seed": 2**63 - 1, "n": 2}},
-        "seed + n - 1",
+        {"token_ids": [1], "sampling_params": {"seed": 2**63 - 512, "n": 2}},
+        "sampling_params.seed",  # beyond the range JSON readers agree on (seed + i always fits)
     ),
     # prompt + max_tokens over max_model_len: refused as vLLM does, not silently cut short
     (
@@ -340,6 +348,28 @@ def test_unknown_fields_are_ignored_and_server_stays_healthy(server) -> None:
     assert out["choices"][0]["logprobs"] is None and out["choices"][0]["finish_reason"] == "length"
     assert httpx.get(server.url + "/nope").status_code == 404
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_penalties_are_applied_not_ignored(server) -> None:
+    """Penalties over HTTP reach the engine: the greedy completion changes, and matches the engine's
+    own with the same penalties (whose numerics ``test_engine`` checks against numpy)."""
+    prompt = [5, 6, 7, 5, 6, 7, 8]
+    penalties = {"repetition_penalty": 1.7, "frequency_penalty": 0.9, "presence_penalty": 0.4}
+
+    def post(extra: dict) -> dict:
+        body = {"token_ids": prompt, "sampling_params": {"max_tokens": 16, "temperature": 0, "logprobs": 0, **extra}}
+        r = httpx.post(server.url + "/inference/v1/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    plain, penalised = post({}), post(penalties)
+    assert plain["token_ids"] != penalised["token_ids"]
+    want = server.engine.submit(
+        EngineRequest(prompt, SamplingParams(max_tokens=16, temperature=0, **penalties))
+    ).result(120)
+    assert penalised["token_ids"] == want.token_ids
+    got = [e["logprob"] for e in penalised["logprobs"]["content"]]
+    assert max(abs(a - b) for a, b in zip(got, want.logprobs)) < 1e-5
 
 
 def _local_port(r: httpx.Response) -> int:
@@ -438,13 +468,14 @@ def test_update_weights_over_http_loses_no_request(server, other_model_dir) -> N
         versions.append(choice["policy_version"])
     assert 0 in versions  # some were in flight during the update, and finished on the old weights
     assert after.json()["choices"][0]["policy_version"] == 1
-    assert bad.status_code == 400 and "not a model directory" in bad.json()["error"]["message"]
+    assert bad.status_code == 404 and "not a model directory" in bad.json()["error"]["message"]
     assert httpx.get(server.url + "/health").json()["policy_version"] == 1
 
 
 def test_update_weights_refuses_a_broken_directory_with_400(server, model_dir, tmp_path) -> None:
-    """A directory that does not load is the client's error: 400, the old weights keep serving,
-    and the connection stays open."""
+    """A directory that does not load is the client's error: 400 (404 when the path names no
+    model directory at all: a well-formed request for what is not there), the old weights keep
+    serving, and the connection stays open."""
     import shutil
 
     not_a_config = tmp_path / "list_config"
@@ -456,14 +487,14 @@ def test_update_weights_refuses_a_broken_directory_with_400(server, model_dir, t
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     version = server.engine.policy_version
     with httpx.Client(base_url=server.url, timeout=120) as client:
-        for path, needle in (
-            (not_a_config, "cannot load"),
-            (truncated, "cannot load"),
-            (tmp_path / "missing", "not a model directory"),
-            (model_dir / "config.json", "not a model directory"),
+        for path, status, needle in (
+            (not_a_config, 400, "cannot load"),
+            (truncated, 400, "cannot load"),
+            (tmp_path / "missing", 404, "not a model directory"),
+            (model_dir / "config.json", 404, "not a model directory"),
         ):
             r = client.post("/update_weights", json={"path": str(path)})
-            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+            assert r.status_code == status and needle in r.json()["error"]["message"], r.text
             assert r.headers.get("connection") != "close"
         assert client.get("/health").json()["policy_version"] == version
 
@@ -493,11 +524,11 @@ def test_update_weights_needs_the_api_key(model_dir, tokenizer, make_config, tmp
         right = {"authorization": "Bearer " + "k" * 20}
         r = httpx.post(srv.url + "/update_weights", json=body, headers=right)
         assert (
-            r.status_code == 400 and "outside the allowed weights directory" in r.json()["error"]["message"]
+            r.status_code == 403 and "outside the allowed weights directory" in r.json()["error"]["message"]
         )
         # A URL (shared storage of an external rollout backend) is refused under a local root.
         r = httpx.post(srv.url + "/update_weights", json={"path": "gs://bucket/w/policy-1"}, headers=right)
-        assert r.status_code == 400 and "outside the allowed weights directory" in r.json()["error"]["message"]
+        assert r.status_code == 403 and "outside the allowed weights directory" in r.json()["error"]["message"]
         generate = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}}
         assert httpx.post(srv.url + "/inference/v1/generate", json=generate, timeout=120).status_code == 200
     finally:
@@ -508,7 +539,7 @@ def test_update_weights_needs_the_api_key(model_dir, tokenizer, make_config, tmp
     try:
         for path in (str(model_dir), "gs://bucket/other/p", "gs://bucket/w/../x"):
             r = httpx.post(srv.url + "/update_weights", json={"path": path})
-            assert r.status_code == 400 and "outside the allowed" in r.json()["error"]["message"], path
+            assert r.status_code == 403 and "outside the allowed" in r.json()["error"]["message"], path
     finally:
         srv.stop()
     # Bound to a non-loopback address with no key configured: a key is generated, never an open route.

@@ -16,7 +16,7 @@ from jaxrl.orchestrator.algo import (
     SFTConfig,
     make_algorithm,
 )
-from jaxrl.orchestrator.env_server import EnvConfig
+from jaxrl.orchestrator.config import EnvConfig
 from jaxrl.trainer.packing import component_counts, pack
 
 TOOL_CE = {14: 0.1, 15: 0.1}  # tool node 3 spans 13..17; content at 14, 15

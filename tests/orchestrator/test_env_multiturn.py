@@ -9,7 +9,8 @@ from scripted import SAMPLING, gather
 
 from jaxrl.envs import alphabet_sort
 from jaxrl.orchestrator.algo import EchoConfig, make_algorithm
-from jaxrl.orchestrator.env_server import EnvConfig, EnvServer, task_data
+from jaxrl.orchestrator.config import EnvConfig
+from jaxrl.orchestrator.env_server import EnvServer, task_data
 from jaxrl.orchestrator.traces import trace_branches
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,8 @@ from scripted import SAMPLING, gather
 
 from jaxrl.envs import lookup, reverse_text
 from jaxrl.orchestrator.algo import EchoConfig, GRPOConfig, SFTConfig, make_algorithm
-from jaxrl.orchestrator.env_server import EnvConfig, EnvServer, EnvServerDead, start_env_servers, task_data
+from jaxrl.orchestrator.config import EnvConfig
+from jaxrl.orchestrator.env_server import EnvServer, EnvServerDead, start_env_servers, task_data
 
 pytestmark = pytest.mark.slow
 

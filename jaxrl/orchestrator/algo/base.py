@@ -12,12 +12,14 @@ trace. Failed rollouts (`Rollout.error`) take no part: not in a baseline, no sam
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from jaxrl.orchestrator.traces import Branch, Rollout, trace_branches, trace_reward
+from jaxrl.orchestrator.traces import Branch, Rollout, branch_sample, trace_branches, trace_reward
 from jaxrl.samples import TrainingSample
 
 
@@ -96,3 +98,29 @@ def trace_lengths(trace: dict) -> TraceLengths:
 def has_weight(sample: TrainingSample) -> bool:
     """Whether any token of the sample (past the first, which is never predicted) is trained."""
     return bool(sample.rl_w[1:].any() or sample.ce_w[1:].any() or sample.ref_kl_w[1:].any())
+
+
+def sampled_token_samples(
+    rollouts: Iterable[Rollout], *, stream: Literal["ce_w", "ref_kl_w"], weight: float = 1.0, **metadata: Any
+) -> list[TrainingSample]:
+    """One sample per trainable branch of each successful rollout, with no RL credit
+    (advantage 0, `rl_w` 0) and `weight` on every sampled token in the loss component `stream`:
+    what SFT (`ce_w`) and on-policy distillation (`ref_kl_w`) train. Samples with nothing to
+    train are left out; each carries its trace id and `metadata`."""
+    out = []
+    for rollout in rollouts:
+        if not rollout.ok:
+            continue
+        for trace, branches in trainable_branches(rollout):
+            for branch in branches:
+                sample = branch_sample(
+                    branch,
+                    rollout,
+                    advantage=0.0,
+                    rl_w=np.zeros(len(branch), np.float32),
+                    metadata={"trace_id": trace.get("id"), **metadata},
+                    **{stream: branch.sampled_mask.astype(np.float32) * weight},
+                )
+                if has_weight(sample):
+                    out.append(sample)
+    return out

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-import numpy as np
 from pydantic import Field
 
-from jaxrl.orchestrator.algo.base import AlgoConfigBase, Algorithm, has_weight, trainable_branches
-from jaxrl.orchestrator.traces import Rollout, branch_sample
+from jaxrl.orchestrator.algo.base import AlgoConfigBase, Algorithm, sampled_token_samples
+from jaxrl.orchestrator.traces import Rollout
 from jaxrl.samples import TrainingSample
 
 
@@ -40,20 +39,4 @@ class OPD(Algorithm):
         self.config = config
 
     def samples(self, group: list[Rollout]) -> list[TrainingSample]:
-        out = []
-        for rollout in group:
-            if not rollout.ok:
-                continue
-            for trace, branches in trainable_branches(rollout):
-                for branch in branches:
-                    sample = branch_sample(
-                        branch,
-                        rollout,
-                        advantage=0.0,
-                        rl_w=np.zeros(len(branch), np.float32),
-                        ref_kl_w=branch.sampled_mask.astype(np.float32),
-                        metadata={"trace_id": trace.get("id"), "teacher": self.config.teacher.name},
-                    )
-                    if has_weight(sample):
-                        out.append(sample)
-        return out
+        return sampled_token_samples(group, stream="ref_kl_w", teacher=self.config.teacher.name)

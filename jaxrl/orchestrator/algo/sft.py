@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-import numpy as np
 from pydantic import Field
 
-from jaxrl.orchestrator.algo.base import AlgoConfigBase, Algorithm, has_weight, trainable_branches
-from jaxrl.orchestrator.traces import Rollout, branch_sample
+from jaxrl.orchestrator.algo.base import AlgoConfigBase, Algorithm, sampled_token_samples
+from jaxrl.orchestrator.traces import Rollout
 from jaxrl.samples import TrainingSample
 
 
@@ -29,22 +28,6 @@ class SFT(Algorithm):
         self.config = config
 
     def samples(self, group: list[Rollout]) -> list[TrainingSample]:
-        out = []
-        for rollout in group:
-            if not rollout.ok or (
-                self.config.min_reward is not None and rollout.reward < self.config.min_reward
-            ):
-                continue
-            for trace, branches in trainable_branches(rollout):
-                for branch in branches:
-                    sample = branch_sample(
-                        branch,
-                        rollout,
-                        advantage=0.0,
-                        rl_w=np.zeros(len(branch), np.float32),
-                        ce_w=branch.sampled_mask.astype(np.float32) * self.config.weight,
-                        metadata={"trace_id": trace.get("id")},
-                    )
-                    if has_weight(sample):
-                        out.append(sample)
-        return out
+        floor = self.config.min_reward
+        kept = [r for r in group if r.ok and (floor is None or r.reward >= floor)]
+        return sampled_token_samples(kept, stream="ce_w", weight=self.config.weight)

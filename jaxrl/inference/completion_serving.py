@@ -1,0 +1,185 @@
+"""The logic behind the generating endpoints (vLLM's ``serving`` layer; the routes are in
+``server``, the bodies in ``api``): a request's sampling settings -> engine requests, awaiting
+them, and the token-in/token-out (``/inference/v1/generate``) and text (``/v1/completions``)
+responses. ``chat_serving`` builds the chat endpoint on the same ``CompletionServing``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jaxrl.inference import api
+from jaxrl.inference.engine import Engine
+from jaxrl.inference.http_errors import BadRequest, Unavailable
+from jaxrl.inference.sampling import SamplingParams
+from jaxrl.inference.scheduler import Completion
+from jaxrl.inference.scheduler import Request as EngineRequest
+
+
+def make_stop_fn(tokenizer: Any, stops: list[str]) -> Callable[[list[int]], bool]:
+    """True once the decoded completion tail contains a stop string."""
+    width = 4 * max(len(s) for s in stops) + 8  # tokens enough to hold any stop string
+
+    def stop(tokens: list[int]) -> bool:
+        tail = tokenizer.decode(tokens[-width:], skip_special_tokens=False)
+        return any(s in tail for s in stops)
+
+    return stop
+
+
+def stop_strings(body: api.SamplingFields) -> list[str]:
+    return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+
+
+def usage(prompt_len: int, completions: list[Completion]) -> dict[str, Any]:
+    out = sum(len(c.token_ids) for c in completions)
+    cached = min(c.cached_prompt_tokens for c in completions)
+    return {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": out,
+        "total_tokens": prompt_len + out,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+class CompletionServing:
+    """Runs requests on ``engine`` and shapes what the generating endpoints answer."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, model_name: str, default_stop_ids: Sequence[int]):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.default_stop_ids = list(default_stop_ids)
+
+    def params(self, body: api.SamplingFields, prompt_len: int, max_tokens: int | None) -> list[SamplingParams]:
+        """Engine sampling settings of a request's ``n`` choices. Like vLLM, a prompt plus
+        ``max_tokens`` beyond ``max_model_len`` is refused rather than silently cut short."""
+        limit = self.engine.max_model_len
+        if max_tokens is None:
+            max_tokens = max(limit - prompt_len, 1)  # a too-long prompt is refused by the engine
+        elif prompt_len + max_tokens > limit:
+            raise BadRequest(
+                f"max_tokens: this model's maximum context length is {limit} tokens; the request asks for "
+                f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} for the completion): "
+                f"lower max_tokens to at most {max(limit - prompt_len, 0)} or shorten the prompt"
+            )
+        stop_ids = list(body.stop_token_ids or []) + ([] if body.ignore_eos else self.default_stop_ids)
+        seeds = [None] * body.n if body.seed is None else [body.seed + i for i in range(body.n)]
+        try:
+            return [
+                SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=1.0 if body.temperature is None else body.temperature,
+                    top_p=1.0 if body.top_p is None else body.top_p,
+                    top_k=body.top_k or 0,
+                    seed=seed,
+                    stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+                    presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty,
+                    repetition_penalty=body.repetition_penalty,
+                )
+                for seed in seeds
+            ]
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+
+    async def complete(
+        self, prompt: list[int], params: list[SamplingParams], session: str | None, stops: list[str]
+    ) -> list[Completion]:
+        """Submit one engine request per choice and await them all; a cancelled handler (client
+        gone, shutdown) aborts its requests."""
+        stop_fn = make_stop_fn(self.tokenizer, stops) if stops else None
+        reqs = [EngineRequest(prompt, p, session_id=session, stop_fn=stop_fn) for p in params]
+        futures = []
+        try:
+            for r in reqs:
+                futures.append(self.engine.submit(r))
+        except (ValueError, RuntimeError) as e:
+            for r in reqs[: len(futures)]:
+                self.engine.abort(r.request_id)
+            raise (BadRequest if isinstance(e, ValueError) else Unavailable)(str(e)) from None
+        try:
+            return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        except asyncio.CancelledError:
+            for r in reqs:
+                self.engine.abort(r.request_id)
+            raise
+
+    def visible(self, c: Completion, stops: list[str]) -> tuple[list[int], str]:
+        """Completion tokens and text as a client sees them: without the matched stop token,
+        the text cut before a matched stop string."""
+        ids = c.token_ids
+        if c.stop_token is not None:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        return ids, text if cut < 0 else text[:cut]
+
+    def piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # -- /inference/v1/generate ----------------------------------------------------------------
+
+    async def generate(self, body: api.GenerateRequest, session: str | None) -> dict[str, Any]:
+        sp = body.sampling_params
+        params = self.params(sp, len(body.token_ids), sp.max_tokens)
+        completions = await self.complete(body.token_ids, params, session, stop_strings(sp))
+        choices = []
+        for i, c in enumerate(completions):
+            logprobs = None
+            if sp.logprobs is not None:
+                content = [
+                    {"token": f"token_id:{t}", "token_id": t, "logprob": lp} for t, lp in zip(c.token_ids, c.logprobs)
+                ]
+                logprobs = {"content": content}
+            choices.append(
+                {
+                    "index": i,
+                    "token_ids": c.token_ids,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "policy_version": c.policy_version,
+                    "policy_version_final": c.policy_version_final,
+                }
+            )
+        return {
+            "request_id": body.request_id or f"gen-{uuid.uuid4().hex}",
+            "prompt_token_ids": body.token_ids,
+            "choices": choices,
+            "usage": usage(len(body.token_ids), completions),
+        }
+
+    # -- /v1/completions -----------------------------------------------------------------------
+
+    async def completions(self, body: api.CompletionRequest, session: str | None) -> dict[str, Any]:
+        prompt = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
+        params = self.params(body, len(prompt), body.max_tokens)
+        stops = stop_strings(body)
+        done = await self.complete(prompt, params, session, stops)
+        choices = []
+        for i, c in enumerate(done):
+            ids, text = self.visible(c, stops)
+            logprobs = None
+            if body.logprobs is not None:
+                pieces = [self.piece(t) for t in ids]
+                offsets = [sum(len(p) for p in pieces[:k]) for k in range(len(pieces))]
+                logprobs = {
+                    "tokens": pieces,
+                    "token_logprobs": c.logprobs[: len(ids)],
+                    "top_logprobs": None,
+                    "text_offset": offsets,
+                }
+            choices.append(
+                {"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason, "token_ids": c.token_ids}
+            )
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": usage(len(prompt), done),
+        }
