@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
+import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -56,7 +56,9 @@ def build_family_tokenizer(out_dir: Path, family: str) -> Path:
 
 
 def build_family_model(out_dir: Path, family: str, *, seed: int = 0) -> Path:
-    """A random tiny checkpoint of ``family`` with its tokenizer, in one HF directory."""
+    """A random tiny checkpoint of ``family`` with its tokenizer, in one HF directory (transformers
+    writes it, so it needs torch: the test skips where torch is not installed)."""
+    torch = pytest.importorskip("torch")
     build_family_tokenizer(out_dir, family)
     vocab = -(-len(transformers.AutoTokenizer.from_pretrained(out_dir)) // 64) * 64
     common = dict(

@@ -4,10 +4,10 @@ transformers, and a resumed run reproduces the uninterrupted one step for step."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import transformers
 
 from jaxrl.config import build_config
@@ -30,9 +30,16 @@ def tiny_cfg(out, **over):
     return build_config(deep_merge(TINY, {"output_dir": str(out), **over}), [])
 
 
-def test_sft_loss_falls_and_exports_a_transformers_model(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory) -> tuple[Path, dict]:
+    """One 40-step SFT run, read by the two tests below."""
+    tmp_path = tmp_path_factory.mktemp("sft")
     cfg = tiny_cfg(tmp_path / "run", trainer={"steps": 40}, data={"eval_interval": 25})
-    result = run_sft(cfg)
+    return tmp_path, run_sft(cfg)
+
+
+def test_sft_loss_falls_and_exports_a_transformers_model(sft_run) -> None:
+    tmp_path, result = sft_run
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 41))
     assert all(r["time/train_s"] > 0 and "step_time_s" not in r for r in rows)  # one name, one meaning
@@ -45,15 +52,20 @@ def test_sft_loss_falls_and_exports_a_transformers_model(tmp_path) -> None:
     assert evals[25]["eval/ce_tokens"] == evals[40]["eval/ce_tokens"] > 16
     assert 0 < evals[40]["eval/ce_loss"] < 0.5 * first, (first, evals)
     assert (tmp_path / "run" / "metrics.png").stat().st_size > 0
-    export = tmp_path / "run" / "hf"
-    assert result["export"] == str(export)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(export)
+    assert result["export"] == str(tmp_path / "run" / "hf")
+    assert transformers.AutoConfig.from_pretrained(result["export"]).num_hidden_layers > 0
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["steps"] == 40
+
+
+def test_the_sft_export_runs_in_transformers(sft_run) -> None:
+    torch = pytest.importorskip("torch")
+    _, result = sft_run
+    hf = transformers.AutoModelForCausalLM.from_pretrained(result["export"]).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(result["export"])
     ids = tok.apply_chat_template([{"role": "user", "content": "abc"}], add_generation_prompt=True)
     ids = ids if isinstance(ids, list) else ids["input_ids"]
     with torch.no_grad():
         assert torch.isfinite(hf(torch.tensor([ids])).logits).all()
-    assert json.loads((tmp_path / "run" / "result.json").read_text())["steps"] == 40
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path) -> None:

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 import transformers
 from flax import nnx
 
@@ -23,6 +22,8 @@ PAD_TO = 128  # scoring row length (= the test engines' max_model_len)
 
 
 def make_qwen3(out_dir: Path, seed: int = 0) -> Path:
+    """Written by transformers itself (needs torch; tests that use it skip without torch)."""
+    torch = pytest.importorskip("torch")
     cfg = transformers.Qwen3Config(
         vocab_size=VOCAB,
         hidden_size=64,

@@ -21,7 +21,6 @@ import httpx
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 import transformers
 from flax import nnx
 from openai import AsyncOpenAI
@@ -45,6 +44,7 @@ MAX_LEN = 256
 
 
 def make_model(out: Path, seed: int) -> Path:
+    torch = pytest.importorskip("torch")
     cfg = transformers.Qwen3Config(
         vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=True,

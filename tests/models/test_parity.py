@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 import transformers
 
 from jaxrl.models.hf_io import SafetensorsDir, export_hf, load_decoder
+
+torch = pytest.importorskip("torch")  # every test compares with (or builds its checkpoint in) torch
 
 FAMILIES = {
     "qwen3": dict(

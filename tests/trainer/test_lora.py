@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pydantic
 import pytest
-import torch
 import transformers
 from flax import nnx
 
@@ -25,6 +24,7 @@ from jaxrl.trainer.step import Trainer
 
 
 def _tiny_hf(out_dir) -> dict:
+    torch = pytest.importorskip("torch")  # transformers writes the checkpoint
     cfg = transformers.Qwen3Config(
         vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False,
@@ -41,6 +41,7 @@ def _logits(model, tokens: np.ndarray) -> np.ndarray:
 
 
 def test_lora_trains_only_adapters_and_exports_the_merged_model(tmp_path) -> None:
+    torch = pytest.importorskip("torch")  # the reference forward
     hf_config = _tiny_hf(tmp_path / "base")
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     model = load_decoder(tmp_path / "base", sharding_fn=param_sharding_fn(mesh))
@@ -129,6 +130,8 @@ def test_lora_rl_serves_the_merged_policy(tmp_path) -> None:
     """Two GRPO steps with LoRA and the embedded engine, on-policy (max_async_level 0): step 2's
     rollouts come from the engine holding base + step 1's adapters, so the trainer's log-probs
     match the sampler's (mismatch KL ~0) only if the merged weights were synced."""
+    torch = pytest.importorskip("torch")  # the exported model and adapter load in transformers + PEFT
+    peft = pytest.importorskip("peft")
     from families import build_family_model
 
     from jaxrl.config import build_config
@@ -161,8 +164,6 @@ def test_lora_rl_serves_the_merged_policy(tmp_path) -> None:
     e = "model.embed_tokens.weight"
     assert torch.equal(exported.state_dict()[e], base.state_dict()[e])  # not adapted: unchanged
     # The adapters in PEFT format beside it: base + adapter is the merged export.
-    import peft
-
     assert json.loads((out / "result.json").read_text())["export_adapter"] == str(out / "hf_adapter")
     adapter_config = json.loads((out / "hf_adapter" / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == str(model.resolve())

@@ -8,9 +8,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-import peft
 import pytest
-import torch
 import transformers
 from flax import nnx
 from safetensors.numpy import load_file
@@ -20,6 +18,10 @@ from jaxrl.models.sharding import param_sharding_fn
 from jaxrl.parallel.mesh import MeshConfig, make_mesh
 from jaxrl.trainer.lora import TARGETS, LoraConfig, adapter_shapes, adapter_shardings, merged
 from jaxrl.trainer.peft_export import export_peft_adapter
+
+# The reference: PEFT loads the exported adapter onto a transformers model.
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
 
 VOCAB = 97
 
