@@ -28,7 +28,7 @@ from jaxrl.inference.http_thread import check_port_free
 from jaxrl.inference.rollout_backend import RolloutBackend, RolloutServerDead, start_rollout_backend
 from jaxrl.metrics import MetricsLogger
 from jaxrl.orchestrator.algo import OPDConfig
-from jaxrl.orchestrator.batch import build_batch
+from jaxrl.orchestrator.batch import BatchFailed, collect_batch
 from jaxrl.orchestrator.env_server import EnvServerDead
 from jaxrl.orchestrator.orchestrator import Orchestrator
 from jaxrl.parallel.distributed import broadcast_from_main, initialize, is_main_process
@@ -64,7 +64,7 @@ class RolloutLog:
                     self.logger.log_samples(picked[0]["step"], split, picked)
 
 
-STOPPING = (EnvServerDead, RolloutServerDead)  # the run checkpoints, writes result.json and exits 1
+STOPPING = (EnvServerDead, RolloutServerDead, BatchFailed)  # the run checkpoints, writes result.json and exits 1
 
 
 class LeaderStopped(RuntimeError):
@@ -83,6 +83,8 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     meta = run.maybe_resume(resume)
     leader = is_main_process()  # runs the orchestrator and env servers; every process trains
     backend = start_rollout_backend(run)
+    if leader:  # a free port by default: say which
+        print(f"[jaxrl] rollout server at {backend.endpoint.base_url}", flush=True)
     orch = (
         Orchestrator(ocfg, backend.endpoint, output_dir=run.out, seed=cfg.seed, policy_version=lambda: backend.policy_version)
         if leader
@@ -210,21 +212,10 @@ class _Stepper:
         """Process 0: a batch with learning signal for ``step`` (resampling up to max_resample)."""
         assert self.orch is not None
         orch = self.orch
-        batch = build_batch(self._next_batch(step), orch.algorithms, step)
-        for _ in range(self.max_resample):
-            if batch.has_signal:
-                break
-            batch.mark_resampled()
-            self.rollouts.write(batch.records)
-            orch.request_more(step)
-            batch = build_batch(self._next_batch(step), orch.algorithms, step)
-        if not batch.has_signal:
-            self.rollouts.write(batch.records)
-            raise RuntimeError(
-                f"step {step}: {self.max_resample + 1} batches in a row had no learning signal (every group's rewards "
-                "were identical and no CE tokens were selected); check the env's reward, raise the temperature, "
-                "or raise orchestrator.max_resample. Rollouts are in rollouts.jsonl"
-            )
+        batch = collect_batch(
+            lambda: self._next_batch(step), lambda: orch.request_more(step), orch.algorithms, step,
+            max_resample=self.max_resample, write=self.rollouts.write, env_logs=orch.env_logs(),
+        )  # fmt: skip
         return {"kind": "batch", "samples": batch.samples, "records": batch.records, "metrics": batch.metrics}
 
     def _next_batch(self, step: int) -> list[Any]:

@@ -4,6 +4,7 @@ preemption handling and the final HF export."""
 from __future__ import annotations
 
 import json
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -96,8 +97,15 @@ class TrainingRun:
                 if earlier
                 else "there is no earlier checkpoint: rerun without --resume to start over"
             )
-            cause = f"{type(e).__name__}: {e}"
-            raise RunAborted(f"--resume: checkpoint {path} cannot be restored ({cause[:600]}); {hint}") from e
+            log = self.out / "logs" / "resume_error.log"  # the whole error (orbax / TensorStore dumps run long)
+            if is_main_process():
+                log.parent.mkdir(parents=True, exist_ok=True)
+                log.write_text("".join(traceback.format_exception(e)))
+            first = (str(e).strip().splitlines() or [""])[0]
+            cause = f"{type(e).__name__}: {first[:200]}"
+            raise RunAborted(
+                f"--resume: checkpoint {path} cannot be restored ({cause}; details in {log}); {hint}"
+            ) from e
 
     def stop_request(self) -> StopRequest:
         return self._stop

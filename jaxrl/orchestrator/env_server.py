@@ -442,8 +442,8 @@ class EnvServer:
             rollout.error = episode_error(rollout.episode)
         except Exception as e:  # noqa: BLE001 - a failed run is a record
             rollout.error = f"{type(e).__name__}: {e}"
-        if rollout.error is not None:
-            logger.warning("rollout on env %s failed: %s", self.name, rollout.error)
+        if rollout.error is not None:  # the RL loop logs one line per step with the first error
+            logger.debug("rollout on env %s failed: %s", self.name, rollout.error)
         return rollout
 
     async def run_group(

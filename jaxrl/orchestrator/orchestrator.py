@@ -237,6 +237,10 @@ class Orchestrator:
             groups, queue.groups = queue.groups[: self.groups_per_step], queue.groups[self.groups_per_step :]
             return groups
 
+    def env_logs(self) -> dict[str, Path]:
+        """Each train env's server log (where a failed rollout's details are)."""
+        return {s.name: s.log_path for s in self.train_servers}
+
     def sampler_state_for(self, step: int) -> dict[str, Any]:
         """Task-sampler state from which step ``step``'s groups were (or will be) drawn."""
         with self._cond:
