@@ -355,7 +355,7 @@ def parse_args(
         add_help=False,
         allow_abbrev=False,  # "--conf" must not swallow anything: unknown flags are overrides
         description="Run with a TOML config (every field has a default) and dotted overrides of its fields.",
-        epilog="overrides: --section.field VALUE, e.g. --trainer.steps 50 --trainer.optim.lr 1e-3 (listed below)",
+        epilog="overrides: --section.field VALUE, every field listed below",
     )
     parser.add_argument("-h", "--help", action="store_true", help="show this help (and every field) and exit")
     parser.add_argument(
@@ -366,12 +366,12 @@ def parse_args(
         help="TOML file (or `@ FILE`); repeat to merge several, later files winning field by field",
     )
     parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config as TOML, exit")
-    parser.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
-    )
-    parser.add_argument(
-        "--overwrite", action="store_true", help="delete what output_dir holds (an earlier run) and start over"
-    )
+    parser.set_defaults(resume=False, overwrite=False)
+    if fields is None or "output_dir" in fields:  # flags of an entry point that writes a run
+        parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+        parser.add_argument(
+            "--overwrite", action="store_true", help="delete what output_dir holds (an earlier run) and start over"
+        )
     flags, rest = parser.parse_known_args(_at_files(list(sys.argv[1:] if argv is None else argv)))
     if flags.help:
         print(parser.format_help())
@@ -459,13 +459,17 @@ def build_config(toml: dict[str, Any], overrides: list[str], fields: Sequence[st
 
 
 def load_config(
-    argv: list[str] | None = None, prog: str = "python -m jaxrl.train", fields: Sequence[str] | None = None
+    argv: list[str] | None = None,
+    prog: str = "python -m jaxrl.train",
+    fields: Sequence[str] | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> tuple[RunConfig, argparse.Namespace]:
     """Parse an entry point's argv: (validated config, flags --config/--dry-run/--resume/--overwrite).
-    Several ``--config`` files merge left to right; overrides apply last. ``fields``: the top-level
-    sections the entry point reads (``--help`` and overrides are limited to them)."""
+    Several ``--config`` files merge left to right over the entry point's own ``defaults``;
+    overrides apply last. ``fields``: the top-level sections the entry point reads (``--help`` and
+    overrides are limited to them)."""
     flags, rest = parse_args(argv, prog, fields)
-    toml: dict[str, Any] = {}
+    toml: dict[str, Any] = dict(defaults or {})
     for path in flags.config:
         toml = deep_merge(toml, read_toml(path))
     return build_config(toml, rest, fields), flags

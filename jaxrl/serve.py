@@ -61,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 after a clean stop, 2 for a config error (one message, before any work),
     1 when the engine failed beyond recovery (a supervisor should restart the process)."""
     try:
-        cfg, flags = load_config(argv, prog="python -m jaxrl.serve", fields=SERVE_FIELDS)
-        if "port" not in cfg.inference.server.model_fields_set:  # a server people point clients at
-            server = cfg.inference.server.model_copy(update={"port": SERVE_PORT})
-            cfg = cfg.model_copy(update={"inference": cfg.inference.model_copy(update={"server": server})})
+        cfg, flags = load_config(
+            argv, prog="python -m jaxrl.serve", fields=SERVE_FIELDS,
+            defaults={"inference": {"server": {"port": SERVE_PORT}}},  # a server people point clients at
+        )  # fmt: skip
         if flags.dry_run:
             print(to_toml(cfg, include=set(SERVE_FIELDS)), end="")
             return 0

@@ -23,7 +23,7 @@ from jaxrl.preemption import RunAborted
 
 RUN_OUTPUTS = frozenset({
     "config.json", "metrics.jsonl", "rollouts.jsonl", "metrics.png", "result.json", "checkpoints", "hf",
-    "hf_adapter", "logs", "tb", "wandb", "rollout_weights", "vllm_weights",
+    "hf_adapter", "logs", "tb", "wandb", "rollout_weights", "vllm", "base",
 })  # fmt: skip
 """What a run writes into its output_dir (what --overwrite may delete)."""
 
