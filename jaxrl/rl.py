@@ -23,14 +23,14 @@ from typing import Any
 
 import jax
 
-from jaxrl.config import RunConfig, check_multihost_rl
+from jaxrl.config import ConfigError, RunConfig, check_multihost_rl
 from jaxrl.inference.http_thread import check_port_free
 from jaxrl.inference.rollout_backend import RolloutBackend, RolloutServerDead, start_rollout_backend
 from jaxrl.metrics import MetricsLogger
 from jaxrl.orchestrator.algo import OPDConfig
 from jaxrl.orchestrator.batch import BatchFailed, collect_batch
 from jaxrl.orchestrator.env_server import EnvServerDead
-from jaxrl.orchestrator.orchestrator import Orchestrator
+from jaxrl.orchestrator.orchestrator import Orchestrator, check_envs
 from jaxrl.parallel.distributed import broadcast_from_main, initialize, is_main_process
 from jaxrl.preemption import RunAborted
 from jaxrl.run_common import TrainingRun
@@ -79,6 +79,10 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
         check_multihost_rl(cfg.inference.backend)
     if is_main_process():  # the engine's server, vLLM's proxy or the external balancer listens here
         check_port_free(cfg.inference.server.host, cfg.inference.server.port)  # before the model loads
+        try:
+            check_envs(ocfg)  # an env that cannot load fails now, not after the engine's warm-up
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     run = TrainingRun(cfg, plot_keys=PLOT_KEYS)
     meta = run.maybe_resume(resume)
     leader = is_main_process()  # runs the orchestrator and env servers; every process trains
