@@ -137,6 +137,13 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     return result | {"last": last}
 
 
+def unused_metrics(ocfg: Any) -> tuple[str, ...]:
+    """Prefixes of the trainer's metrics that are zero by construction in this run: the CE
+    component's without an env that selects CE tokens (echo, sft), ref-KL's without a teacher."""
+    types = {e.algo.type for e in ocfg.train.env}
+    return (() if types & {"echo", "sft"} else ("ce_",)) + (() if "opd" in types else ("ref_kl_", "teacher_kl"))
+
+
 def load_teachers(ocfg: Any, trainer: Any) -> dict[str, Teacher]:
     """The OPD teachers the train envs name, each loaded once on the trainer's mesh."""
     configs = {e.algo.teacher.name: e.algo.teacher for e in ocfg.train.env if isinstance(e.algo, OPDConfig)}
@@ -165,6 +172,7 @@ class _Stepper:
                  teachers: dict[str, Teacher], max_resample: int):  # fmt: skip
         self.run, self.orch, self.backend, self.rollouts = run, orch, backend, rollouts
         self.teachers, self.max_resample = teachers, max_resample
+        self.unused = unused_metrics(run.cfg.orchestrator)
         self._pending: Exception | None = None  # a weight push that failed: stops the next step
 
     def step(self, step: int, *, stop_requested: bool) -> dict[str, Any] | None:
@@ -192,7 +200,7 @@ class _Stepper:
         samples = message["samples"]
         score_references(samples, self.teachers)
         t_score = time.perf_counter() - t0 - t_rollout
-        train = self.run.trainer.train_step(samples)
+        train = self.run.train_step(samples, unused=self.unused)
         t_train = time.perf_counter() - t0 - t_rollout - t_score
         try:
             self.backend.update_weights(self.run.trainer.params, version=self.run.trainer.step)

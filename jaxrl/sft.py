@@ -14,11 +14,8 @@ from jaxrl.models.chat import RendererSpec
 from jaxrl.run_common import TrainingRun
 from jaxrl.samples import TrainingSample
 
-# Loss metrics of the RL and ref-KL components, always 0 in SFT: left out of SFT rows.
-RL_ONLY = (
-    "rl_loss", "rl_tokens", "ref_kl_loss", "ref_kl_tokens", "mismatch_kl", "mismatch_kl_masked",
-    "masked_high_frac", "masked_low_frac",
-)  # fmt: skip
+# Loss metrics of the RL and ref-KL components, always 0 in SFT: left out of SFT rows (prefixes).
+RL_ONLY = ("rl_", "ref_kl_", "teacher_kl", "mismatch_kl", "masked_high_frac", "masked_low_frac")
 
 
 def run_sft(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
@@ -57,7 +54,7 @@ def run_sft(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     last: dict[str, Any] = {}
     with run.stop_request() as stop:
         for step in range(run.trainer.step + 1, cfg.trainer.steps + 1):
-            last = {k: v for k, v in run.trainer.train_step(next(batches)).items() if k not in RL_ONLY}
+            last = run.train_step(next(batches), unused=RL_ONLY)
             if held_out and (step % data_cfg.eval_interval == 0 or step == cfg.trainer.steps):
                 last |= evaluate(run, held_out)
             last = run.logger.log(step, last)
