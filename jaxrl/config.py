@@ -113,7 +113,12 @@ class DataConfig(BaseModel):
     """Conversations per optimizer step."""
     seed: int = 0
     eval_examples: int = Field(64, ge=1)
-    """Held-out conversations (the taskset's eval split, never trained on) scored for `eval/ce_loss`."""
+    """Held-out conversations (never trained on) scored for `eval/ce_loss`, at most: from the
+    taskset's eval split, or with `path`, from `eval_path` / the `eval_fraction` held out."""
+    eval_path: str | None = None
+    """Held-out conversations for `path` runs, in `path`'s formats (a file, a directory or a dataset id)."""
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    """Share of `path`'s rows held out for eval (a seeded random subset, by `seed`), never trained on."""
     eval_interval: int = Field(50, ge=0)
     """Steps between two held-out evals (NLL per assistant token, logged as `eval/ce_loss`); the
     last step always evaluates. 0: no eval."""
@@ -124,6 +129,10 @@ class DataConfig(BaseModel):
             raise ValueError("data: set either `path` (your conversations) or `taskset`, not both")
         if self.path is None and (self.revision is not None or self.skip_bad_rows):
             raise ValueError("data.revision / data.skip_bad_rows apply to `path`; set data.path")
+        if self.path is None and (self.eval_path is not None or self.eval_fraction):
+            raise ValueError("data.eval_path / data.eval_fraction hold out conversations of `path`; a taskset has its own eval split")
+        if self.eval_path is not None and self.eval_fraction:
+            raise ValueError("data: set either `eval_path` or `eval_fraction`, not both")
         return self
 
 
