@@ -94,6 +94,8 @@ def train_args(job: dict) -> list[str]:
         ("v5e-8", "tpu-v5-lite-podslice", "2x4", 1, 8),
         ("v6e-4", "tpu-v6e-slice", "2x2", 1, 4),
         ("v6e-256", "tpu-v6e-slice", "16x16", 64, 4),
+        ("v5p-32", "tpu-v5p-slice", "2x2x4", 4, 4),  # the 8B recipe's slice: 16 chips (v5p counts TensorCores)
+        ("v5p-8", "tpu-v5p-slice", "2x2x1", 1, 4),
     ],
 )
 def test_slice_shapes(name, accelerator, topology, hosts, per_host) -> None:
@@ -102,7 +104,7 @@ def test_slice_shapes(name, accelerator, topology, hosts, per_host) -> None:
     assert s.hosts * s.chips_per_host == s.chips
 
 
-@pytest.mark.parametrize("bad", ["v5e-12", "v4-8", "v6e", "v5p-8"])
+@pytest.mark.parametrize("bad", ["v5e-12", "v4-8", "v6e", "v5p-12"])
 def test_unknown_slice_is_a_clear_error(bad, capsys) -> None:
     assert render.main(["--slice", bad, *BASE]) == 2
     err = capsys.readouterr().err
@@ -110,7 +112,7 @@ def test_unknown_slice_is_a_clear_error(bad, capsys) -> None:
 
 
 @pytest.mark.parametrize(
-    ("slice_name", "hosts", "chips"), [("v5e-16", 4, 4), ("v6e-32", 8, 4), ("v5e-8", 1, 8)]
+    ("slice_name", "hosts", "chips"), [("v5e-16", 4, 4), ("v6e-32", 8, 4), ("v5e-8", 1, 8), ("v5p-32", 4, 4)]
 )
 def test_trainer_jobset(tmp_path, slice_name, hosts, chips) -> None:
     m = rendered(tmp_path, ["--slice", slice_name, *BASE, "--name", "rt", "--", "--trainer.steps", "100"])
@@ -139,8 +141,8 @@ def test_trainer_jobset(tmp_path, slice_name, hosts, chips) -> None:
         "cloud.google.com/gke-tpu-accelerator": render.ACCELERATORS[gen],
         "cloud.google.com/gke-tpu-topology": render.Slice.parse(slice_name).topology,
         # 2x4 is one 8-chip VM or two 4-chip VMs: the machine type picks the shape.
-        "node.kubernetes.io/instance-type": {4: f"ct{'5lp-hightpu' if gen == 'v5e' else '6e-standard'}-4t",
-                                             8: f"ct{'5lp-hightpu' if gen == 'v5e' else '6e-standard'}-8t"}[chips],
+        "node.kubernetes.io/instance-type": {"v5e": "ct5lp-hightpu", "v6e": "ct6e-standard", "v5p": "ct5p-hightpu"}[gen]
+        + f"-{chips}t",
     }
     (c,) = p["containers"]
     assert c["resources"]["limits"]["google.com/tpu"] == c["resources"]["requests"]["google.com/tpu"] == chips
