@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tomllib
 import time
 from pathlib import Path
 
@@ -220,10 +221,11 @@ def test_each_example_command_starts_through_the_real_entry_point(tmp_path, name
     args[args.index("--output-root") + 1] = str(tmp_path / "bucket")
     args[args.index("--config") + 1] = str(ROOT / args[args.index("--config") + 1])
     monkeypatch.chdir(tmp_path)  # the entry point links ./outputs to the bucket
+    (tmp_path / "configs").symlink_to(ROOT / "configs")  # as in the image: a warm start's recipe is read at config time
     out = subprocess.run([sys.executable, str(ROOT / "launch/gke/entrypoint.py"), *args, "--dry-run"],
                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    resolved = json.loads(out.stdout[out.stdout.index("{"):])
+    resolved = tomllib.loads(out.stdout[out.stdout.index("output_dir = "):])  # --dry-run prints TOML
     assert Path("outputs").resolve() == (tmp_path / "bucket").resolve()
     assert resolved["distributed"]["enabled"] == (render.Slice.parse(name.split("-rl")[0].split("-sft")[0]).hosts > 1)
 
