@@ -87,7 +87,9 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False) -> dic
         assert cfg.warmstart is not None
         warm, _ = load_config(["--config", cfg.warmstart.config])
         print(f"[jaxrl] {cfg.model.name} has no weights yet: running warm start {cfg.warmstart.config}")
-        run(warm, resume=has_checkpoint(warm))  # its own output_dir: refused if another run is there
+        resume = has_checkpoint(warm)
+        restart = not resume and not any((Path(warm.output_dir) / f).exists() for f in ("result.json", "hf"))
+        run(warm, resume=resume, overwrite=restart)  # an interrupted warm start continues; a finished run is refused
         if not has_weights(export):
             raise RuntimeError(
                 f"warmstart {cfg.warmstart.config} finished but {cfg.model.name} still has no weights; "
