@@ -85,6 +85,13 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False) -> dic
     export = cfg.warmstart_export()
     if export is not None and not has_weights(export):
         assert cfg.warmstart is not None
+        if cfg.orchestrator is not None:  # a broken env fails now, not after the warm start's minutes
+            from jaxrl.orchestrator.orchestrator import check_envs
+
+            try:
+                check_envs(cfg.orchestrator)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         warm, _ = load_config(["--config", cfg.warmstart.config])
         print(f"[jaxrl] {cfg.model.name} has no weights yet: running warm start {cfg.warmstart.config}")
         resume = has_checkpoint(warm)
