@@ -12,11 +12,11 @@ import argparse
 import difflib
 import importlib.util
 import json
-import sys
 import re
+import sys
 import tomllib
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -402,7 +402,7 @@ def _at_files(argv: list[str]) -> list[str]:
     return out
 
 
-def field_paths(model: type[BaseModel] = None, prefix: str = "") -> list[str]:  # type: ignore[assignment]
+def field_paths(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
     """Every dotted path an override can name: sections and their fields (not into lists)."""
     out: list[str] = []
     for name, info in (model or RunConfig).model_fields.items():
