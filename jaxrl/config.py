@@ -9,14 +9,18 @@ starts: a bad field fails with a message naming it.
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib.util
 import json
 import re
+import sys
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict, SettingsError
 
 from jaxrl import renamed
 from jaxrl.inference.config import InferenceConfig
@@ -24,6 +28,11 @@ from jaxrl.orchestrator.config import OrchestratorConfig
 from jaxrl.parallel.distributed import DistributedConfig
 from jaxrl.trainer.checkpoint import CkptConfig
 from jaxrl.trainer.config import TrainerConfig
+
+
+class ConfigError(ValueError):
+    """A run the config (or what it names: a model, an output_dir) cannot start: the entry points
+    print its one line and exit 2, before any work."""
 
 
 class ScratchModelConfig(BaseModel):
@@ -104,7 +113,12 @@ class DataConfig(BaseModel):
     """Conversations per optimizer step."""
     seed: int = 0
     eval_examples: int = Field(64, ge=1)
-    """Held-out conversations (the taskset's eval split, never trained on) scored for `eval/ce_loss`."""
+    """Held-out conversations (never trained on) scored for `eval/ce_loss`, at most: from the
+    taskset's eval split, or with `path`, from `eval_path` / the `eval_fraction` held out."""
+    eval_path: str | None = None
+    """Held-out conversations for `path` runs, in `path`'s formats (a file, a directory or a dataset id)."""
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    """Share of `path`'s rows held out for eval (a seeded random subset, by `seed`), never trained on."""
     eval_interval: int = Field(50, ge=0)
     """Steps between two held-out evals (NLL per assistant token, logged as `eval/ce_loss`); the
     last step always evaluates. 0: no eval."""
@@ -115,6 +129,10 @@ class DataConfig(BaseModel):
             raise ValueError("data: set either `path` (your conversations) or `taskset`, not both")
         if self.path is None and (self.revision is not None or self.skip_bad_rows):
             raise ValueError("data.revision / data.skip_bad_rows apply to `path`; set data.path")
+        if self.path is None and (self.eval_path is not None or self.eval_fraction):
+            raise ValueError("data.eval_path / data.eval_fraction hold out conversations of `path`; a taskset has its own eval split")
+        if self.eval_path is not None and self.eval_fraction:
+            raise ValueError("data: set either `eval_path` or `eval_fraction`, not both")
         return self
 
 
@@ -153,13 +171,33 @@ class LogConfig(BaseModel):
     tensorboard: bool = False
     """Also write TensorBoard event files to <output_dir>/tb (needs `tensorboardX`)."""
 
+    @model_validator(mode="after")
+    def _extras_installed(self) -> LogConfig:
+        """An optional logger that is asked for must be importable now, not after the model is built."""
+        for wanted, module, extra, field in (
+            (self.wandb is not None, "wandb", "wandb", "[log.wandb]"),
+            (self.tensorboard, "tensorboardX", "tensorboard", "log.tensorboard"),
+        ):
+            if wanted and importlib.util.find_spec(module) is None:
+                raise ValueError(f'{field} is set but {module} is not installed: pip install -e ".[{extra}]"')
+        return self
+
 
 class WarmstartConfig(BaseModel):
-    """Run another recipe first (e.g. SFT) when `[model] name` has no weights yet."""
+    """Run another recipe first (e.g. SFT) when `[model] name` is that recipe's export and has
+    no weights yet. It never runs for any other `[model] name` (a typo fails at config time)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     config: str
-    """The recipe TOML to run first; its export must land at this run's `[model] name`."""
+    """The recipe TOML to run first; its export (`<its output_dir>/hf`) must be this run's `[model] name`."""
+
+    def export_dir(self) -> Path:
+        """Where the recipe exports its model: ``<its output_dir>/hf``."""
+        try:
+            data = read_toml(self.config)
+        except FileNotFoundError as e:
+            raise ValueError(f"warmstart.config: {e}") from None
+        return Path(data.get("output_dir", RunConfig.model_fields["output_dir"].default)) / "hf"
 
 
 class RunConfig(BaseModel):
@@ -191,15 +229,13 @@ class RunConfig(BaseModel):
         if self.model.name is None and self.model.scratch is None:
             raise ValueError("model: set `name` (a HF model directory) or `[model.scratch]`")
         name = self.model.name
-        if (
-            name is not None
-            and self.warmstart is None
-            and not Path(name).is_dir()
-            and not _HUB_ID.match(name)
-        ):
+        if name is not None and self.warmstart_export() is None and not Path(name).is_dir() and not _HUB_ID.match(name):
+            made_by = ""
+            if self.warmstart is not None:
+                made_by = f" (nor the export of [warmstart] {self.warmstart.config}: {self.warmstart.export_dir()})"
             raise ValueError(
-                f"model.name: {self.model.name} is not a directory nor a hub id (org/name); point it at a Hugging "
-                "Face model directory (config.json + safetensors) or a hub id"
+                f"model.name: {self.model.name} is not a directory nor a hub id (org/name){made_by}; point it at a "
+                "Hugging Face model directory (config.json + safetensors) or a hub id"
             )
         context = model_context_len(self.model)
         if context is not None:
@@ -236,6 +272,14 @@ class RunConfig(BaseModel):
                         "room too); lower it or raise max_model_len"
                     )
         return self
+
+    def warmstart_export(self) -> Path | None:
+        """The `[warmstart]` recipe's export when it is this run's `[model] name` (the only case
+        in which the warm start may run), else None."""
+        if self.warmstart is None or self.model.name is None:
+            return None
+        export = self.warmstart.export_dir()
+        return export if Path(self.model.name).resolve() == export.resolve() else None
 
     @property
     def mode(self) -> Literal["sft", "rl"]:
@@ -283,11 +327,12 @@ class _Cli(BaseSettings):
     model_config = SettingsConfigDict(extra="forbid", cli_prog_name="jaxrl")
 
 
-def _cli_model() -> type[BaseSettings]:
-    fields = {name: (f.annotation, f) for name, f in RunConfig.model_fields.items()}
+def _cli_model(fields: Sequence[str] | None = None) -> type[BaseSettings]:
+    """The CLI's model: RunConfig's fields, or only the ``fields`` sections an entry point reads."""
     from pydantic import create_model
 
-    return create_model("RunCli", __base__=_Cli, **fields)  # type: ignore[call-overload]
+    chosen = {n: (f.annotation, f) for n, f in RunConfig.model_fields.items() if fields is None or n in fields}
+    return create_model("RunCli", __base__=_Cli, **chosen)  # type: ignore[call-overload]
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -309,49 +354,139 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 
 
 def parse_args(
-    argv: list[str] | None, prog: str = "python -m jaxrl.train"
+    argv: list[str] | None, prog: str = "python -m jaxrl.train", fields: Sequence[str] | None = None
 ) -> tuple[argparse.Namespace, list[str]]:
-    """The entry points' own flags; everything else is a dotted override. ``--help`` exits 0."""
+    """The entry points' own flags; everything else is a dotted override. ``--help`` lists both
+    (every field of ``fields`` sections, default all, with its type, default and docstring) and
+    exits 0. ``@ FILE`` (prime-rl's form) is ``--config FILE``."""
     parser = argparse.ArgumentParser(
         prog=prog,
+        add_help=False,
         allow_abbrev=False,  # "--conf" must not swallow anything: unknown flags are overrides
         description="Run with a TOML config (every field has a default) and dotted overrides of its fields.",
-        epilog=(
-            "overrides: --section.field VALUE, e.g. --trainer.steps 50 --trainer.optim.lr 1e-3 "
-            "--inference.server.port 8123 (the field docstrings in jaxrl/config.py and the section modules "
-            "document every field)"
-        ),
+        epilog="overrides: --section.field VALUE, every field listed below",
     )
+    parser.add_argument("-h", "--help", action="store_true", help="show this help (and every field) and exit")
     parser.add_argument(
         "--config",
         action="append",
         default=[],
         metavar="FILE",
-        help="TOML file; repeat to merge several, later files winning field by field",
+        help="TOML file (or `@ FILE`); repeat to merge several, later files winning field by field",
     )
-    parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config, exit")
-    parser.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
-    )
-    return parser.parse_known_args(argv)
+    parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config as TOML, exit")
+    parser.set_defaults(resume=False, overwrite=False)
+    if fields is None or "output_dir" in fields:  # flags of an entry point that writes a run
+        parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+        parser.add_argument(
+            "--overwrite", action="store_true", help="delete what output_dir holds (an earlier run) and start over"
+        )
+    flags, rest = parser.parse_known_args(_at_files(list(sys.argv[1:] if argv is None else argv)))
+    if flags.help:
+        print(parser.format_help())
+        CliSettingsSource(_cli_model(fields), cli_prog_name=prog, cli_parse_args=["--help"])()  # exits 0
+    return flags, rest
 
 
-def build_config(toml: dict[str, Any], overrides: list[str]) -> RunConfig:
+def _at_files(argv: list[str]) -> list[str]:
+    """prime-rl's ``@ cfg.toml`` / ``@cfg.toml`` as ``--config cfg.toml``."""
+    out: list[str] = []
+    args = iter(argv)
+    for a in args:
+        if a == "@":
+            out += ["--config", next(args, "")]
+        elif a.startswith("@") and len(a) > 1:
+            out += ["--config", a[1:]]
+        else:
+            out.append(a)
+    return out
+
+
+def field_paths(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
+    """Every dotted path an override can name: sections and their fields (not into lists)."""
+    out: list[str] = []
+    for name, info in (model or RunConfig).model_fields.items():
+        out.append(prefix + name)
+        for sub in _submodels(info.annotation):
+            out += field_paths(sub, f"{prefix}{name}.")
+    return out
+
+
+def _submodels(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    if get_origin(annotation) in (list, dict, tuple):
+        return []
+    return [m for a in get_args(annotation) for m in _submodels(a)]
+
+
+def _unknown_flag(flag: str) -> str:
+    """What an override the config does not have should be: its prime-rl rename, or the nearest field."""
+    key = flag.lstrip("-").split("=", 1)[0]
+    nested: dict[str, Any] = {}
+    node = nested
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = 1
+    if found := renamed.find_renamed(nested):
+        return f"--{key}: prime-rl key: " + "; ".join(found)
+    close = difflib.get_close_matches(key, field_paths(), n=1, cutoff=0.75)
+    hint = f"did you mean --{close[0]}?" if close else "--help lists every field"
+    return f"unknown flag --{key}: {hint}"
+
+
+def one_line(e: ValidationError) -> str:
+    """A pydantic error as one line per problem, each naming its field, joined by '; '."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ").replace("\n", " ")
+        if err["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(loc, field_paths(), n=1, cutoff=0.75)
+            msg = "unknown field" + (f"; did you mean {close[0]}?" if close else "")
+        elif not err["type"].endswith("_error") and not isinstance(err.get("input"), (dict, list)):
+            msg += f" (got {err.get('input')!r})"
+        parts.append(f"{loc}: {msg}" if loc and not msg.startswith(loc.rsplit(".", 1)[-1]) else msg)
+    return "; ".join(parts)
+
+
+def build_config(toml: dict[str, Any], overrides: list[str], fields: Sequence[str] | None = None) -> RunConfig:
     """TOML dict + CLI override strings -> validated RunConfig (raises ValueError with the field)."""
-    cli = CliSettingsSource(_cli_model(), cli_parse_args=overrides, cli_exit_on_error=False)()
+    try:
+        cli = CliSettingsSource(_cli_model(fields), cli_parse_args=overrides, cli_exit_on_error=False)()
+    except SettingsError as e:
+        unknown = re.search(r"unrecognized arguments: (.*)", str(e))
+        flags = [t for t in unknown.group(1).split() if t.startswith("--")] if unknown else []
+        if not flags:
+            raise ValueError(str(e).replace("\n", " ")) from None
+        raise ValueError("; ".join(_unknown_flag(f) for f in flags)) from None
     try:
         return RunConfig.model_validate(deep_merge(toml, cli))
     except ValidationError as e:
-        raise ValueError(f"invalid config:\n{e}") from None
+        raise ValueError(f"invalid config: {one_line(e)}") from None
 
 
 def load_config(
-    argv: list[str] | None = None, prog: str = "python -m jaxrl.train"
+    argv: list[str] | None = None,
+    prog: str = "python -m jaxrl.train",
+    fields: Sequence[str] | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> tuple[RunConfig, argparse.Namespace]:
-    """Parse an entry point's argv: (validated config, flags --config/--dry-run/--resume).
-    Several ``--config`` files merge left to right; overrides apply last."""
-    flags, rest = parse_args(argv, prog)
-    toml: dict[str, Any] = {}
+    """Parse an entry point's argv: (validated config, flags --config/--dry-run/--resume/--overwrite).
+    Several ``--config`` files merge left to right over the entry point's own ``defaults``;
+    overrides apply last. ``fields``: the top-level sections the entry point reads (``--help`` and
+    overrides are limited to them)."""
+    flags, rest = parse_args(argv, prog, fields)
+    toml: dict[str, Any] = dict(defaults or {})
     for path in flags.config:
         toml = deep_merge(toml, read_toml(path))
-    return build_config(toml, rest), flags
+    return build_config(toml, rest, fields), flags
+
+
+def to_toml(cfg: BaseModel, include: set[str] | None = None) -> str:
+    """The resolved config as TOML that ``--config`` reads back to the same config (unset
+    optional values, None, are left out: their default is None)."""
+    import tomli_w
+
+    return tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True, include=include))

@@ -1,11 +1,13 @@
 """Run metrics: ``<output_dir>/metrics.jsonl`` (one object per step, with ``step``), a rich
-progress bar, optional W&B / TensorBoard, and a PNG plot at the end. Only process 0 writes."""
+progress bar (off a terminal: a plain line with elapsed time and ETA), optional W&B /
+TensorBoard, and a PNG plot, refreshed at each eval and at the end. Only process 0 writes."""
 
 from __future__ import annotations
 
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -142,6 +144,12 @@ def plot_metrics(
     return Path(out)
 
 
+def _clock(seconds: float) -> str:
+    """``H:MM:SS``."""
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
 class MetricsLogger:
     def __init__(
         self,
@@ -156,14 +164,16 @@ class MetricsLogger:
         wandb_run_id: str | None = None,
         tensorboard: bool = False,
         run_config: dict[str, Any] | None = None,
+        title: str = "",
     ):
         self.main = is_main_process()
         self.dir = Path(output_dir)
         self.path = self.dir / "metrics.jsonl"
-        self.plot_keys = plot_keys
+        self.plot_keys, self.title = plot_keys, title
         self.total_steps, self.interval = total_steps, interval
         self._progress: Progress | None = None
         self._wandb = self._tb = None
+        self._start_step, self._t0 = start_step, time.monotonic()  # for the plain line's elapsed time and ETA
         if not self.main:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -206,7 +216,9 @@ class MetricsLogger:
         if self._progress is not None:
             self._progress.update(self._task, completed=step, description=progress_fields(metrics))
         elif step % self.interval == 0 or step == self.total_steps:
-            print(f"[jaxrl] step {step}/{self.total_steps} {progress_fields(metrics)}", flush=True)
+            print(f"[jaxrl] step {step}/{self.total_steps} {self._timing(step)} {progress_fields(metrics)}", flush=True)
+        if self.plot_keys and any(k.startswith("eval/") for k in metrics):  # a run read mid-way has its plot
+            plot_metrics(read_metrics(self.path), list(self.plot_keys), self.dir / "metrics.png", self.title)
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
         if self._tb is not None:
@@ -214,6 +226,13 @@ class MetricsLogger:
                 if isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)
         return metrics
+
+    def _timing(self, step: int) -> str:
+        """``elapsed 0:01:23 eta 0:10:00``: this process's time so far, and the rest at its mean pace."""
+        elapsed = time.monotonic() - self._t0
+        done = step - self._start_step
+        eta = elapsed / done * (self.total_steps - step) if done > 0 else None
+        return f"elapsed {_clock(elapsed)} eta {_clock(eta) if eta is not None else '?'}"
 
     @property
     def wandb_run_id(self) -> str | None:
@@ -230,7 +249,7 @@ class MetricsLogger:
                 for r in records[: self._wandb_samples]]  # fmt: skip
         self._wandb.log({f"samples/{split}": wandb.Table(columns=list(SAMPLE_COLUMNS), data=rows)}, step=step)
 
-    def close(self, title: str = "") -> Path | None:
+    def close(self, title: str | None = None) -> Path | None:
         if not self.main:
             return None
         if self._progress is not None:
@@ -241,4 +260,4 @@ class MetricsLogger:
             self._tb.close()
         if not self.plot_keys or not self.path.exists():
             return None
-        return plot_metrics(read_metrics(self.path), list(self.plot_keys), self.dir / "metrics.png", title)
+        return plot_metrics(read_metrics(self.path), list(self.plot_keys), self.dir / "metrics.png", title or self.title)

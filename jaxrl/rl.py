@@ -23,13 +23,13 @@ from typing import Any
 
 import jax
 
-from jaxrl.config import RunConfig, check_multihost_rl
+from jaxrl.config import ConfigError, RunConfig, check_multihost_rl
 from jaxrl.inference.http_thread import check_port_free
 from jaxrl.metrics import MetricsLogger
 from jaxrl.orchestrator.algo import OPDConfig
-from jaxrl.orchestrator.batch import build_batch
+from jaxrl.orchestrator.batch import BatchFailed, collect_batch
 from jaxrl.orchestrator.env_server import EnvServerDead
-from jaxrl.orchestrator.orchestrator import Orchestrator
+from jaxrl.orchestrator.orchestrator import Orchestrator, check_envs
 from jaxrl.parallel.distributed import broadcast_from_main, initialize, is_main_process
 from jaxrl.preemption import RunAborted
 from jaxrl.rollout.base import RolloutBackend, RolloutServerDead
@@ -65,7 +65,7 @@ class RolloutLog:
                     self.logger.log_samples(picked[0]["step"], split, picked)
 
 
-STOPPING = (EnvServerDead, RolloutServerDead)  # the run checkpoints, writes result.json and exits 1
+STOPPING = (EnvServerDead, RolloutServerDead, BatchFailed)  # the run checkpoints, writes result.json and exits 1
 
 
 class LeaderStopped(RuntimeError):
@@ -80,6 +80,10 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
         check_multihost_rl(cfg.inference.backend)
     if is_main_process():  # the engine's server, vLLM's proxy or the external balancer listens here
         check_port_free(cfg.inference.server.host, cfg.inference.server.port)  # before the model loads
+        try:
+            check_envs(ocfg)  # an env that cannot load fails now, not after the engine's warm-up
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     run = TrainingRun(cfg, plot_keys=PLOT_KEYS)
     meta = run.maybe_resume(resume)
     leader = is_main_process()  # runs the orchestrator and env servers; every process trains
@@ -88,6 +92,8 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
         inference=cfg.inference, model_config=cfg.model, output_dir=run.out,
         tokenizer_dir=run.tokenizer_dir, renderer=run.renderer,
     )  # fmt: skip
+    if leader:  # a free port by default: say which
+        print(f"[jaxrl] rollout server at {backend.endpoint.base_url}", flush=True)
     orch = (
         Orchestrator(ocfg, backend.endpoint, output_dir=run.out, seed=cfg.seed, policy_version=lambda: backend.policy_version)
         if leader
@@ -136,6 +142,13 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     return result | {"last": last}
 
 
+def unused_metrics(ocfg: Any) -> tuple[str, ...]:
+    """Prefixes of the trainer's metrics that are zero by construction in this run: the CE
+    component's without an env that selects CE tokens (echo, sft), ref-KL's without a teacher."""
+    types = {e.algo.type for e in ocfg.train.env}
+    return (() if types & {"echo", "sft"} else ("ce_",)) + (() if "opd" in types else ("ref_kl_", "teacher_kl"))
+
+
 def load_teachers(ocfg: Any, trainer: Any) -> dict[str, Teacher]:
     """The OPD teachers the train envs name, each loaded once on the trainer's mesh."""
     configs = {e.algo.teacher.name: e.algo.teacher for e in ocfg.train.env if isinstance(e.algo, OPDConfig)}
@@ -164,6 +177,7 @@ class _Stepper:
                  teachers: dict[str, Teacher], max_resample: int):  # fmt: skip
         self.run, self.orch, self.backend, self.rollouts = run, orch, backend, rollouts
         self.teachers, self.max_resample = teachers, max_resample
+        self.unused = unused_metrics(run.cfg.orchestrator)
         self._pending: Exception | None = None  # a weight push that failed: stops the next step
 
     def step(self, step: int, *, stop_requested: bool) -> dict[str, Any] | None:
@@ -191,7 +205,7 @@ class _Stepper:
         samples = message["samples"]
         score_references(samples, self.teachers)
         t_score = time.perf_counter() - t0 - t_rollout
-        train = self.run.trainer.train_step(samples)
+        train = self.run.train_step(samples, unused=self.unused)
         t_train = time.perf_counter() - t0 - t_rollout - t_score
         try:
             self.backend.update_weights(self.run.trainer.params, version=self.run.trainer.step)
@@ -215,21 +229,10 @@ class _Stepper:
         """Process 0: a batch with learning signal for ``step`` (resampling up to max_resample)."""
         assert self.orch is not None
         orch = self.orch
-        batch = build_batch(self._next_batch(step), orch.algorithms, step)
-        for _ in range(self.max_resample):
-            if batch.has_signal:
-                break
-            batch.mark_resampled()
-            self.rollouts.write(batch.records)
-            orch.request_more(step)
-            batch = build_batch(self._next_batch(step), orch.algorithms, step)
-        if not batch.has_signal:
-            self.rollouts.write(batch.records)
-            raise RuntimeError(
-                f"step {step}: {self.max_resample + 1} batches in a row had no learning signal (every group's rewards "
-                "were identical and no CE tokens were selected); check the env's reward, raise the temperature, "
-                "or raise orchestrator.max_resample. Rollouts are in rollouts.jsonl"
-            )
+        batch = collect_batch(
+            lambda: self._next_batch(step), lambda: orch.request_more(step), orch.algorithms, step,
+            max_resample=self.max_resample, write=self.rollouts.write, env_logs=orch.env_logs(),
+        )  # fmt: skip
         return {"kind": "batch", "samples": batch.samples, "records": batch.records, "metrics": batch.metrics}
 
     def _next_batch(self, step: int) -> list[Any]:

@@ -4,6 +4,8 @@ preemption handling and the final HF export."""
 from __future__ import annotations
 
 import json
+import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ class TrainingRun:
         self.plot_keys = plot_keys
         self.logger: MetricsLogger | None = None
         self._stop = StopRequest()
+        self._first_step_s: float | None = None
 
     def maybe_resume(self, resume: bool) -> dict[str, Any]:
         """Restore the latest checkpoint when ``resume``; returns its meta ({} when fresh)."""
@@ -65,6 +68,7 @@ class TrainingRun:
             plot_keys=self.plot_keys if log.plot else (), interval=log.interval, wandb=log.wandb,
             wandb_run_id=meta.get("wandb_run_id"),
             tensorboard=log.tensorboard, run_config=self.cfg.model_dump(),
+            title=f"{self.cfg.mode.upper()} {self.out.name}",
         )
         return meta
 
@@ -96,8 +100,30 @@ class TrainingRun:
                 if earlier
                 else "there is no earlier checkpoint: rerun without --resume to start over"
             )
-            cause = f"{type(e).__name__}: {e}"
-            raise RunAborted(f"--resume: checkpoint {path} cannot be restored ({cause[:600]}); {hint}") from e
+            log = self.out / "logs" / "resume_error.log"  # the whole error (orbax / TensorStore dumps run long)
+            if is_main_process():
+                log.parent.mkdir(parents=True, exist_ok=True)
+                log.write_text("".join(traceback.format_exception(e)))
+            first = (str(e).strip().splitlines() or [""])[0]
+            cause = f"{type(e).__name__}: {first[:200]}"
+            raise RunAborted(
+                f"--resume: checkpoint {path} cannot be restored ({cause}; details in {log}); {hint}"
+            ) from e
+
+    def train_step(self, samples: Any, *, unused: tuple[str, ...] = ()) -> dict[str, Any]:
+        """One optimizer step; its metrics less those starting with an ``unused`` prefix (zero by
+        construction in this run). The first step says when it starts compiling and how long
+        it took (off a terminal this is all there is to see for minutes on a large model)."""
+        first = self._first_step_s is None
+        if first and is_main_process():
+            print(f"[jaxrl] step {self.trainer.step + 1}: compiling the train step (first call)", flush=True)
+        t0 = time.perf_counter()
+        metrics = self.trainer.train_step(samples)
+        if first:
+            self._first_step_s = time.perf_counter() - t0
+            if is_main_process():
+                print(f"[jaxrl] first train step, compile included: {self._first_step_s:.1f} s", flush=True)
+        return {k: v for k, v in metrics.items() if not k.startswith(unused)} if unused else metrics
 
     def stop_request(self) -> StopRequest:
         return self._stop

@@ -4,8 +4,8 @@ Serves a Hugging Face model directory with the embedded engine over the HTTP API
 contract 6 (``/inference/v1/generate``, OpenAI ``/v1/chat/completions`` and ``/v1/completions``,
 ``/v1/models``, ``/update_weights``, ``/health``) until SIGINT/SIGTERM, then shuts down
 gracefully. Reads the same config tree as training: ``[model] name / tokenizer / dtype`` and
-``[inference]`` (sizes, ``[inference.server] host / port``). ``--dry-run`` prints the resolved
-``[inference]`` section and exits.
+``[inference]`` (sizes, ``[inference.server] host / port``, port 8000 unless set). ``--dry-run``
+prints the resolved ``[model]`` and ``[inference]`` sections as TOML and exits.
 """
 
 from __future__ import annotations
@@ -13,7 +13,12 @@ from __future__ import annotations
 import json
 import sys
 
-from jaxrl.config import RunConfig, load_config
+from jaxrl.config import RunConfig, load_config, to_toml
+
+SERVE_FIELDS = ("model", "inference")
+"""The config sections jaxrl.serve reads (its --help and overrides are limited to them)."""
+SERVE_PORT = 8000
+"""jaxrl.serve's port unless [inference.server] port is set (training runs default to a free port)."""
 
 
 def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
@@ -56,9 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 after a clean stop, 2 for a config error (one message, before any work),
     1 when the engine failed beyond recovery (a supervisor should restart the process)."""
     try:
-        cfg, flags = load_config(argv, prog="python -m jaxrl.serve")
+        cfg, flags = load_config(
+            argv, prog="python -m jaxrl.serve", fields=SERVE_FIELDS,
+            defaults={"inference": {"server": {"port": SERVE_PORT}}},  # a server people point clients at
+        )  # fmt: skip
         if flags.dry_run:
-            print(cfg.inference.model_dump_json(indent=2))
+            print(to_toml(cfg, include=set(SERVE_FIELDS)), end="")
             return 0
         server = build_server(cfg)
     except (ValueError, FileNotFoundError) as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from jaxrl.metrics import truncate_jsonl
 
@@ -24,9 +25,11 @@ def test_off_a_terminal_progress_is_a_plain_line_every_interval_steps(tmp_path, 
         logger.log(step, {"ce_loss": 1.0 / step, "grad_norm": 0.5, "eval/lookup/avg@4": 0.25, "note": "x"})
     logger.close()
     lines = capsys.readouterr().out.splitlines()
-    assert lines == [
-        f"[jaxrl] step {s}/5 train/ce_loss={1.0 / s:.4g} train/grad_norm=0.5 eval/lookup/avg@4=0.25" for s in (2, 4, 5)
+    clock = r"elapsed \d+:\d\d:\d\d eta (\d+:\d\d:\d\d)"  # off a terminal (kubectl logs) the line carries the time
+    assert [re.sub(clock, "T", line) for line in lines] == [
+        f"[jaxrl] step {s}/5 T train/ce_loss={1.0 / s:.4g} train/grad_norm=0.5 eval/lookup/avg@4=0.25" for s in (2, 4, 5)
     ]
+    assert re.search(clock, lines[-1]).group(1) == "0:00:00"  # the last step: nothing left
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
         1,
         2,
@@ -132,3 +135,28 @@ def test_a_cpu_run_does_not_start_libtpu() -> None:
     )  # fmt: skip
     assert out.stdout.strip() == "cpu"
     assert "TPU_ACCELERATOR_TYPE" not in out.stderr and "TPU_WORKER_HOSTNAMES" not in out.stderr, out.stderr
+
+
+def test_the_plot_is_refreshed_at_each_eval_not_only_at_the_end(tmp_path) -> None:
+    from jaxrl.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, 4, progress=False, plot_keys=("train/ce_loss",))
+    logger.log(1, {"ce_loss": 1.0})
+    assert not (tmp_path / "metrics.png").exists()
+    logger.log(2, {"ce_loss": 0.5, "eval/ce_loss": 0.7})
+    assert (tmp_path / "metrics.png").stat().st_size > 0  # a run read mid-way (kubectl cp) has its plot
+    logger.close()
+
+
+def test_metrics_zero_by_construction_are_not_logged() -> None:
+    from jaxrl.orchestrator.config import OrchestratorConfig
+    from jaxrl.rl import unused_metrics
+
+    def unused(*algos: str) -> tuple[str, ...]:
+        extra = {"opd": {"teacher": {"name": "t/t"}}, "echo": {"roles": {"user": {"alpha": 0.1}}}}
+        envs = [{"id": "reverse_text", "name": f"e{i}", "algo": {"type": a, **extra.get(a, {})}} for i, a in enumerate(algos)]
+        return unused_metrics(OrchestratorConfig(batch_size=8, group_size=8, train={"env": envs}))
+
+    assert unused("grpo") == ("ce_", "ref_kl_", "teacher_kl")
+    assert unused("grpo", "echo") == ("ref_kl_", "teacher_kl") and unused("opd") == ("ce_",)
+    assert unused("sft", "opd") == ()

@@ -28,6 +28,11 @@ BUILTIN_ENVS = {
 }
 """Built-in env name -> the module that implements it."""
 
+LOCAL_HARNESS = ("jaxrl_local_chat", "jaxrl.envs.harness")
+"""(verifiers plugin id, module) of `LocalChatHarness`: the harness of every agent seat whose
+taskset ships none and whose config names none (verifiers' own default, `bash`, installs a
+program over the network at run time; this one runs offline, in the env-server process)."""
+
 
 def plugin_id(env_id: str) -> tuple[str, str | None]:
     """The verifiers taskset id for a configured env id, and the module to alias under it.

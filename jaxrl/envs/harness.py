@@ -8,8 +8,9 @@ trace records exactly what a launched program would have produced. Tools are pla
 functions named by import path on the task's data (`ToolTaskData.tools`) and executed
 locally; their results go back to the model as `tool` messages.
 
-A taskset module exports this class in its `__all__` beside its `Taskset`, which makes it
-the taskset's default harness in verifiers' plugin resolution. Run it with
+A taskset module may export this class in its `__all__` beside its `Taskset` (verifiers then
+takes it as the taskset's harness); a taskset that exports no harness gets it anyway
+(`jaxrl.envs.LOCAL_HARNESS`), unless its env config names another. Run it with
 `runtime.type = "subprocess"` (the env server does so for every agent seat by default).
 """
 
@@ -28,6 +29,8 @@ from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 from pydantic import Field
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.utils.loaders import plugged_fn
+
+__all__ = ["LocalChatHarness", "LocalChatHarnessConfig", "ToolTaskData"]  # a verifiers harness plugin
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
 

@@ -23,8 +23,9 @@ class ServerConfig(BaseModel):
     host: str = "127.0.0.1"
     """Address to bind. Loopback by default; set "0.0.0.0" only on a trusted network."""
 
-    port: int = Field(8000, ge=0, le=65535)
-    """TCP port; 0 picks a free port (read it back from ``EngineServer.url``)."""
+    port: int = Field(0, ge=0, le=65535)
+    """TCP port; 0 (the default of a training run's in-process server: two runs on one machine never
+    collide) picks a free port, printed at start-up. ``jaxrl.serve`` defaults to 8000."""
 
     served_model_name: str | None = None
     """Model id reported by ``GET /v1/models``; default: the ``[model] name`` it was loaded from."""

@@ -4,12 +4,19 @@ Every rollout gets a record in ``rollouts.jsonl`` whatever happens to it, with a
 never rewritten: ``trained``, ``failed`` (its error is on the record) or ``no_signal`` (its
 group carried no learning signal). Records of a batch that had no signal at all and was
 replaced by a resample also carry ``resampled: true``. Nothing is dropped silently.
+
+``collect_batch`` gets a step its batch with learning signal, resampling up to
+``orchestrator.max_resample`` times; failed rollouts of every try count in that step's
+``train/rollouts_failed`` and are reported in one line per step (with the first error).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -17,12 +24,21 @@ from jaxrl.orchestrator.algo import Algorithm
 from jaxrl.orchestrator.orchestrator import Group
 from jaxrl.samples import TrainingSample
 
+logger = logging.getLogger(__name__)
+
+
+class BatchFailed(RuntimeError):
+    """A step found no batch to train on (every rollout failed, or no learning signal in
+    ``max_resample + 1`` tries): the run checkpoints and stops with this message."""
+
 
 @dataclass
 class Batch:
     samples: list[TrainingSample]
     records: list[dict]
     metrics: dict[str, float]
+    errors: list[tuple[str, str]] = field(default_factory=list)
+    """(env, error) of each failed rollout, in order."""
 
     @property
     def has_signal(self) -> bool:
@@ -39,6 +55,7 @@ def build_batch(groups: list[Group], algorithms: dict[str, Algorithm], step: int
     records: list[dict] = []
     rewards: dict[str, list[float]] = defaultdict(list)
     failed = 0
+    errors: list[tuple[str, str]] = []
     lags = []
     for group in groups:
         group_samples = algorithms[group.env].samples(group.rollouts)
@@ -50,6 +67,7 @@ def build_batch(groups: list[Group], algorithms: dict[str, Algorithm], step: int
                 fate = "trained" if group_samples else "no_signal"
             else:
                 failed += 1
+                errors.append((group.env, str(r.error)))
                 fate = "failed"
             records.append({"step": step, "split": "train", "fate": fate, **r.to_record()})
     all_rewards = [x for v in rewards.values() for x in v]
@@ -67,4 +85,45 @@ def build_batch(groups: list[Group], algorithms: dict[str, Algorithm], step: int
     }
     for env, values in rewards.items():
         metrics[f"reward/{env}"] = float(np.mean(values))
-    return Batch(samples, records, metrics)
+    return Batch(samples, records, metrics, errors)
+
+
+def collect_batch(
+    next_groups: Callable[[], list[Group]],
+    request_more: Callable[[], None],
+    algorithms: dict[str, Algorithm],
+    step: int,
+    *,
+    max_resample: int,
+    write: Callable[[list[dict]], None],
+    env_logs: Mapping[str, Path] = {},
+) -> Batch:
+    """A batch with learning signal for ``step``: a batch without any is written to the rollout
+    log (``resampled: true``) and replaced, up to ``max_resample`` times. Its metrics count the
+    failed rollouts of every try; raises ``BatchFailed`` when no try had signal."""
+    tries = [build_batch(next_groups(), algorithms, step)]
+    while not tries[-1].has_signal and len(tries) <= max_resample:
+        tries[-1].mark_resampled()
+        write(tries[-1].records)
+        request_more()
+        tries.append(build_batch(next_groups(), algorithms, step))
+    batch = tries[-1]
+    errors = [e for t in tries for e in t.errors]
+    total = sum(len(t.records) for t in tries)
+    where = ""
+    if errors:
+        env, first = errors[0]
+        where = f"; first error (env {env!r}): {first}" + (f"; env log {env_logs[env]}" if env in env_logs else "")
+        logger.warning("step %d: %d of %d rollouts failed (%d batches)%s", step, len(errors), total, len(tries), where)
+    if not batch.has_signal:
+        write(batch.records)
+        if len(errors) == total:
+            raise BatchFailed(f"step {step}: every rollout failed ({total} in {len(tries)} batches){where}")
+        raise BatchFailed(
+            f"step {step}: {len(tries)} batches in a row had no learning signal (every group's rewards were identical "
+            f"and no CE tokens were selected; {len(errors)} of {total} rollouts failed{where}); check the env's reward, "
+            "raise the temperature, or raise orchestrator.max_resample. Rollouts are in rollouts.jsonl"
+        )
+    batch.metrics |= {"rollouts_failed": float(len(errors)), "rollouts_failed_frac": len(errors) / max(total, 1),
+                      "resampled_batches": float(len(tries) - 1)}  # fmt: skip
+    return batch

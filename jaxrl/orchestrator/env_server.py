@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 from jaxrl.endpoint import ModelEndpoint
-from jaxrl.envs import plugin_id, register_plugin
+from jaxrl.envs import LOCAL_HARNESS, plugin_id, register_plugin
 from jaxrl.orchestrator.config import EnvConfig
 from jaxrl.orchestrator.traces import Rollout, episode_error
 
@@ -52,17 +52,21 @@ def verifiers_env_config(config: EnvConfig) -> vf.EnvConfig:
     """The verifiers env config an entry describes, validated (clear errors before any spawn)."""
     from pydantic import ValidationError
     from verifiers.v1 import AgentConfig
-    from verifiers.v1.utils.loaders import env_config_type, resolve_env_config
+    from verifiers.v1.utils.loaders import default_harness_id, env_config_type, resolve_env_config
 
     taskset_id, module = plugin_id(config.id)
     try:
         if module is not None:
             register_plugin(taskset_id, module)
+        register_plugin(*LOCAL_HARNESS)
+        own_harness = default_harness_id(taskset_id) == taskset_id  # the taskset module exports one
         data: dict[str, Any] = {**config.env_args, "taskset": {**config.args, "id": taskset_id}}
         for name, info in env_config_type(taskset_id, data.get("id", "")).model_fields.items():
             if isinstance(info.default, AgentConfig):
                 seat = dict(data.get(name) or {})
                 seat.setdefault("runtime", {"type": "subprocess"})
+                if not own_harness and seat.get("harness") is None and info.default.harness is None:
+                    seat["harness"] = {"id": LOCAL_HARNESS[0]}  # offline, not verifiers' networked `bash`
                 data[name] = seat
         return resolve_env_config(data)
     except (ValidationError, ImportError, TypeError, ValueError, AttributeError) as e:
@@ -107,7 +111,7 @@ class EnvServer:
 
         spec = {
             "config": env_config_data(self.vf_config),
-            "aliases": {taskset_id: module} if module else {},
+            "aliases": ({taskset_id: module} if module else {}) | {LOCAL_HARNESS[0]: LOCAL_HARNESS[1]},
             "pool_size": self.config.pool_size,
             "elastic": self.config.elastic,
             "worker_capacity": self.config.worker_capacity,
@@ -334,8 +338,8 @@ class EnvServer:
             rollout.error = episode_error(rollout.episode)
         except Exception as e:  # noqa: BLE001 - a failed run is a record
             rollout.error = f"{type(e).__name__}: {e}"
-        if rollout.error is not None:
-            logger.warning("rollout on env %s failed: %s", self.name, rollout.error)
+        if rollout.error is not None:  # the RL loop logs one line per step with the first error
+            logger.debug("rollout on env %s failed: %s", self.name, rollout.error)
         return rollout
 
     async def run_group(

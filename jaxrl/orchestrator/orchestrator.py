@@ -36,7 +36,7 @@ from typing import Any
 from jaxrl.endpoint import ModelEndpoint
 from jaxrl.orchestrator.algo import Algorithm, make_algorithm
 from jaxrl.orchestrator.config import EnvConfig, EvalConfig, OrchestratorConfig, SamplingConfig
-from jaxrl.orchestrator.env_server import EnvServer, EnvServerDead, start_env_servers, task_data
+from jaxrl.orchestrator.env_server import EnvServer, EnvServerDead, start_env_servers, task_data, verifiers_env_config
 from jaxrl.orchestrator.tasks import TaskSampler
 from jaxrl.sampling_ranges import JSON_INT64_MAX
 from jaxrl.orchestrator.traces import Rollout
@@ -79,16 +79,49 @@ def rollout_seeds(run_seed: int, *key: object, n: int) -> list[int]:
     return [one(i) for i in range(n)]
 
 
+def eval_enabled(cfg: OrchestratorConfig) -> bool:
+    """Whether the run evaluates at all (`[orchestrator.eval]` set with interval > 0)."""
+    return cfg.eval is not None and cfg.eval.interval > 0
+
+
 def eval_env_configs(cfg: OrchestratorConfig) -> tuple[list[EnvConfig], bool]:
-    """Eval entries (explicit, or each train env on its eval split) and whether they are new servers."""
+    """Eval entries (explicit, or each train env on its eval split) and whether they are new servers.
+    A train env can serve eval only if its taskset config has a `split` field."""
     assert cfg.eval is not None
     if cfg.eval.env:
         return list(cfg.eval.env), True
     out = []
     for env in cfg.train.env:
-        args = {**env.args, "split": "eval", "num_tasks": cfg.eval.num_tasks}
+        fields = type(verifiers_env_config(env).taskset).model_fields
+        if "split" not in fields:
+            raise ValueError(
+                f"env {env.name!r} (id {env.id!r}): its taskset config has no `split` field, so eval cannot draw "
+                "held-out tasks from it; add [[orchestrator.eval.env]] entries, or set orchestrator.eval.interval = 0"
+            )
+        args = {**env.args, "split": "eval"} | ({"num_tasks": cfg.eval.num_tasks} if "num_tasks" in fields else {})
         out.append(env.model_copy(update={"args": args}))
     return out, False
+
+
+def check_envs(cfg: OrchestratorConfig) -> None:
+    """Load every env the run uses in this process (its module, taskset and each seat's harness)
+    and raise a ValueError naming the env, so a broken env fails in seconds, before the engine
+    warms up and env servers spawn."""
+    from verifiers.v1 import AgentConfig
+    from verifiers.v1.utils.loaders import default_harness_id, harness_class
+
+    configs = list(cfg.train.env) + (eval_env_configs(cfg)[0] if eval_enabled(cfg) else [])
+    for config in configs:
+        try:
+            server = EnvServer(config)  # imports the module, validates its args (spawns nothing)
+            if not any(True for _ in server.taskset()):
+                raise ValueError("its taskset loaded no tasks")
+            for seat in (v for v in vars(server.vf_config).values() if isinstance(v, AgentConfig)):
+                harness_class(seat.harness.id if seat.harness else default_harness_id(server.vf_config.taskset.id))
+        except Exception as e:  # noqa: BLE001 - whatever the env's own code raises, said in one line
+            first = (str(e).strip().splitlines() or [""])[0]
+            message = first if first.startswith(f"env {config.name!r}") else f"env {config.name!r} (id {config.id!r}): {first}"
+            raise ValueError(f"{message} ({type(e).__name__}; the env must load before the run starts)") from e
 
 
 class Orchestrator:
@@ -135,7 +168,8 @@ class Orchestrator:
         self.sampler = TaskSampler(tasks, self.seed, {e.name: e.ratio for e in self.cfg.train.env})
         if sampler_state:
             self.sampler.load_state_dict(sampler_state)
-        if self.cfg.eval is not None:
+        if eval_enabled(self.cfg):  # no eval servers, tasks or split for a run that never evaluates
+            assert self.cfg.eval is not None
             self._start_eval(self.cfg.eval)
         self._next_step = first_step
         self._producer = asyncio.run_coroutine_threadsafe(self._produce(), self._loop)
@@ -239,6 +273,10 @@ class Orchestrator:
             queue = self._queues[step]
             groups, queue.groups = queue.groups[: self.groups_per_step], queue.groups[self.groups_per_step :]
             return groups
+
+    def env_logs(self) -> dict[str, Path]:
+        """Each train env's server log (where a failed rollout's details are)."""
+        return {s.name: s.log_path for s in self.train_servers}
 
     def sampler_state_for(self, step: int) -> dict[str, Any]:
         """Task-sampler state from which step ``step``'s groups were (or will be) drawn."""

@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     if "--resume" not in train_args and has_checkpoint(ckpt_dir):
         print(f"[entrypoint] checkpoint found in {ckpt_dir}: resuming", flush=True)
         train_args = [*train_args, "--resume"]
+    elif "--resume" not in train_args and output_dir.is_dir() and any(output_dir.iterdir()):
+        # this job's own earlier attempt, stopped before its first checkpoint: start it over
+        print(f"[entrypoint] {output_dir} holds no checkpoint yet: starting over (--overwrite)", flush=True)
+        train_args = [*train_args, "--overwrite"]
     returncode = run_forwarding_signals([sys.executable, "-m", "jaxrl.train", *train_args])
     return exit_code(returncode, output_dir)
 

@@ -1,4 +1,4 @@
-"""Render a GKE JobSet manifest for a jaxrl run on a TPU v5e / v6e slice.
+"""Render a GKE JobSet manifest for a jaxrl run on a TPU v5e / v6e / v5p slice.
 
     python launch/gke/render.py --slice v6e-16 --image IMAGE --bucket BUCKET \\
         --config configs/reverse_text/rl.toml [--rollout-slice v6e-8 --rollout-replicas 2] \\
@@ -40,7 +40,7 @@ TRAINER_CONTAINER = "jaxrl"
 EXIT_INTERRUPTED = 75  # launch/gke/entrypoint.py: stopped by SIGTERM after a checkpoint; run again to resume
 
 # GKE node-selector value per TPU generation.
-ACCELERATORS = {"v5e": "tpu-v5-lite-podslice", "v6e": "tpu-v6e-slice"}
+ACCELERATORS = {"v5e": "tpu-v5-lite-podslice", "v6e": "tpu-v6e-slice", "v5p": "tpu-v5p-slice"}
 # GKE machine type per (generation, chips per host). A topology can come in two VM shapes
 # (v5e/v6e 2x4: one 8-chip VM, or two 4-chip VMs), so the node selector names the machine type
 # too: without it a 2x4 pod asking for 8 chips could be scheduled on nothing, or the pool
@@ -48,6 +48,7 @@ ACCELERATORS = {"v5e": "tpu-v5-lite-podslice", "v6e": "tpu-v6e-slice"}
 MACHINE_TYPES = {
     ("v5e", 1): "ct5lp-hightpu-1t", ("v5e", 4): "ct5lp-hightpu-4t", ("v5e", 8): "ct5lp-hightpu-8t",
     ("v6e", 1): "ct6e-standard-1t", ("v6e", 4): "ct6e-standard-4t", ("v6e", 8): "ct6e-standard-8t",
+    ("v5p", 4): "ct5p-hightpu-4t",
 }  # fmt: skip
 # chips -> (topology, chips per host). v5e and v6e share shapes; above 8 chips every host has 4.
 SHAPES = {
@@ -60,6 +61,10 @@ SHAPES = {
     128: ("8x16", 4),
     256: ("16x16", 4),
 }
+
+# v5p slices are named by TensorCores (two per chip: v5p-32 is 16 chips, 4 hosts) and shaped in
+# 3D; every host has 4 chips. TensorCores -> topology.
+V5P_SHAPES = {8: "2x2x1", 16: "2x2x2", 32: "2x2x4", 64: "2x4x4", 128: "4x4x4", 256: "4x4x8", 512: "4x8x8"}
 
 
 @dataclass(frozen=True)
@@ -80,11 +85,13 @@ class Slice:
     @classmethod
     def parse(cls, name: str) -> Slice:
         gen, _, n = name.partition("-")
-        if gen not in ACCELERATORS or not n.isdigit() or int(n) not in SHAPES:
-            supported = ", ".join(f"{g}-{c}" for g in ACCELERATORS for c in SHAPES)
+        shapes = {c: (t, 4) for c, t in V5P_SHAPES.items()} if gen == "v5p" else SHAPES
+        if gen not in ACCELERATORS or not n.isdigit() or int(n) not in shapes:
+            supported = ", ".join(f"{g}-{c}" for g in ACCELERATORS for c in (V5P_SHAPES if g == "v5p" else SHAPES))
             raise ValueError(f"--slice {name!r}: expected one of {supported}")
-        topology, per_host = SHAPES[int(n)]
-        return cls(name, ACCELERATORS[gen], topology, int(n), per_host, MACHINE_TYPES[gen, per_host])
+        topology, per_host = shapes[int(n)]
+        chips = int(n) // 2 if gen == "v5p" else int(n)
+        return cls(name, ACCELERATORS[gen], topology, chips, per_host, MACHINE_TYPES[gen, per_host])
 
 
 def tpu_pod_spec(

@@ -133,3 +133,30 @@ def test_sft_on_a_llama3_tool_conversation_file(tmp_path) -> None:
         expected += int(np.sum(mask))
     steps = read_metrics(out / "metrics.jsonl")
     assert [m["train/ce_tokens"] for m in steps] == [expected, expected]
+
+
+def test_sft_on_your_own_data_holds_out_an_eval_split(tmp_path) -> None:
+    """`data.eval_fraction` holds out a seeded subset of `path` (never trained on) and
+    `data.eval_path` names a held-out file: either is scored as `eval/ce_loss`."""
+    from jaxrl.metrics import read_metrics
+    from jaxrl.sft import hold_out, run_sft
+
+    train, held = hold_out(list(range(20)), 0.25, seed=0)
+    assert len(held) == 5 and sorted(train + held) == list(range(20)) and hold_out(list(range(20)), 0.25, 0)[1] == held
+    rows = write_jsonl(tmp_path / "mine.jsonl", [plain_row(f"say {w}", w) for w in ("ab", "cd", "ef", "gh") * 5])
+    other = write_jsonl(tmp_path / "held.jsonl", [plain_row("say zz", "zz")])
+    scratch = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 1, "num_kv_heads": 1,
+               "head_dim": 32, "max_position_embeddings": 128}  # fmt: skip
+    for i, held_cfg in enumerate(({"eval_fraction": 0.25}, {"eval_path": str(other)})):
+        out = tmp_path / f"run{i}"
+        result = run_sft(build_config({
+            "output_dir": str(out), "model": {"scratch": scratch},
+            "data": {"path": str(rows), "batch_size": 4, "eval_interval": 1, **held_cfg},
+            "trainer": {"steps": 2, "seq_len": 128, "micro_batch_rows": 4, "mesh": {"num_devices": 1}},
+            "log": {"progress": False, "plot": False},
+        }, []))  # fmt: skip
+        assert result["examples"] == (15 if i == 0 else 20)
+        evals = [r for r in read_metrics(out / "metrics.jsonl") if "eval/ce_loss" in r]
+        assert [r["step"] for r in evals] == [1, 2] and evals[0]["eval/ce_tokens"] > 0
+    with pytest.raises(ValueError, match="eval_fraction"):
+        build_config({"data": {"taskset": "lookup", "eval_fraction": 0.1}}, [])

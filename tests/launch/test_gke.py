@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tomllib
 import time
 from pathlib import Path
 
@@ -94,6 +95,8 @@ def train_args(job: dict) -> list[str]:
         ("v5e-8", "tpu-v5-lite-podslice", "2x4", 1, 8),
         ("v6e-4", "tpu-v6e-slice", "2x2", 1, 4),
         ("v6e-256", "tpu-v6e-slice", "16x16", 64, 4),
+        ("v5p-32", "tpu-v5p-slice", "2x2x4", 4, 4),  # the 8B recipe's slice: 16 chips (v5p counts TensorCores)
+        ("v5p-8", "tpu-v5p-slice", "2x2x1", 1, 4),
     ],
 )
 def test_slice_shapes(name, accelerator, topology, hosts, per_host) -> None:
@@ -102,7 +105,7 @@ def test_slice_shapes(name, accelerator, topology, hosts, per_host) -> None:
     assert s.hosts * s.chips_per_host == s.chips
 
 
-@pytest.mark.parametrize("bad", ["v5e-12", "v4-8", "v6e", "v5p-8"])
+@pytest.mark.parametrize("bad", ["v5e-12", "v4-8", "v6e", "v5p-12"])
 def test_unknown_slice_is_a_clear_error(bad, capsys) -> None:
     assert render.main(["--slice", bad, *BASE]) == 2
     err = capsys.readouterr().err
@@ -110,7 +113,7 @@ def test_unknown_slice_is_a_clear_error(bad, capsys) -> None:
 
 
 @pytest.mark.parametrize(
-    ("slice_name", "hosts", "chips"), [("v5e-16", 4, 4), ("v6e-32", 8, 4), ("v5e-8", 1, 8)]
+    ("slice_name", "hosts", "chips"), [("v5e-16", 4, 4), ("v6e-32", 8, 4), ("v5e-8", 1, 8), ("v5p-32", 4, 4)]
 )
 def test_trainer_jobset(tmp_path, slice_name, hosts, chips) -> None:
     m = rendered(tmp_path, ["--slice", slice_name, *BASE, "--name", "rt", "--", "--trainer.steps", "100"])
@@ -139,8 +142,8 @@ def test_trainer_jobset(tmp_path, slice_name, hosts, chips) -> None:
         "cloud.google.com/gke-tpu-accelerator": render.ACCELERATORS[gen],
         "cloud.google.com/gke-tpu-topology": render.Slice.parse(slice_name).topology,
         # 2x4 is one 8-chip VM or two 4-chip VMs: the machine type picks the shape.
-        "node.kubernetes.io/instance-type": {4: f"ct{'5lp-hightpu' if gen == 'v5e' else '6e-standard'}-4t",
-                                             8: f"ct{'5lp-hightpu' if gen == 'v5e' else '6e-standard'}-8t"}[chips],
+        "node.kubernetes.io/instance-type": {"v5e": "ct5lp-hightpu", "v6e": "ct6e-standard", "v5p": "ct5p-hightpu"}[gen]
+        + f"-{chips}t",
     }
     (c,) = p["containers"]
     assert c["resources"]["limits"]["google.com/tpu"] == c["resources"]["requests"]["google.com/tpu"] == chips
@@ -218,10 +221,11 @@ def test_each_example_command_starts_through_the_real_entry_point(tmp_path, name
     args[args.index("--output-root") + 1] = str(tmp_path / "bucket")
     args[args.index("--config") + 1] = str(ROOT / args[args.index("--config") + 1])
     monkeypatch.chdir(tmp_path)  # the entry point links ./outputs to the bucket
+    (tmp_path / "configs").symlink_to(ROOT / "configs")  # as in the image: a warm start's recipe is read at config time
     out = subprocess.run([sys.executable, str(ROOT / "launch/gke/entrypoint.py"), *args, "--dry-run"],
                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    resolved = json.loads(out.stdout[out.stdout.index("{"):])
+    resolved = tomllib.loads(out.stdout[out.stdout.index("output_dir = "):])  # --dry-run prints TOML
     assert Path("outputs").resolve() == (tmp_path / "bucket").resolve()
     assert resolved["distributed"]["enabled"] == (render.Slice.parse(name.split("-rl")[0].split("-sft")[0]).hosts > 1)
 
