@@ -168,7 +168,7 @@ class EngineServer:
     # -- routes ----------------------------------------------------------------------------
 
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="jaxrl inference", docs_url=None, redoc_url=None)
+        app = FastAPI(title="jaxrl inference", description=api.LOGPROBS, docs_url=None, redoc_url=None)
         narrow = partial(
             api.server_schema,
             vocab_size=self.engine.vocab_size,
