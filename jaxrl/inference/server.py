@@ -176,7 +176,9 @@ class EngineServer:
             allow_request_chat_template=self.chat.allow_request_chat_template,
         )
         http_errors.install(app, narrow)
-        session = lambda request: request.headers.get(SESSION_HEADER)  # noqa: E731
+
+        def session(request: Request) -> str | None:
+            return request.headers.get(SESSION_HEADER)
 
         @app.get("/health")
         async def health() -> JSONResponse:
@@ -226,7 +228,7 @@ class EngineServer:
                 raise StarletteHTTPException(409, f"version: {e}") from None
             except RuntimeError as e:  # the engine failed or stops
                 raise Unavailable(f"update_weights: {e}") from None
-            except Exception as e:  # noqa: BLE001 - the client's directory does not load: the old weights stay
+            except Exception as e:  # the client's directory does not load: the old weights stay
                 raise BadRequest(f"update_weights: cannot load {body.path}: {type(e).__name__}: {e}") from None
             return api.UpdateWeightsResponse(policy_version=version).model_dump()
 

@@ -15,10 +15,10 @@ from renderers.client import generate
 from transformers import AutoTokenizer
 
 from jaxrl.inference import api
+from jaxrl.inference.chat_serving import parse_tool_calls
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.sampling import SamplingParams
 from jaxrl.inference.scheduler import Request as EngineRequest
-from jaxrl.inference.chat_serving import parse_tool_calls
 from jaxrl.inference.server import EngineServer
 from jaxrl.models.hf_io import load_decoder
 
