@@ -228,7 +228,7 @@ class EngineServer:
                 raise StarletteHTTPException(409, f"version: {e}") from None
             except RuntimeError as e:  # the engine failed or stops
                 raise Unavailable(f"update_weights: {e}") from None
-            except Exception as e:  # the client's directory does not load: the old weights stay
+            except Exception as e:  # noqa: BLE001 - the client's directory does not load: the old weights stay
                 raise BadRequest(f"update_weights: cannot load {body.path}: {type(e).__name__}: {e}") from None
             return api.UpdateWeightsResponse(policy_version=version).model_dump()
 
