@@ -117,8 +117,7 @@ def test_prime_rl_keys_fail_naming_their_jaxrl_names() -> None:
 def test_prime_rl_keys_fail_in_each_model_too() -> None:
     import pydantic
 
-    from jaxrl.orchestrator.config import SamplingConfig
-    from jaxrl.orchestrator.config import EnvConfig
+    from jaxrl.orchestrator.config import EnvConfig, SamplingConfig
 
     with pytest.raises(pydantic.ValidationError, match="`num_workers` was renamed to `pool_size`"):
         EnvConfig(id="reverse_text", num_workers=2)

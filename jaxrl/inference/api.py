@@ -9,12 +9,7 @@ ranges) plus ``n`` (choice i uses seed + i when a seed is given), ``stop`` strin
 ``min_tokens`` are not implemented and accept only their neutral value 0 (the schema says so).
 Only the sampled token's log-prob is returned (``top_logprobs`` lists are empty).
 
-Which distribution a log-prob is of: ``log_softmax(logits' / temperature)[token]`` where
-``logits'`` are the model's logits after the request's penalties (repetition, then frequency,
-then presence, as vLLM), before top-k / top-p filtering; temperature 0 reports temperature 1.
-Without penalties that is exactly what the trainer recomputes (``logits / temperature``); with
-penalties it is the distribution the token was drawn from (as vLLM's ``processed_logprobs``
-reports post-penalty values), so the trainer sees penalised tokens as off-policy by the penalty.
+Which distribution a log-prob is of: ``LOGPROBS`` below (also the OpenAPI description).
 
 Every value a request carries is range-checked here, so a bad value is a 400 naming the field
 and nothing out of range reaches the engine thread (a ``top_k`` of 2**31 once overflowed an
@@ -55,6 +50,15 @@ from jaxrl.sampling_ranges import (
     TopK,
     TopP,
 )
+
+LOGPROBS = """Every returned log-prob is log_softmax(logits' / temperature)[token], where logits'
+are the model's logits after the request's penalties (repetition_penalty, then
+frequency_penalty, then presence_penalty, with vLLM's semantics and ranges), before top-k /
+top-p filtering; temperature 0 (greedy) reports temperature 1. Without penalties that is exactly
+what the trainer recomputes (logits / temperature). With penalties it is the distribution the
+token was drawn from (vLLM's processed_logprobs also reports post-penalty values): a trainer
+scoring logits / temperature sees penalised tokens as off-policy by the penalty."""
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -121,9 +125,11 @@ class SamplingFields(_Body):
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
     ignore_eos: bool = False
-    presence_penalty: PresencePenalty = 0.0
-    frequency_penalty: FrequencyPenalty = 0.0
-    repetition_penalty: RepetitionPenalty = 1.0
+    presence_penalty: PresencePenalty = Field(0.0, description="subtracted once from the logit of every token generated so far (0: off)")
+    frequency_penalty: FrequencyPenalty = Field(0.0, description="subtracted from a token's logit once per time it was generated (0: off)")
+    repetition_penalty: RepetitionPenalty = Field(
+        1.0, description="divides the positive (multiplies the negative) logits of tokens in the prompt or generated so far (1: off)"
+    )
     # Not implemented: only the neutral value (which real clients send) is accepted.
     min_p: float = Field(0.0, ge=0, le=0, description="not implemented by this server: only 0 is accepted")
     min_tokens: int = Field(0, ge=0, le=0, description="not implemented by this server: only 0 is accepted")

@@ -15,6 +15,11 @@ prompt-chunk sizes, never cache lengths. Decode reads and writes the KV cache in
 of rows up to its furthest position, the decode kernel (TPU) each row's live blocks; nothing is
 copied per call.
 
+Penalties (``sampling.apply_penalties``) read per-row token counts kept on device beside the
+cache (``sampling.TokenCounts``: int32 + bool ``[max_seqs, vocab]``, e.g. 194 MB at 256 rows of
+a 152k vocabulary): decode counts each token it feeds back, and a penalised request's row is
+reset (its prompt's tokens marked) when it is admitted, whatever prefix it reuses.
+
 Weight updates take effect between steps only (``weight_update`` = "drain": requests in flight
 finish on the old weights first; "immediate": at the next step). The policy version counter
 starts at 0 and every completion records the version(s) that sampled it. Cached prefixes are

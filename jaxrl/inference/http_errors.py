@@ -53,7 +53,7 @@ def openapi(app: FastAPI, narrow: Callable[[dict[str, Any]], dict[str, Any]] | N
     of FastAPI's default 422 (clients and fuzzers check responses against it), then ``narrow``ed
     to what this server accepts (``api.server_schema``)."""
     if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         error = {
             "description": "Bad request: the message names the field and the problem",
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},

@@ -42,7 +42,7 @@ import numpy as np
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as in vLLM)
 _F32_MAX = float(np.finfo(np.float32).max)
 _I32_MAX = 2**31 - 1
-_PENALISED_MAX = _F32_MAX * GREEDY_BELOW
+_PENALISED_MAX = _F32_MAX * GREEDY_BELOW / 4  # / temperature (>= GREEDY_BELOW), minus another: finite
 
 
 @dataclass(frozen=True)

@@ -168,7 +168,7 @@ class EngineServer:
     # -- routes ----------------------------------------------------------------------------
 
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="jaxrl inference", docs_url=None, redoc_url=None)
+        app = FastAPI(title="jaxrl inference", description=api.LOGPROBS, docs_url=None, redoc_url=None)
         narrow = partial(
             api.server_schema,
             vocab_size=self.engine.vocab_size,
@@ -176,7 +176,9 @@ class EngineServer:
             allow_request_chat_template=self.chat.allow_request_chat_template,
         )
         http_errors.install(app, narrow)
-        session = lambda request: request.headers.get(SESSION_HEADER)  # noqa: E731
+
+        def session(request: Request) -> str | None:
+            return request.headers.get(SESSION_HEADER)
 
         @app.get("/health")
         async def health() -> JSONResponse:

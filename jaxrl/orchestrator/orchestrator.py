@@ -38,8 +38,8 @@ from jaxrl.orchestrator.algo import Algorithm, make_algorithm
 from jaxrl.orchestrator.config import EnvConfig, EvalConfig, OrchestratorConfig, SamplingConfig
 from jaxrl.orchestrator.env_server import EnvServer, EnvServerDead, start_env_servers, task_data, verifiers_env_config
 from jaxrl.orchestrator.tasks import TaskSampler
-from jaxrl.sampling_ranges import JSON_INT64_MAX
 from jaxrl.orchestrator.traces import Rollout
+from jaxrl.sampling_ranges import JSON_INT64_MAX
 
 logger = logging.getLogger(__name__)
 

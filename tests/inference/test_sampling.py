@@ -154,3 +154,19 @@ def test_penalties_match_vllm_reference_and_neutral_rows_are_untouched() -> None
 def test_penalty_ranges_are_vllms(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("repetition", [1.2e-38, 3.4e38])
+def test_extreme_repetition_penalty_keeps_draws_and_logprobs_finite(repetition: float) -> None:
+    """vLLM allows any repetition_penalty > 0; one that overflows float32 is clipped, so the
+    sampled token and its log-prob stay finite (a NaN would fail the response)."""
+    from jaxrl.inference.sampling import apply_penalties
+
+    params = [SamplingParams(repetition_penalty=repetition, temperature=t) for t in (1e-5, 0.7, 0.0)]
+    batch = SamplingBatch.host(params, [1, 2, 3], [0, 0, 0], 3)
+    logits = jnp.asarray(np.repeat(LOGITS, 3, axis=0))
+    seen = jnp.ones(logits.shape, bool)  # every token is in the prompt
+    penalised = apply_penalties(logits, jnp.zeros(logits.shape, jnp.int32), seen, batch)
+    tokens, logprobs = sample(penalised, batch)
+    assert np.isfinite(np.asarray(penalised)).all() and np.isfinite(np.asarray(logprobs)).all()
+    assert ((np.asarray(tokens) >= 0) & (np.asarray(tokens) < LOGITS.shape[1])).all()

@@ -14,9 +14,8 @@ from collections import Counter
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, seed, settings
-from transformers import AutoTokenizer
-
 from schemathesis.specs.openapi.checks import positive_data_acceptance
+from transformers import AutoTokenizer
 
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.server import EngineServer

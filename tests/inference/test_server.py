@@ -15,10 +15,10 @@ from renderers.client import generate
 from transformers import AutoTokenizer
 
 from jaxrl.inference import api
+from jaxrl.inference.chat_serving import parse_tool_calls
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.sampling import SamplingParams
 from jaxrl.inference.scheduler import Request as EngineRequest
-from jaxrl.inference.chat_serving import parse_tool_calls
 from jaxrl.inference.server import EngineServer
 from jaxrl.models.hf_io import load_decoder
 
@@ -509,6 +509,15 @@ def test_405_names_the_allowed_methods_and_openapi_documents_400(server) -> None
         responses = schema["paths"][path]["post"]["responses"]
         assert "422" not in responses and "400" in responses
     assert "ErrorResponse" in schema["components"]["schemas"]
+    # Which distribution the log-probs are of, and this server's own limits, are in the schema.
+    assert "after the request's penalties" in schema["info"]["description"]
+    defs = schema["components"]["schemas"]
+    token_ids = defs["GenerateRequest"]["properties"]["token_ids"]
+    vocab = server.engine.vocab_size
+    assert token_ids["maxItems"] == MAX_LEN - 1 and token_ids["items"]["maximum"] == vocab - 1
+    assert defs["ChatCompletionRequest"]["properties"]["chat_template"] == {
+        "type": "null", "description": "request-supplied chat templates are off on this server"
+    }
 
 
 def test_update_weights_needs_the_api_key(model_dir, tokenizer, make_config, tmp_path) -> None:
