@@ -89,7 +89,7 @@ def train(config: str, out: Path, over: dict[str, Any], *, resume: bool = False)
     merged["output_dir"] = str(out)
     cfg_file = out / "bench_config.toml"
     cfg_file.write_text(tomli_w.dumps(merged))
-    cmd = [sys.executable, "-m", "jaxrl.train", "--config", str(cfg_file), *(["--resume"] if resume else [])]
+    cmd = [sys.executable, "-m", "jaxrl.train", "--config", str(cfg_file), "--resume" if resume else "--overwrite"]
     log(f"run {out.name}: {config}")
     t0 = time.monotonic()
     with (out / "train.log").open("w") as f:

@@ -25,7 +25,8 @@ RUN_OUTPUTS = frozenset({
     "config.json", "metrics.jsonl", "rollouts.jsonl", "metrics.png", "result.json", "checkpoints", "hf",
     "hf_adapter", "logs", "tb", "wandb", "rollout_weights", "vllm", "base",
 })  # fmt: skip
-"""What a run writes into its output_dir (what --overwrite may delete)."""
+"""What a run writes into its output_dir: a directory holding any of them holds a run, and
+--overwrite deletes exactly these."""
 
 
 def has_weights(model_dir: str | Path | None) -> bool:
@@ -39,12 +40,12 @@ def has_checkpoint(cfg: RunConfig) -> bool:
 
 
 def claim_output_dir(cfg: RunConfig, *, resume: bool, overwrite: bool) -> None:
-    """Never mix two runs in one output_dir: a directory that holds one is continued (--resume),
-    deleted (--overwrite, only what a run writes), or refused."""
+    """Never mix two runs in one output_dir: one that holds a run's outputs is continued
+    (--resume), cleared of them (--overwrite; other files stay), or refused."""
     out = Path(cfg.output_dir)
     if resume and overwrite:
         raise ConfigError("--resume continues the run in output_dir and --overwrite deletes it: pass one")
-    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    held = sorted(p.name for p in out.iterdir() if p.name in RUN_OUTPUTS) if out.is_dir() else []
     if not held or resume:
         return
     if not overwrite:
@@ -53,16 +54,11 @@ def claim_output_dir(cfg: RunConfig, *, resume: bool, overwrite: bool) -> None:
             f"output_dir {out} already holds a run ({shown}): rerun with --resume to continue it, "
             "--overwrite to delete it and start over, or set --output_dir to a new directory"
         )
-    if foreign := [name for name in held if name not in RUN_OUTPUTS]:
-        raise ConfigError(
-            f"--overwrite: output_dir {out} holds files no run wrote ({', '.join(foreign[:5])}); "
-            "move them or pick another output_dir"
-        )
     if is_main_process():
         for name in held:
             path = out / name
             shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
-        print(f"[jaxrl] --overwrite: deleted the earlier run in {out}")
+        print(f"[jaxrl] --overwrite: deleted the earlier run in {out} ({', '.join(held)})")
     barrier("jaxrl-overwrite")
 
 

@@ -68,12 +68,17 @@ def test_rerun_into_a_used_output_dir_needs_resume_or_overwrite(tmp_path, capsys
     assert "--resume" in err and "--overwrite" in err and str(out) in err
     assert (out / "metrics.jsonl").read_text() == first  # nothing touched
     assert main(["--config", str(cfg), "--resume", "--overwrite"]) == 2 and "pass one" in _error_line(capsys)
-    (out / "notes.txt").write_text("mine")
-    assert main(["--config", str(cfg), "--overwrite"]) == 2 and "notes.txt" in _error_line(capsys)
-    (out / "notes.txt").unlink()
+    (out / "notes.txt").write_text("mine")  # not a run's: --overwrite leaves it
     assert main(["--config", str(cfg), "--overwrite", "--trainer.steps", "1", "--ckpt.interval", "5"]) == 0
     rows = (out / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 1 and sorted(p.name for p in (out / "checkpoints").iterdir()) == ["1"]  # no step 2 left
+    assert (out / "notes.txt").read_text() == "mine"
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "my.toml").write_text("")  # a directory with no run in it is no run to mix with
+    from jaxrl.train import claim_output_dir
+
+    claim_output_dir(load_config(["--output_dir", str(fresh)])[0], resume=False, overwrite=False)
 
 
 def test_a_damaged_checkpoint_is_one_line_with_the_details_in_a_log(tmp_path, capsys) -> None:
