@@ -148,7 +148,7 @@ def _engine_outputs(kernels: str, tensor_parallel: int):
         kernels=kernels,
     )
     engine = Engine(tiny_model(vocab=64, max_position_embeddings=64), cfg)
-    assert engine.kernels == Kernels(resolve(kernels, "cpu", field="x"), engine.mesh, cpu_attention=kernels == "auto")
+    assert engine.kernels == Kernels(resolve(kernels, "cpu", field="x"), engine.mesh, cpu=kernels == "auto")
     rng = np.random.default_rng(0)
     # Prompts of 3 to 30 tokens (some prefilled in two chunks); rows finish at different steps.
     prompts = [rng.integers(0, 64, n).tolist() for n in (3, 17, 30, 8)]
