@@ -9,8 +9,16 @@ attention over the engine's KV cache, its projections, embedding lookup and logi
 back a function, or None for "keep your own reference" (so this module imports neither the
 trainer nor the engine, which must not depend on each other):
 
-* ``"auto"``: the Pallas kernels where ``jaxrl_kernels.select`` says they run (TPU), the references
-  elsewhere, except the engine's decode on CPU: the CPU serving backend
+* ``"auto"``: what ``jaxrl_kernels.select`` picks for the platform. TPU: the Pallas kernels. GPU
+  (CUDA): the training attention by cuDNN's fused flash attention
+  (``jaxrl_kernels.cudnn_attention``: causal mask type plus our segment mask as a bias, since
+  JAX's public cuDNN API has no segment ids; float32 or shapes cuDNN rejects keep the reference),
+  and the references for the rest: decode attention, because the engine's cache is one
+  [layers, rows, kv_heads, len, head_dim] array read in place by row and layer, which cuDNN's
+  call (contiguous per-row K/V) would copy out per step, and a one-token decode step is
+  bandwidth-bound, which XLA's fused chunked reference already is; log-probs, because the
+  reference is two GEMMs per vocabulary block and a fused reduction, which XLA hands to cuBLAS,
+  and our Pallas kernel is Mosaic (TPU) only. CPU: the references, except the engine's decode: the CPU serving backend
   (``jaxrl_kernels.cpu_serving``: attention over the KV cache by a C++ kernel that makes one pass
   over the cache where XLA:CPU makes three, and on one device projections by a C++ matmul on
   weights packed once per update), imported on first use on a CPU only, built once per machine;
@@ -39,6 +47,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -51,13 +60,15 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl.parallel.rules import logical_to_spec
-from jaxrl_kernels import select
+from jaxrl_kernels import cudnn_attention, select
 from jaxrl_kernels.attention import segment_attention, tpu_segment_attention
 from jaxrl_kernels.decode_attention import decode_attention
 from jaxrl_kernels.logprobs import logprobs as pallas_logprobs
 
+log = logging.getLogger(__name__)
+
 KernelChoice = Literal["auto", "reference", "pallas", "pallas_interpret"]
-Impl = Literal["reference", "pallas", "pallas_interpret"]
+Impl = Literal["reference", "pallas", "pallas_interpret", "cudnn"]
 
 # Attention of (q, k, v) -> out with everything else (segments, lengths) already bound.
 Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -73,7 +84,9 @@ def resolve(choice: KernelChoice, platform: str, *, field: str) -> Impl:
     """The implementation ``choice`` means on ``platform``; a ValueError naming ``field`` when the
     compiled kernels are asked for where they cannot run."""
     if choice == "auto":
-        return "pallas" if select.use_pallas(platform) else "reference"
+        if select.use_pallas(platform):
+            return "pallas"
+        return "cudnn" if select.use_cudnn(platform) else "reference"
     if choice == "pallas" and not select.use_pallas(platform):
         raise ValueError(
             f'{field} = "pallas" needs a backend the Pallas kernels compile for '
@@ -86,6 +99,11 @@ def resolve(choice: KernelChoice, platform: str, *, field: str) -> Impl:
             f'{field} must be one of "auto", "reference", "pallas", "pallas_interpret"; got {choice!r}'
         )
     return choice
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    log.warning(message)
 
 
 CPU_SERVING = "jaxrl_kernels.cpu_serving"
@@ -160,7 +178,8 @@ class Kernels:
 
     @property
     def reference(self) -> bool:
-        return self.impl == "reference"
+        """No Pallas kernel at any call site (the references, or cuDNN attention and references)."""
+        return self.impl in ("reference", "cudnn")
 
     @property
     def _interpret(self) -> bool:
@@ -207,12 +226,21 @@ class Kernels:
 
         return fused
 
-    def training_attention(self, segment_ids: jax.Array) -> Attend | None:
-        """Causal attention within ``segment_ids`` [B, T] for the decoder's training forward;
-        None means the decoder's own (reference) attention."""
-        if self.reference:
+    def training_attention(self, segment_ids: jax.Array, query: jax.ShapeDtypeStruct) -> Attend | None:
+        """Causal attention within ``segment_ids`` [B, T] for the decoder's training forward, of
+        queries like ``query`` [B, T, heads, head_dim]; None means the decoder's own (reference)
+        attention: for the references, and on GPU for what cuDNN does not take (float32, see
+        ``cudnn_attention.unsupported``; logged once per reason)."""
+        if self.impl == "cudnn":
+            reason = cudnn_attention.unsupported(query)
+            if reason is not None:
+                _log_once(f"training attention: the XLA reference ({reason})")
+                return None
+            inner = cudnn_attention.cudnn_segment_attention
+        elif self.reference:
             return None
-        inner = tpu_segment_attention if self.impl == "pallas" else partial(segment_attention, interpret=True)
+        else:
+            inner = tpu_segment_attention if self.impl == "pallas" else partial(segment_attention, interpret=True)
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             if self.mesh is None:

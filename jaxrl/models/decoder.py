@@ -416,7 +416,8 @@ class Decoder(nnx.Module):
         if cache is None:
             seg = jnp.ones_like(tokens) if segment_ids is None else segment_ids
             mask = packed_causal_mask(seg)
-            kernel = kernels.training_attention(seg) if kernels is not None else None
+            query = jax.ShapeDtypeStruct((*tokens.shape, arch.num_heads, arch.head_dim), self.dtype)
+            kernel = kernels.training_attention(seg, query) if kernels is not None else None
 
             def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
                 if kernel is not None:  # a kernel with the same semantics (jaxrl.kernel_dispatch)

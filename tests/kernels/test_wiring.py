@@ -97,7 +97,7 @@ def test_pallas_on_a_backend_without_the_kernels_fails_at_startup() -> None:
         InferenceConfig(kernels="triton")
     assert resolve("pallas", "tpu", field="x") == "pallas"
     assert resolve("auto", "tpu", field="x") == "pallas"
-    assert resolve("auto", "gpu", field="x") == "reference"
+    assert resolve("auto", "gpu", field="x") == "cudnn"
     assert resolve("pallas_interpret", "cpu", field="x") == "pallas_interpret"
 
 
