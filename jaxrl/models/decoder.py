@@ -490,7 +490,7 @@ class Decoder(nnx.Module):
         ``project(h, names)`` the projections (``_projector``)."""
         arch, dt = self.arch, self.dtype
         eps = arch.rms_norm_eps
-        b, t, d = x.shape
+        b, t, _ = x.shape
         H, K, Dh = arch.num_heads, arch.num_kv_heads, arch.head_dim
         h = rms_norm(x, w["attn_norm"], eps)
         q, k, v = project(h, ("wq", "wk", "wv"))
