@@ -1,22 +1,38 @@
-"""Which implementation of the hot spots runs: the pure-JAX references or the Pallas kernels.
+"""Which implementation of the hot spots runs: the pure-JAX references, the Pallas kernels, or a
+platform's serving kernels.
 
-Three call sites can take a kernel from ``kernels/``: the trainer's fused log-probs
-(``jaxrl.trainer.step``), the decoder's training attention over packed segments, and its
-one-token decode attention over the engine's KV cache. Each asks a ``Kernels`` object, made once
-at start-up from ``trainer.kernels`` / ``inference.kernels``, and gets back a function, or None
-for "keep your own reference" (so this module imports neither the trainer nor the engine, which
-must not depend on each other):
+The model is the same on every platform; a kernel or a weight layout is chosen here, behind one
+call per site, never by parameters of the decoder. The call sites: the trainer's fused log-probs
+(``jaxrl.trainer.step``), and in the decoder its training attention over packed segments, its
+attention over the engine's KV cache, its projections, embedding lookup and logits. Each asks a
+``Kernels`` object, made once at start-up from ``trainer.kernels`` / ``inference.kernels``, and gets
+back a function, or None for "keep your own reference" (so this module imports neither the
+trainer nor the engine, which must not depend on each other):
 
-* ``"auto"``: the Pallas kernels where ``jaxrl_kernels.select`` says they run (TPU), the references
-  elsewhere, except the engine's decode on CPU: attention over the KV cache by the C++ kernel
-  ``jaxrl_kernels.cpu_cached_attention`` (one pass over the cache where XLA:CPU makes three) and, on
-  one device, projections by ``jaxrl_kernels.cpu_matmul`` (``packs_matmul_weights``); both built
-  once per machine, the references where no C++ compiler is found.
+* ``"auto"``: what ``jaxrl_kernels.select`` picks for the platform. TPU: the Pallas kernels. GPU
+  (CUDA): the training attention by cuDNN's fused flash attention
+  (``jaxrl_kernels.cudnn_attention``: causal mask type plus our segment mask as a bias, since
+  JAX's public cuDNN API has no segment ids; float32 or shapes cuDNN rejects keep the reference),
+  and the references for the rest: decode attention, because the engine's cache is one
+  [layers, rows, kv_heads, len, head_dim] array read in place by row and layer, which cuDNN's
+  call (contiguous per-row K/V) would copy out per step, and a one-token decode step is
+  bandwidth-bound, which XLA's fused chunked reference already is; log-probs, because the
+  reference is two GEMMs per vocabulary block and a fused reduction, which XLA hands to cuBLAS,
+  and our Pallas kernel is Mosaic (TPU) only. CPU: the references, except the engine's decode: the CPU serving backend
+  (``jaxrl_kernels.cpu_serving``: attention over the KV cache by a C++ kernel that makes one pass
+  over the cache where XLA:CPU makes three, and on one device projections by a C++ matmul on
+  weights packed once per update), imported on first use on a CPU only, built once per machine;
+  the references where no C++ compiler is found or the backend is not installed.
 * ``"reference"``: always the pure-JAX references (the decoder's own attention and
   ``jaxrl.trainer.logprobs.token_logprobs``), bit for bit what runs without this module.
 * ``"pallas"``: always the compiled kernels; an error at start-up where they cannot run.
 * ``"pallas_interpret"``: the kernels in Pallas interpret mode, on any backend; slow, for tests
   (it is how CPU tests run the wired path).
+
+The engine serves weights in the layout ``Kernels.serving_weights`` gives (the model's own, or the
+CPU backend's packed one) and, inside each program, ``Kernels.bind`` turns them back into the
+model plus a ``Kernels`` that carries that program's serving inputs (packed weights, the
+scheduler's shared-prefix hints): the engine passes them opaquely, the decoder never sees them.
 
 A Pallas call is opaque to XLA's partitioner, so under a mesh each kernel runs per shard inside
 ``jax.shard_map``: rows over the batch axes, heads over "tensor" when both the query and the kv
@@ -28,29 +44,38 @@ decides everywhere else.
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Literal
+from types import ModuleType
+from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl.parallel.rules import logical_to_spec
-from jaxrl_kernels import cpu_cached_attention as cpu_kernel
-from jaxrl_kernels import cpu_matmul
-from jaxrl_kernels import select
+from jaxrl_kernels import cudnn_attention, select
 from jaxrl_kernels.attention import segment_attention, tpu_segment_attention
 from jaxrl_kernels.decode_attention import decode_attention
 from jaxrl_kernels.logprobs import logprobs as pallas_logprobs
 
+log = logging.getLogger(__name__)
+
 KernelChoice = Literal["auto", "reference", "pallas", "pallas_interpret"]
-Impl = Literal["reference", "pallas", "pallas_interpret"]
+Impl = Literal["reference", "pallas", "pallas_interpret", "cudnn"]
 
 # Attention of (q, k, v) -> out with everything else (segments, lengths) already bound.
 Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 # Decode attention of (q, k cache, v cache, layer) -> out, reading the whole caches in place.
 CacheAttend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+# A projection of x by one or several weights that multiply it: x -> [x @ w for each weight].
+Project = Callable[[jax.Array], list[jax.Array]]
 # (hidden [N, D], lm_head [D, V], targets [N], temperature [N], *, block_size) -> (logp, entropy).
 LogprobsFn = Callable[..., tuple[jax.Array, jax.Array]]
 
@@ -59,7 +84,9 @@ def resolve(choice: KernelChoice, platform: str, *, field: str) -> Impl:
     """The implementation ``choice`` means on ``platform``; a ValueError naming ``field`` when the
     compiled kernels are asked for where they cannot run."""
     if choice == "auto":
-        return "pallas" if select.use_pallas(platform) else "reference"
+        if select.use_pallas(platform):
+            return "pallas"
+        return "cudnn" if select.use_cudnn(platform) else "reference"
     if choice == "pallas" and not select.use_pallas(platform):
         raise ValueError(
             f'{field} = "pallas" needs a backend the Pallas kernels compile for '
@@ -74,32 +101,85 @@ def resolve(choice: KernelChoice, platform: str, *, field: str) -> Impl:
     return choice
 
 
+@functools.cache
+def _log_once(message: str) -> None:
+    log.warning(message)
+
+
+CPU_SERVING = "jaxrl_kernels.cpu_serving"
+
+
+@functools.cache
+def cpu_serving() -> ModuleType | None:
+    """The CPU serving backend, imported on first use (only where "auto" runs on a CPU); None
+    where it is not installed (a project without ``kernels/cpu_*`` runs the references)."""
+    if importlib.util.find_spec(CPU_SERVING) is None:
+        return None
+    return importlib.import_module(CPU_SERVING)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """One engine program's serving inputs, bound into its ``Kernels`` (``Kernels.bind``): the
+    backend's weights (``cpu_serving.ServingWeights``; None for the model's own layout) and the
+    scheduler's note that positions < share_lens[b] of a query's cache row equal those of row
+    share_rows[b] (copies of one prefill; a kernel may read them there, the others ignore it,
+    which gives the same values)."""
+
+    weights: Any = None
+    shared: tuple[jax.Array, jax.Array] | None = None
+
+
 @dataclass(frozen=True)
 class Kernels:
     """A resolved kernel choice, and the mesh its Pallas calls run per shard on (None: unsharded).
 
-    Hashable, so it can key compiled programs (the engine caches programs per layout).
+    Hashable, so it can key compiled programs (the engine caches programs per layout); ``serving``
+    (traced arrays of one program, ``bind``) takes no part in equality or hashing.
     """
 
     impl: Impl = "reference"
     mesh: Mesh | None = None
-    cpu_attention: bool = False  # "auto" on CPU: KV-cache attention by the C++ kernel where it builds
+    cpu: bool = False  # "auto" on CPU: the CPU serving backend where it builds
+    serving: Serving | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def create(cls, choice: KernelChoice, *, field: str, mesh: Mesh | None = None) -> Kernels:
         """Resolve ``choice`` for ``mesh``'s platform (JAX's default backend without a mesh)."""
         platform = mesh.devices.flat[0].platform if mesh is not None else select.current_platform()
-        return cls(resolve(choice, platform, field=field), mesh, cpu_attention=choice == "auto" and platform == "cpu")
+        return cls(resolve(choice, platform, field=field), mesh, cpu=choice == "auto" and platform == "cpu")
 
-    def packs_matmul_weights(self) -> bool:
-        """Whether the engine's decode projections run on the CPU matmul kernel
-        (``jaxrl_kernels.cpu_matmul``: weights packed once per update): "auto" on a one-device CPU
-        engine, where the kernel builds. Under a mesh XLA partitions the dots instead."""
-        return self.cpu_attention and self.mesh is None and cpu_matmul.load() is not None
+    # -- the engine's weights ------------------------------------------------------------------
+
+    def _cpu_backend(self) -> ModuleType | None:
+        return cpu_serving() if self.cpu else None
+
+    def serving_weights(self, state: nnx.State, compute_dtype: Any) -> Any:
+        """The layout the engine serves ``state`` in (its programs' ``bind`` takes it back): the
+        CPU backend's packed projections on a one-device float32 CPU engine where the C++ matmul
+        builds (under a mesh XLA partitions the dots instead), else ``state`` itself."""
+        backend = self._cpu_backend()
+        f32 = jnp.dtype(compute_dtype) == jnp.float32 and all(x.dtype == jnp.float32 for x in jax.tree.leaves(state))
+        if backend is None or self.mesh is not None or not f32 or not backend.matmul_available():
+            return state
+        return backend.pack(state)
+
+    def bind(
+        self, graphdef: nnx.GraphDef, served: Any, shared: tuple[jax.Array, jax.Array] | None = None
+    ) -> tuple[Any, Kernels]:
+        """Inside an engine program: the model from ``served`` (``serving_weights``' layout), and
+        these kernels carrying that program's serving inputs (``Serving``) for the decoder's
+        call sites. ``shared``: (share_rows, share_lens) [B] of a decode step (the scheduler's)."""
+        backend = self._cpu_backend()
+        weights = None
+        if backend is not None:
+            served, weights = backend.unpack(served)
+        return nnx.merge(graphdef, served), replace(self, serving=Serving(weights, shared))
 
     @property
     def reference(self) -> bool:
-        return self.impl == "reference"
+        """No Pallas kernel at any call site (the references, or cuDNN attention and references)."""
+        return self.impl in ("reference", "cudnn")
 
     @property
     def _interpret(self) -> bool:
@@ -119,7 +199,7 @@ class Kernels:
         # check_vma off: pallas_call has no varying-axes rule; the specs above say it all.
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
-    # -- the three call sites ------------------------------------------------------------------
+    # -- the call sites ------------------------------------------------------------------
 
     def token_logprobs(self) -> LogprobsFn | None:
         """A drop-in for ``jaxrl.trainer.logprobs.token_logprobs`` (same arguments; its
@@ -146,12 +226,21 @@ class Kernels:
 
         return fused
 
-    def training_attention(self, segment_ids: jax.Array) -> Attend | None:
-        """Causal attention within ``segment_ids`` [B, T] for the decoder's training forward;
-        None means the decoder's own (reference) attention."""
-        if self.reference:
+    def training_attention(self, segment_ids: jax.Array, query: jax.ShapeDtypeStruct) -> Attend | None:
+        """Causal attention within ``segment_ids`` [B, T] for the decoder's training forward, of
+        queries like ``query`` [B, T, heads, head_dim]; None means the decoder's own (reference)
+        attention: for the references, and on GPU for what cuDNN does not take (float32, see
+        ``cudnn_attention.unsupported``; logged once per reason)."""
+        if self.impl == "cudnn":
+            reason = cudnn_attention.unsupported(query)
+            if reason is not None:
+                _log_once(f"training attention: the XLA reference ({reason})")
+                return None
+            inner = cudnn_attention.cudnn_segment_attention
+        elif self.reference:
             return None
-        inner = tpu_segment_attention if self.impl == "pallas" else partial(segment_attention, interpret=True)
+        else:
+            inner = tpu_segment_attention if self.impl == "pallas" else partial(segment_attention, interpret=True)
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             if self.mesh is None:
@@ -164,31 +253,28 @@ class Kernels:
 
         return attend
 
-    def cached_attention(
-        self, positions: jax.Array, rows: jax.Array, shared: tuple[jax.Array, jax.Array] | None = None
-    ) -> CacheAttend | None:
+    def cached_attention(self, positions: jax.Array, rows: jax.Array) -> CacheAttend | None:
         """Attention over the whole KV cache, read in place: query ``b, t`` (q [B, T, H, Dh]) at
         ``positions[b, t]`` sees positions <= its own of cache row ``rows[b]`` in ``layer`` of the
-        caches [layers, rows, K, S, Dh]. The Pallas kernel takes one-token steps (T = 1; prefill
-        chunks keep the decoder's own attention), the CPU kernel any T. None (the decoder's own
-        attention) for the references.
-
-        ``shared`` (share_rows, share_lens) [B]: the engine's note that positions < share_lens[b]
-        of row ``rows[b]`` equal those of row ``share_rows[b]`` (copies of one prefill). The CPU
-        kernel reads them there (one copy for many rows stays in cache); the others ignore it,
-        which gives the same values.
+        caches [layers, rows, K, S, Dh]. None (the decoder's own attention) for the references and
+        for prefill chunks (T > 1) everywhere: the Pallas kernel takes one-token steps only, and on
+        CPU XLA's batched matmuls beat the C++ kernel's per-query dot products from 16-token chunks
+        up (measured, one core, 800 cached positions: 16 rows x 16 tokens 28 vs 35 ms, 4 x 128 37
+        vs 69 ms). The CPU kernel reads shared prefixes from one row (``Serving.shared``).
 
         Under a mesh, heads split over "tensor" as in training; cache rows are never split (the
         serving rules replicate them), as a query's row may be any row of the cache.
         """
-        if self.reference:
-            if not (self.cpu_attention and cpu_kernel.load() is not None):
-                return None
-            inner = cpu_kernel.cpu_cached_attention
-            index = positions
-            extra = () if shared is None else shared
-        elif positions.shape[1] != 1:
+        if positions.shape[1] != 1:
             return None
+        if self.reference:
+            backend = self._cpu_backend()
+            if backend is None or not backend.attention_available():
+                return None
+            inner = backend.cached_attention
+            index = positions
+            shared = self.serving.shared if self.serving is not None else None
+            extra = () if shared is None else shared
         else:
 
             def inner(q, k, v, layer, rows, lengths):  # type: ignore[no-untyped-def]
@@ -207,3 +293,26 @@ class Kernels:
             return fn(q, k, v, layer, rows, index, *extra)
 
         return attend
+
+    # -- projections (serving layouts) ---------------------------------------------------------
+
+    def _weights(self) -> Any:
+        return self.serving.weights if self.serving is not None else None
+
+    def projection(self, names: tuple[str, ...], layer: jax.Array) -> Project | None:
+        """``x [..., K] -> [x @ w[layer] for w in names]`` (float32) for weights ``names`` that
+        multiply the same input, read from the serving layout; None: the decoder's own dot."""
+        weights = self._weights()
+        return weights.projection(names, layer) if weights is not None else None
+
+    def embedding(self) -> Callable[[jax.Array], jax.Array] | None:
+        """``tokens -> embedding rows`` from the serving layout (a tied table kept once, as the
+        packed output projection); None: the decoder's own lookup."""
+        weights = self._weights()
+        return weights.embedding() if weights is not None else None
+
+    def logits(self) -> Callable[[jax.Array], jax.Array] | None:
+        """``hidden [..., D] -> float32 logits [..., V]`` from the serving layout; None: the
+        decoder's own ``logits_f32``."""
+        weights = self._weights()
+        return weights.logits if weights is not None else None

@@ -3,8 +3,9 @@ once into column panels.
 
 Why: a decode step multiplies one row per sequence by every weight matrix, and XLA:CPU runs such
 small-batch dots on one core at a third of its peak (see the .cc file for the measurements). The
-engine packs each layer's projection weights once per weight update (``PackedWeight.pack``) and
-the decoder's serving forward multiplies through ``PackedWeight.matmul``. ``x @ w`` is the
+engine packs each layer's projection weights once per weight update (``PackedWeight.pack``, laid
+out by ``cpu_serving``) and the decoder's serving forward multiplies through ``PackedWeight.matmul``
+(handed to it by ``jaxrl.kernel_dispatch``). ``x @ w`` is the
 semantics; the tests compare the two.
 
 Built and registered by ``jaxrl_kernels.cpu_build``; where it cannot be built, ``load()`` returns None
@@ -100,12 +101,3 @@ class PackedWeight:
         """Columns ``index`` of layer 0 as [..., K] vectors (a tied embedding's rows, read from
         its packed transpose: the embedding is kept once, as the output projection's panels)."""
         return self.panels[0, index // PANEL, :, index % PANEL]
-
-
-@jax.tree_util.register_static
-@dataclass(frozen=True)
-class PackedInto:
-    """Stands for a weight packed into another's ``PackedWeight`` (``name``: the first of its
-    ``names``), in the engine's served state."""
-
-    name: str

@@ -40,7 +40,7 @@ def _table(fits: list, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     compile_only_env()
     parser = argparse.ArgumentParser(prog="python -m jaxrl.aot", description=__doc__.split("\n\n")[1])
-    parser.add_argument("--topology", required=True, help="TPU slice, e.g. v5e:2x4, v6e:2x4, v5p:2x2x4")
+    parser.add_argument("--topology", required=True, help="TPU slice (v5e:2x4, v6e:2x4, v5p:2x2x4) or GPUs (gpu:h100, gpu:h100x8)")
     parser.add_argument("--no-engine", action="store_true", help="skip the embedded engine's programs (RL configs)")
     args, rest = parser.parse_known_args(argv)
     from jaxrl.aot.programs import model_hf_config, plan

@@ -255,10 +255,11 @@ class InferenceConfig(BaseModel):
 
     kernels: Literal["auto", "reference", "pallas", "pallas_interpret"] = "auto"
     """Decode attention over the KV cache, and on CPU the projections (``jaxrl.kernel_dispatch``).
-    "auto": the Pallas kernel on TPU; on CPU the C++ kernels (``kernels/cpu_cached_attention.cc``
-    and, on one device in float32, ``kernels/cpu_matmul.cc`` on weights packed once per update;
-    built once per machine, the references where no C++ compiler is found); the pure-JAX
-    reference elsewhere. "reference" /
+    "auto": the Pallas kernel on TPU; on CPU the CPU serving backend (``kernels/cpu_serving.py``:
+    ``kernels/cpu_cached_attention.cc`` and, on one device in float32, ``kernels/cpu_matmul.cc``
+    on weights packed once per update; built once per machine, the references where no C++
+    compiler is found); the pure-JAX reference elsewhere (GPU included: ``jaxrl.kernel_dispatch``
+    says why). "reference" /
     "pallas": always that one ("pallas" on a backend without the kernel fails at start-up).
     "pallas_interpret": the kernel in Pallas interpret mode on any backend (slow; for tests)."""
 

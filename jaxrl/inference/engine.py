@@ -69,15 +69,14 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def _prefill(graphdef, state, cache, counts, tokens, positions, rows, last, sampling):  # type: ignore[no-untyped-def]
-    """One batch of prompt chunks, with the reference attention on every backend: XLA's batched
-    matmuls beat the CPU kernel's per-query dot products from 16-token chunks up (measured, one
-    core, 800 cached positions: 16 rows x 16 tokens 28 vs 35 ms, 4 x 128 37 vs 69 ms), and the
-    TPU decode kernel takes one-token steps only."""
-    model, packed, head = W.serving_model(graphdef, state)
-    hidden, cache = model(tokens, positions, cache=cache, cache_rows=rows, packed=packed, head=head)
+def _prefill(graphdef, state, cache, counts, tokens, positions, rows, last, sampling, *, kernels):  # type: ignore[no-untyped-def]
+    """One batch of prompt chunks. ``kernels`` gives the projections of the served layout; the
+    attention is the reference on every backend (``Kernels.cached_attention`` takes one-token
+    steps only)."""
+    model, kernels = kernels.bind(graphdef, state)
+    hidden, cache = model(tokens, positions, cache=cache, cache_rows=rows, kernels=kernels)
     h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-    logits = penalize(model.logits_f32(h_last, head), counts, rows, sampling)
+    logits = penalize(model.logits_f32(h_last, kernels), counts, rows, sampling)
     next_tokens, logprobs = sample(logits, sampling)
     return cache, next_tokens, logprobs
 
@@ -90,18 +89,16 @@ def _decode(graphdef, steps, state, cache, counts, tokens, positions, rows, samp
     Attention by ``kernels`` (``inference.kernels``): the decode kernel (TPU) reads each row's
     live blocks, the reference (``cached_attention``) each block of rows up to its furthest
     position. Padding entries have a row index out of range (their writes are dropped,
-    what they read is discarded) and position 0. ``shared``: ``DecodePlan``'s share rows/lengths.
+    what they read is discarded) and position 0. ``shared``: ``DecodePlan``'s share rows/lengths,
+    handed to the kernels (``Kernels.bind``).
     """
-    model, packed, head = W.serving_model(graphdef, state)
+    model, kernels = kernels.bind(graphdef, state, shared)
 
     def body(carry, _):  # type: ignore[no-untyped-def]
         cache, counts, tok, pos, index = carry
         counts = counts.count(rows, tok)
-        hidden, cache = model(
-            tok[:, None], pos[:, None], cache=cache, cache_rows=rows, kernels=kernels, cache_shared=shared,
-            packed=packed, head=head,
-        )
-        logits = penalize(model.logits_f32(hidden[:, 0], head), counts, rows, sampling)
+        hidden, cache = model(tok[:, None], pos[:, None], cache=cache, cache_rows=rows, kernels=kernels)
+        logits = penalize(model.logits_f32(hidden[:, 0], kernels), counts, rows, sampling)
         new, logp = sample(logits, replace(sampling, draw_position=index))
         return (cache, counts, new, pos + 1, index + 1), (new, logp)
 
@@ -219,7 +216,9 @@ def engine_programs(graphdef: nnx.GraphDef, layout: EngineLayout, kernels: Kerne
     cache_out = KVCache(cache_sh, cache_sh)
     counts_out = TokenCounts(inputs_sh, inputs_sh)
     prefill = jax.jit(
-        traces.wrap(partial(_prefill, graphdef)), donate_argnums=(1,), out_shardings=(cache_out, inputs_sh, inputs_sh)
+        traces.wrap(partial(_prefill, graphdef, kernels=kernels)),
+        donate_argnums=(1,),
+        out_shardings=(cache_out, inputs_sh, inputs_sh),
     )
     decode = jax.jit(
         traces.wrap(partial(_decode, graphdef, kernels=kernels)),
@@ -274,9 +273,6 @@ class Engine:
         self._param_dtype = jax.tree.leaves(state)[0].dtype
         self._compute_dtype = model.dtype
         self.kernels = Kernels.create(config.kernels, field="inference.kernels", mesh=mesh)
-        # Projections by the CPU matmul kernel (float32 only): their weights are packed for it.
-        f32 = self._param_dtype == jnp.float32 and jnp.dtype(model.dtype) == jnp.float32
-        self._packed = model.matmul_weights() if f32 and self.kernels.packs_matmul_weights() else None
         # Always a copy: the caller (the trainer) may donate or overwrite its arrays later.
         self._state: nnx.State = self._served(W.place_state(state, state, self._param_shardings))
         layout = EngineLayout.create(arch, config, model.dtype, mesh)
@@ -332,13 +328,12 @@ class Engine:
     @property
     def params(self) -> nnx.State:
         """The weights being served (read-only: the engine may swap them at any step), in the
-        layout its programs take (``W.pack_for_cpu`` on one CPU device)."""
+        layout its programs take (``Kernels.serving_weights``: packed for the CPU backend on one
+        CPU device)."""
         return self._state
 
-    def _served(self, placed: nnx.State) -> nnx.State:
-        if self._packed is None:
-            return placed
-        return W.pack_for_cpu(placed, self._packed, "embed" if self.arch.tie_word_embeddings else "lm_head")
+    def _served(self, placed: nnx.State) -> Any:
+        return self.kernels.serving_weights(placed, self._compute_dtype)
 
     @property
     def vocab_size(self) -> int:

@@ -14,7 +14,7 @@ engine's dtypes when they differ. No files are written.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -26,7 +26,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from jaxrl.models import sharding
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import param_name
-from jaxrl_kernels.cpu_matmul import PackedInto, PackedWeight
 
 ShardingFn = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]
 
@@ -120,48 +119,3 @@ def _cast_fn(
 def zeros_like_sharded(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     """A zero array created directly in its sharding (no host copy)."""
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
-
-
-def pack_for_cpu(state: nnx.State, groups: Mapping[tuple[str, ...], int], head: str | None) -> nnx.State:
-    """``state`` with the layer projections in ``groups`` ({names: K}, ``Decoder.
-    matmul_weights``) packed for the CPU matmul kernel (``jaxrl_kernels.cpu_matmul``; one device,
-    float32): each group is one ``PackedWeight`` in place of its first weight, the others
-    ``PackedInto`` it. ``head`` ("lm_head", or "embed" when tied) is the output projection,
-    packed as [D, V] (a tied table as its transpose, its rows then read from the panels: still
-    kept once). Fresh buffers; the plain arrays are freed once the caller drops them."""
-    values = {param_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
-    packed: dict[str, Any] = {}
-    for names, k in groups.items():
-        packed[names[0]] = PackedWeight.pack({n: values[n] for n in names}, k)
-        packed.update({n: PackedInto(names[0]) for n in names[1:]})
-    if head is not None:
-        mat = values[head].T if head == "embed" else values[head]  # [D, V]
-        packed[head] = PackedWeight.pack({head: mat[None]}, mat.shape[0])
-    return jax.tree_util.tree_map_with_path(lambda p, x: packed.get(param_name(p), x), state)
-
-
-def _is_packed(x: Any) -> bool:
-    return isinstance(x, (PackedWeight, PackedInto))
-
-
-def serving_model(
-    graphdef: nnx.GraphDef, state: nnx.State
-) -> tuple[Decoder, dict[str, PackedWeight] | None, PackedWeight | None]:
-    """Inside an engine program: the model, its packed layer projections ({first name: packed
-    group}) when ``state`` is in the ``pack_for_cpu`` layout (else None), and the packed output
-    projection (else None). The model's own weights are rebuilt from the packed ones: XLA drops
-    that as dead code, as the forward reads the packed ones only (``Decoder.__call__(packed=...,
-    head=...)``)."""
-    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_packed)[0]
-    groups = {param_name(p): x for p, x in flat if isinstance(x, PackedWeight)}
-    if not groups:
-        return nnx.merge(graphdef, state), None, None
-    unpacked = {n: v for g in groups.values() for n, v in g.unpack().items()}
-    for name in ("embed", "lm_head"):
-        if name in groups:  # packed as [1, D, V]
-            unpacked[name] = unpacked[name][0].T if name == "embed" else unpacked[name][0]
-    model_state = jax.tree_util.tree_map_with_path(
-        lambda p, x: unpacked[param_name(p)] if _is_packed(x) else x, state, is_leaf=_is_packed
-    )
-    head = groups.pop("embed", None) or groups.pop("lm_head", None)
-    return nnx.merge(graphdef, model_state), groups, head

@@ -11,7 +11,7 @@ sampler log-probs come from one implementation of the math.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import TYPE_CHECKING, Any, Literal
@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.arch import ModelArch
-from jaxrl_kernels.cpu_matmul import PackedWeight
 
 if TYPE_CHECKING:
     from jaxrl.kernel_dispatch import Kernels
@@ -360,14 +359,6 @@ class Decoder(nnx.Module):
             self.lm_head = param((D, V))
 
 
-    def matmul_weights(self) -> dict[tuple[str, ...], int]:
-        """The layer projections, grouped by the input they multiply, each group with its
-        contracted size K (the product of a weight's leading axes as stored: ``wq`` [D, heads,
-        head_dim] is [D, heads * head_dim], ``wo`` [heads, head_dim, D] is [heads * head_dim, D])."""
-        arch = self.arch
-        d, q = arch.hidden_size, arch.num_heads * arch.head_dim
-        return {("wq", "wk", "wv"): d, ("wo",): q, ("w_gate", "w_up"): d, ("w_down",): arch.intermediate_size}
-
     def _layer_weights(self) -> dict[str, jax.Array]:
         names = ["attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"]
         if self.arch.qkv_bias:
@@ -380,13 +371,14 @@ class Decoder(nnx.Module):
         """[D, V] output projection (the transposed embedding when tied)."""
         return self.embed[...].T if self.arch.tie_word_embeddings else self.lm_head[...]
 
-    def logits_f32(self, hidden: jax.Array, head: PackedWeight | None = None) -> jax.Array:
+    def logits_f32(self, hidden: jax.Array, kernels: Kernels | None = None) -> jax.Array:
         """``hidden [..., D] @ lm_head`` in float32 (the trainer's log-prob math), for sampling.
         A tied embedding is contracted on its own axis ([V, D]), never transposed: XLA:CPU copied
         the transposed table once per decode call (1 ms of a 7 ms step at 8192 x 256).
-        ``head``: the same projection packed for the CPU matmul kernel (the engine's layout)."""
-        if head is not None:
-            return head.matmul(hidden)[0]
+        ``kernels`` may hand in the same product from a serving layout (``Kernels.logits``)."""
+        fn = kernels.logits() if kernels is not None else None
+        if fn is not None:
+            return fn(hidden)
         h = hidden.astype(jnp.float32)
         if self.arch.tie_word_embeddings:
             return jnp.einsum("...d,vd->...v", h, self.embed[...].astype(jnp.float32))
@@ -405,63 +397,51 @@ class Decoder(nnx.Module):
         cache_rows: jax.Array | None = None,
         kernels: Kernels | None = None,
         lora: LayerAdapters | None = None,
-        cache_shared: tuple[jax.Array, jax.Array] | None = None,
-        packed: Mapping[str, PackedWeight] | None = None,
-        head: PackedWeight | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """tokens, positions, segment_ids: int [B, T].
 
         Without a cache, attention is causal within each segment. With a cache, row b writes
         its keys/values into cache row ``cache_rows[b]`` at ``positions[b, t]`` and attends to
         every cached position <= its own (the engine guarantees those are this sequence's).
-        ``kernels`` may swap in a Pallas attention with the same semantics (default: ours).
-        ``cache_shared`` (share_rows, share_lens) [B]: positions < share_lens[b] of row
-        ``cache_rows[b]`` hold the same keys/values as row share_rows[b] (a read hint for the CPU
-        kernel, ``Kernels.cached_attention``; the result does not change).
+        ``kernels`` (``jaxrl.kernel_dispatch``) may swap in an attention, a projection, the
+        embedding lookup with the same semantics (default: ours); the engine's kernels also carry
+        its serving layout, which the decoder never sees.
         ``lora`` (training forward only): adapters merged into each layer's weights in the scan.
-        ``packed`` (cached forward only; the engine's CPU layout, ``jaxrl.inference.weights.
-        pack_for_cpu``): layer projections as ``PackedWeight`` stacks (one per ``matmul_weights``
-        group, keyed by its first name), used in place of the stacked
-        weights of those names. The layer scan does not slice them (XLA:CPU would copy each
-        layer's slice out before its matmuls: measured, a 4-layer MLP at batch 32, 256 wide,
-        2.32 ms scanned vs 1.28 ms on separate arrays); the kernel reads layer ``i`` of the stack
-        in place. ``head``: the output projection packed; a tied embedding's rows are read from
-        it (the engine keeps that table once, packed).
         """
         arch = self.arch
-        if head is not None and arch.tie_word_embeddings:
-            x = head.columns(tokens).astype(self.dtype)
-        else:
-            x = self.embed[...].astype(self.dtype)[tokens]
+        lookup = kernels.embedding() if kernels is not None else None
+        x = lookup(tokens).astype(self.dtype) if lookup is not None else self.embed[...].astype(self.dtype)[tokens]
         cos, sin = rope_tables(positions, jnp.asarray(arch.inv_freq()))
         weights = self._layer_weights()
         if cache is None:
-            assert packed is None and head is None, "packed weights are a serving (cached forward) layout"
             seg = jnp.ones_like(tokens) if segment_ids is None else segment_ids
             mask = packed_causal_mask(seg)
-            kernel = kernels.training_attention(seg) if kernels is not None else None
+            query = jax.ShapeDtypeStruct((*tokens.shape, arch.num_heads, arch.head_dim), self.dtype)
+            kernel = kernels.training_attention(seg, query) if kernels is not None else None
 
             def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
                 if kernel is not None:  # a kernel with the same semantics (jaxrl.kernel_dispatch)
                     return kernel(q, k, v)
                 return attention(q, k, v, mask, causal_block=CAUSAL_BLOCK)
 
-            def body(h: jax.Array, xs: tuple[dict[str, jax.Array], Any]) -> tuple[jax.Array, None]:
+            def body(carry: tuple[jax.Array, jax.Array], xs: tuple[dict[str, jax.Array], Any]):  # type: ignore[no-untyped-def]
+                h, layer = carry
                 w, adapters = xs
                 if lora is not None:
                     w = {
                         n: lora_merge(v, adapters[n]["a"], adapters[n]["b"], lora.scale) if n in adapters else v
                         for n, v in w.items()
                     }
-                return self._block(h, w, cos, sin, attend), None
+                return (self._block(h, w, cos, sin, attend, self._projector(w, kernels, layer)), layer + 1), None
 
             if self.remat != "none":
                 body = jax.checkpoint(body, prevent_cse=False, policy=REMAT_POLICIES[self.remat])
-            h, _ = jax.lax.scan(body, x, (weights, {} if lora is None else lora.adapters))
+            xs = (weights, {} if lora is None else lora.adapters)
+            (h, _), _ = jax.lax.scan(body, (x, jnp.int32(0)), xs)
         else:
             assert lora is None, "the cached (serving) forward runs merged weights"
             rows = jnp.arange(tokens.shape[0]) if cache_rows is None else cache_rows
-            kernel = kernels.cached_attention(positions, rows, cache_shared) if kernels is not None else None
+            kernel = kernels.cached_attention(positions, rows) if kernels is not None else None
 
             def body(carry, w):  # type: ignore[no-untyped-def]
                 h, kc, vc, layer = carry
@@ -480,36 +460,40 @@ class Decoder(nnx.Module):
                         return kernel(q, kc, vc, layer)
                     return cached_attention(q, kc, vc, layer, rows, positions)
 
-                w = {**w, **{n: p.at(layer) for n, p in packed.items()}}
-                h = self._block(h, w, cos, sin, attend)
+                h = self._block(h, w, cos, sin, attend, self._projector(w, kernels, layer))
                 return (h, kc, vc, layer + 1), None
 
-            packed = packed or {}
-            covered = {n for p in packed.values() for n in p.names}
-            scanned = {n: v for n, v in weights.items() if n not in covered}
-            (h, kc, vc, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), scanned)
+            (h, kc, vc, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), weights)
             cache = KVCache(kc, vc)
         return rms_norm(h, self.final_norm[...], arch.rms_norm_eps), cache
 
-    def _block(self, x, w, cos, sin, attend):  # type: ignore[no-untyped-def]
-        """One layer; ``attend(q, k, v)`` is the attention (and, with a cache, its writes)."""
+    def _projector(
+        self, w: dict[str, jax.Array], kernels: Kernels | None, layer: jax.Array
+    ) -> Callable[[jax.Array, tuple[str, ...]], list[jax.Array]]:
+        """``(h, names) -> [h @ w[name] for name in names]`` for weights that multiply the same
+        input (head weights stored [D, heads, head_dim] are one [D, heads * head_dim] matmul), from
+        ``kernels`` where it has a projection for ``names`` (``Kernels.projection``), else ``dense``.
+        A kernel reads layer ``layer`` of its own copy of the weights: its projected weights in
+        ``w`` are then unused (the engine's rebuild of them is dropped as dead code)."""
+        dt = self.dtype
+
+        def project(h: jax.Array, names: tuple[str, ...]) -> list[jax.Array]:
+            fn = kernels.projection(names, layer) if kernels is not None else None
+            if fn is not None:
+                return [y.astype(dt) for y in fn(h)]
+            return [dense(h, w[n].astype(dt).reshape(h.shape[-1], -1)) for n in names]
+
+        return project
+
+    def _block(self, x, w, cos, sin, attend, project):  # type: ignore[no-untyped-def]
+        """One layer; ``attend(q, k, v)`` is the attention (and, with a cache, its writes),
+        ``project(h, names)`` the projections (``_projector``)."""
         arch, dt = self.arch, self.dtype
         eps = arch.rms_norm_eps
-        b, t, d = x.shape
+        b, t, _ = x.shape
         H, K, Dh = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        # Head weights are stored [D, heads, head_dim]; as [D, heads * head_dim] they are one matmul.
-
-        def proj(h: jax.Array, names: tuple[str, ...], k: int) -> list[jax.Array]:
-            """``h @ w[name]`` for each of ``names`` (a ``matmul_weights`` group), each weight
-            as [k, N]; a ``PackedWeight`` (the engine's CPU serving layout) multiplies the whole
-            group through its kernel in one call."""
-            wt = w[names[0]]
-            if isinstance(wt, PackedWeight):
-                return [y.astype(dt) for y in wt.matmul(h)]
-            return [dense(h, w[n].astype(dt).reshape(k, -1)) for n in names]
-
         h = rms_norm(x, w["attn_norm"], eps)
-        q, k, v = proj(h, ("wq", "wk", "wv"), d)
+        q, k, v = project(h, ("wq", "wk", "wv"))
         q, k, v = q.reshape(b, t, H, Dh), k.reshape(b, t, K, Dh), v.reshape(b, t, K, Dh)
         if arch.qkv_bias:
             q, k, v = q + w["bq"].astype(dt), k + w["bk"].astype(dt), v + w["bv"].astype(dt)
@@ -517,7 +501,7 @@ class Decoder(nnx.Module):
             q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = attend(q, k, v)
-        x = x + proj(attn.reshape(b, t, H * Dh), ("wo",), H * Dh)[0]
+        x = x + project(attn.reshape(b, t, H * Dh), ("wo",))[0]
         h = rms_norm(x, w["mlp_norm"], eps)
-        gate, up = proj(h, ("w_gate", "w_up"), d)
-        return x + proj(jax.nn.silu(gate) * up, ("w_down",), arch.intermediate_size)[0]
+        gate, up = project(h, ("w_gate", "w_up"))
+        return x + project(jax.nn.silu(gate) * up, ("w_down",))[0]

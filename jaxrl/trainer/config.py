@@ -31,10 +31,12 @@ class TrainerConfig(BaseModel):
     every layer's activations (fastest; at real sizes far more than HBM), "full" keeps only each
     layer's input (~1/3 more FLOPs; at Qwen3-0.6B x 4 rows x 4096 tokens 2 GB per chip instead of
     53 GB), "save_dots" keeps the projections' matmul outputs (between the two). "auto": "full"
-    on TPU, "none" elsewhere (CPU runs are small). ``true`` / ``false`` mean "full" / "none"."""
+    on TPU and GPU (one 80 GB GPU holds a 0.6B model's trainer and engine only so), "none" on CPU
+    (CPU runs are small). ``true`` / ``false`` mean "full" / "none"."""
     kernels: Literal["auto", "reference", "pallas", "pallas_interpret"] = "auto"
     """Log-prob and attention implementations (``jaxrl.kernel_dispatch``). "auto": the Pallas
-    kernels on TPU, the pure-JAX references elsewhere. "reference" / "pallas": always that one
+    kernels on TPU, cuDNN's fused training attention on GPU (bfloat16), the pure-JAX references
+    elsewhere. "reference" / "pallas": always that one
     ("pallas" on a backend without the kernels fails at start-up). "pallas_interpret": the kernels
     in Pallas interpret mode on any backend (slow; for tests)."""
     optim: OptimConfig = OptimConfig()
@@ -55,7 +57,7 @@ class TrainerConfig(BaseModel):
     def remat_policy(self, platform: str) -> Literal["none", "full", "save_dots"]:
         """``remat`` resolved for the mesh's ``platform`` ("tpu", "cpu", ...)."""
         if self.remat == "auto":
-            return "full" if platform == "tpu" else "none"
+            return "full" if platform in ("tpu", "gpu", "cuda") else "none"
         return self.remat
 
     @model_validator(mode="after")

@@ -97,7 +97,7 @@ def test_pallas_on_a_backend_without_the_kernels_fails_at_startup() -> None:
         InferenceConfig(kernels="triton")
     assert resolve("pallas", "tpu", field="x") == "pallas"
     assert resolve("auto", "tpu", field="x") == "pallas"
-    assert resolve("auto", "gpu", field="x") == "reference"
+    assert resolve("auto", "gpu", field="x") == "cudnn"
     assert resolve("pallas_interpret", "cpu", field="x") == "pallas_interpret"
 
 
@@ -148,7 +148,7 @@ def _engine_outputs(kernels: str, tensor_parallel: int):
         kernels=kernels,
     )
     engine = Engine(tiny_model(vocab=64, max_position_embeddings=64), cfg)
-    assert engine.kernels == Kernels(resolve(kernels, "cpu", field="x"), engine.mesh, cpu_attention=kernels == "auto")
+    assert engine.kernels == Kernels(resolve(kernels, "cpu", field="x"), engine.mesh, cpu=kernels == "auto")
     rng = np.random.default_rng(0)
     # Prompts of 3 to 30 tokens (some prefilled in two chunks); rows finish at different steps.
     prompts = [rng.integers(0, 64, n).tolist() for n in (3, 17, 30, 8)]
