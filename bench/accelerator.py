@@ -104,6 +104,7 @@ def _fmt(v: Any) -> str:
 
 def table(lines: list[dict[str, Any]], device: str, wall: float) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table(title=f"bench/accelerator.py on {device} ({wall:.0f} s)", show_lines=False)
@@ -122,7 +123,7 @@ def table(lines: list[dict[str, Any]], device: str, wall: float) -> None:
         elif "skipped" in line:
             status = "skip"
         rest = {k: v for k, v in line.items() if k not in ("check", "bench", "ok")}
-        t.add_row(str(name), status, ", ".join(f"{k}={_fmt(v)}" for k, v in rest.items()))
+        t.add_row(str(name), status, escape(", ".join(f"{k}={_fmt(v)}" for k, v in rest.items())))
     Console(width=200).print(t)
 
 

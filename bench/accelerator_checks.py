@@ -33,6 +33,19 @@ def scaled_err(got: Any, want: Any) -> float:
     return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-12))
 
 
+_PARITY: dict[int, Any] = {}
+
+
+def parity_model(shapes: Shapes, dtype: Any = jnp.float32) -> Any:
+    """The correctness model (random float32 weights, made once per run) computing in ``dtype``:
+    each caller gets its own module object over the same arrays."""
+    if id(shapes) not in _PARITY:
+        _PARITY[id(shapes)] = random_decoder(shapes.parity)
+    model = nnx.merge(*nnx.split(_PARITY[id(shapes)]))
+    model.dtype = dtype
+    return model
+
+
 def _parity_tokens(shapes: Shapes, vocab: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, shapes.parity_tokens)
 
@@ -49,7 +62,7 @@ def logits_vs_transformers(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
     from jaxrl.kernel_dispatch import Kernels
 
     cfg = shapes.parity
-    model = random_decoder(cfg)
+    model = parity_model(shapes)
     tokens = _parity_tokens(shapes, cfg["vocab_size"])
     positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
     kernels = Kernels.create("auto", field="trainer.kernels")
@@ -92,7 +105,7 @@ def engine_vs_trainer(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
     cfg = shapes.parity
     n, new = shapes.engine_prompts, shapes.engine_new_tokens
     prompt_len = shapes.parity_tokens[1]
-    model = random_decoder(cfg)
+    model = parity_model(shapes)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, cfg["vocab_size"], prompt_len - 3 * i).tolist() for i in range(n)]
     icfg = InferenceConfig(
@@ -166,7 +179,7 @@ def bf16_loss_grads(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
     from jaxrl.trainer.step import micro_batch_loss
 
     cfg = shapes.parity
-    model = random_decoder(cfg, param_dtype=jnp.float32, dtype=jnp.bfloat16)
+    model = parity_model(shapes, jnp.bfloat16)  # float32 master weights, bfloat16 compute
     graphdef, state = nnx.split(model)
     mb, counts = _bf16_batch(cfg, shapes)
     tcfg = TrainerConfig(seq_len=shapes.parity_tokens[1], micro_batch_rows=shapes.parity_tokens[0])

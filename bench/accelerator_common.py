@@ -127,6 +127,8 @@ class Shapes:
     decode_batches: tuple[int, ...]
     decode_prompt: int
     decode_new: int
+    decode_steps_idle: int  # inference.decode_steps_idle (decode steps per call when no request waits)
+    decode_prefill_batches: tuple[int, ...]  # inference.prefill_batch_buckets
     repeats: int  # timed repeats of each decode measure (median reported)
     kernel_dims: dict[str, int]  # sizes of the kernel-vs-reference inputs
     rl_scratch: dict[str, Any]  # [model.scratch] of the RL run
@@ -172,6 +174,8 @@ def full_shapes() -> Shapes:
         decode_batches=(1, 32, 128),
         decode_prompt=128,
         decode_new=128,
+        decode_steps_idle=16,
+        decode_prefill_batches=(1, 32),
         repeats=2,
         kernel_dims={"batch": 2, "seq": 1024, "heads": 16, "kv_heads": 8, "head_dim": 128, "cache_len": 1024,
                      "layers": 2, "tokens": 1024, "hidden": 1024, "vocab": 151936},
@@ -196,6 +200,8 @@ def smoke_shapes() -> Shapes:
         decode_batches=(1, 4),
         decode_prompt=16,
         decode_new=8,
+        decode_steps_idle=4,  # = decode_steps: one decode program per batch size (fewer compiles)
+        decode_prefill_batches=(4,),
         repeats=1,
         kernel_dims={"batch": 2, "seq": 32, "heads": 4, "kv_heads": 2, "head_dim": 16, "cache_len": 64,
                      "layers": 2, "tokens": 64, "hidden": 64, "vocab": 640},

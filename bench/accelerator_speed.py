@@ -201,9 +201,9 @@ def decode(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
     top = max(shapes.decode_batches)
     cfg = InferenceConfig(
         max_model_len=shapes.decode_prompt + shapes.decode_new + 8, max_seqs=top,
-        max_batched_tokens=top * shapes.decode_prompt, decode_steps=4, decode_steps_idle=16,
+        max_batched_tokens=top * shapes.decode_prompt, decode_steps=4, decode_steps_idle=shapes.decode_steps_idle,
         decode_batch_buckets=list(shapes.decode_batches), prefill_len_buckets=[shapes.decode_prompt],
-        prefill_batch_buckets=sorted({min(b, 32) for b in shapes.decode_batches}),
+        prefill_batch_buckets=list(shapes.decode_prefill_batches),
     )
     model = random_decoder(shapes.decode, param_dtype=jnp.dtype(dtype), dtype=jnp.dtype(dtype))
     engine = Engine(model, cfg)
@@ -254,12 +254,12 @@ def rl_run(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
     root = Path(__file__).resolve().parents[1]
     recipe = read_toml(root / "configs" / "reverse_text" / "rl.toml")
     recipe.pop("warmstart", None)
+    recipe["model"] = {"scratch": shapes.rl_scratch}  # in place of the recipe's SFT warm start
     recipe["orchestrator"].pop("eval", None)
     steps = 5
     with tempfile.TemporaryDirectory() as out:
         over = {
             "output_dir": out,
-            "model": {"scratch": shapes.rl_scratch},
             "trainer": {"steps": steps, "mesh": {"num_devices": 1}},
             "inference": {"server": {"port": 0}, "decode_steps_idle": 4},
             "ckpt": {"interval": 0},
