@@ -12,7 +12,6 @@ import tempfile
 import time
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from accelerator_common import (
@@ -115,14 +114,15 @@ def train_step(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
             torch_result = None
             torch_line["error"] = f"{type(e).__name__}: {str(e)[:300]}"
 
-    note = None
+    note, trainer = None, None
     try:
         trainer = _jaxrl_trainer(shapes, dtype, remat, dev.peak)
         first = trainer.train_step(samples)  # compile + warm-up
     except Exception as e:  # noqa: BLE001
         if remat != "none" or not any(m in str(e) for m in OOM_MARKERS):
             raise
-        note, remat = f'remat "auto" resolved to "none" on {dev.platform} and ran out of memory; rerun with "full"', "full"
+        note = f'remat "auto" resolved to "none" on {dev.platform} and ran out of memory; rerun with "full"'
+        remat, trainer = "full", None  # drop the first attempt's state before the second
         trainer = _jaxrl_trainer(shapes, dtype, remat, dev.peak)
         first = trainer.train_step(samples)
     steps = [trainer.train_step(samples) for _ in range(shapes.train_steps)]

@@ -12,6 +12,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))  # as `python bench/accelerator.py` has it
+
+from accelerator_common import mfu, peak_flops  # noqa: E402
 CHECKS = ("logits_vs_transformers", "engine_vs_trainer", "bf16_loss_grads", "kernel_training_attention",
           "kernel_cached_attention", "kernel_logprobs")
 
@@ -66,3 +69,19 @@ def test_unknown_only_name_is_refused() -> None:
     )
     assert proc.returncode == 2
     assert "--only: unknown name(s) nope" in proc.stderr
+
+
+def test_peak_flops_by_device_kind_and_mfu() -> None:
+    """jax's device_kind strings map to datasheet dense bf16 peaks; anything else has none."""
+    tera = 1e12
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989 * tera
+    assert peak_flops("NVIDIA H200") == 989 * tera
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312 * tera
+    assert peak_flops("NVIDIA L4") == 121 * tera
+    assert peak_flops("TPU v5 lite") == 197 * tera
+    assert peak_flops("TPU v6 lite") == 918 * tera
+    assert peak_flops("TPU v5p") == 459 * tera
+    assert peak_flops("TPU v4") == 275 * tera
+    assert peak_flops("cpu") is None and peak_flops("NVIDIA GeForce RTX 4090") is None
+    assert mfu(params=10**9, tokens=1000, seconds=1.0, peak=6e12) == 1.0
+    assert mfu(params=10**9, tokens=1000, seconds=1.0, peak=None) is None
