@@ -51,8 +51,11 @@ def _torch_train(dev: Device, shapes: Shapes, tokens: np.ndarray, remat: str) ->
     torch.manual_seed(0)
     cfg = transformers.Qwen3Config.from_dict(shapes.train)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().to(device).train()
-    if remat != "none":
-        model.gradient_checkpointing_enable()
+    if remat != "none":  # transformers 5.24 renamed it; the CUDA image's 5.17 has the old name only
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable()
+        else:
+            model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.01)
     ids = torch.as_tensor(tokens, dtype=torch.long, device=device)
     amp = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device != "cpu")
@@ -61,7 +64,7 @@ def _torch_train(dev: Device, shapes: Shapes, tokens: np.ndarray, remat: str) ->
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with amp:
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
