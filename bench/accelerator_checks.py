@@ -127,7 +127,7 @@ def engine_vs_trainer(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
         graphdef, state = nnx.split(model)
 
         @jax.jit
-        def score(state: Any, mb: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        def score(state: Any, mb: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
             m = nnx.merge(graphdef, state)
             logp, _ = packed_logprobs(m, mb, kernels, 4096)
             hidden, _ = m(mb["tokens"], mb["positions"], mb["segment_ids"], kernels=kernels)

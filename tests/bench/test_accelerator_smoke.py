@@ -85,3 +85,19 @@ def test_peak_flops_by_device_kind_and_mfu() -> None:
     assert peak_flops("cpu") is None and peak_flops("NVIDIA GeForce RTX 4090") is None
     assert mfu(params=10**9, tokens=1000, seconds=1.0, peak=6e12) == 1.0
     assert mfu(params=10**9, tokens=1000, seconds=1.0, peak=None) is None
+
+
+def test_a_failed_check_fails_the_run(tmp_path: Path) -> None:
+    """Only checks decide the exit code: a check with ok false fails it, a skipped check or a
+    benchmark with an error does not (its line says so)."""
+    from accelerator import Report
+
+    report = Report(str(tmp_path / "lines.jsonl"))
+    report.emit({"check": "a", "ok": True})
+    report.emit({"check": "b", "ok": True, "skipped": "why"})
+    report.emit({"bench": "c", "error": "RuntimeError: x"})
+    assert report.failed == []
+    report.emit({"check": "d", "ok": False, "error": "ValueError: y"})
+    report.close()
+    assert report.failed == ["d"]
+    assert len((tmp_path / "lines.jsonl").read_text().splitlines()) == 4
