@@ -5,6 +5,7 @@ asserted (the numbers depend on the machine)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))  # as `python bench/accelerator.py` has it
 
 from accelerator_common import mfu, peak_flops  # noqa: E402
+HAS_TORCH = importlib.util.find_spec("torch") is not None  # the Python 3.12 CI end runs without it
 CHECKS = ("logits_vs_transformers", "engine_vs_trainer", "bf16_loss_grads", "kernel_training_attention",
           "kernel_cached_attention", "kernel_logprobs")
 
@@ -36,9 +38,12 @@ def test_smoke_run_prints_every_line_and_passes(tmp_path: Path) -> None:
     checks = {line["check"]: line for line in lines if "check" in line}
     assert set(checks) == set(CHECKS)
     assert all(line["ok"] is True for line in checks.values()), checks
-    # What runs on the CPU is compared, not skipped: only the training attention has no kernel here.
-    assert [name for name, line in checks.items() if "skipped" in line] == ["kernel_training_attention"]
-    assert checks["logits_vs_transformers"]["scaled_err"] <= checks["logits_vs_transformers"]["tol"]
+    # What runs on the CPU is compared, not skipped: only the training attention has no kernel
+    # here (and, without torch, the transformers reference).
+    skipped = [name for name, line in checks.items() if "skipped" in line]
+    assert skipped == ["kernel_training_attention"] if HAS_TORCH else ["logits_vs_transformers", "kernel_training_attention"]
+    if HAS_TORCH:
+        assert checks["logits_vs_transformers"]["scaled_err"] <= checks["logits_vs_transformers"]["tol"]
     assert checks["engine_vs_trainer"]["greedy_exact_argmax"] is True
 
     benches = [line for line in lines if "bench" in line]
@@ -46,10 +51,15 @@ def test_smoke_run_prints_every_line_and_passes(tmp_path: Path) -> None:
     train = {line["impl"]: line for line in benches if line["bench"] == "train_step"}
     assert set(train) == {"jaxrl", "transformers"}
     assert train["jaxrl"]["tokens_per_s"] > 0 and train["jaxrl"]["mfu"] is None  # no peak for a CPU
-    assert train["transformers"]["jaxrl_over_transformers"] > 0
     decode = [line for line in benches if line["bench"] == "decode"]
     assert [line["batch"] for line in decode] == [1, 4]
-    assert all(line["engine_tok_s"] > 0 and line["hf_generate_tok_s"] > 0 for line in decode)
+    assert all(line["engine_tok_s"] > 0 for line in decode)
+    if HAS_TORCH:
+        assert train["transformers"]["jaxrl_over_transformers"] > 0
+        assert all(line["hf_generate_tok_s"] > 0 for line in decode)
+    else:
+        assert train["transformers"]["skipped"] == "torch is not importable"
+        assert all(line["hf_generate_skipped"] == "torch is not importable" for line in decode)
     steps = [line for line in benches if line["bench"] == "rl_step"]
     assert [line["step"] for line in steps] == [1, 2, 3, 4, 5]
     (rl,) = [line for line in benches if line["bench"] == "rl_run"]
