@@ -316,7 +316,8 @@ def kernel_logprobs(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
     with jax.default_matmul_precision("highest"):
         got = jax.jit(lambda: run(fn))()
         want = jax.jit(lambda: run(token_logprobs_reference))()
-    errs = {f"{k}_scaled_err": scaled_err(g, w) for k, g, w in zip(("logp", "entropy", "d_hidden", "d_lm_head"), got, want)}
+    names = ("logp", "entropy", "d_hidden", "d_lm_head")
+    errs = {f"{k}_scaled_err": scaled_err(g, w) for k, g, w in zip(names, got, want)}
     impl = kernels.impl if kernels.token_logprobs() else "reference (blocked, custom VJP)"
     tol = PALLAS_TOL if kernels.impl == "pallas" else F32_TOL[dev.platform]
     return [_kernel_line("kernel_logprobs", impl, errs, tol, shape=[n, dim, vocab])]

@@ -223,7 +223,9 @@ def one_device_mesh(devices: list[Any] | None = None) -> Any:
     return make_mesh(MeshConfig(num_devices=1), devices)
 
 
-def random_decoder(hf_config: dict[str, Any], *, param_dtype: Any = jnp.float32, dtype: Any = jnp.float32, seed: int = 0) -> Any:
+def random_decoder(
+    hf_config: dict[str, Any], *, param_dtype: Any = jnp.float32, dtype: Any = jnp.float32, seed: int = 0
+) -> Any:
     """A random-weight ``Decoder`` of this architecture on one device of jax's default backend."""
     from jaxrl.models.setup import init_decoder
 

@@ -84,9 +84,8 @@ def _jaxrl_trainer(shapes: Shapes, dtype: str, remat: str, peak: float | None) -
     from jaxrl.trainer.config import TrainerConfig
     from jaxrl.trainer.step import Trainer
 
-
-    cfg = TrainerConfig(seq_len=shapes.train_seq, seq_len_buckets=[shapes.train_seq], micro_batch_rows=shapes.train_rows,
-                        steps=shapes.train_steps + 1, remat=remat)
+    cfg = TrainerConfig(seq_len=shapes.train_seq, seq_len_buckets=[shapes.train_seq],
+                        micro_batch_rows=shapes.train_rows, steps=shapes.train_steps + 1, remat=remat)
     model = random_decoder(shapes.train, param_dtype=jnp.float32, dtype=jnp.dtype(dtype))
     return Trainer(model, cfg, one_device_mesh(), peak_flops=peak)
 
@@ -160,7 +159,8 @@ def _hf_generate(dev: Device, shapes: Shapes, dtype: str, prompts: np.ndarray) -
     cfg = transformers.Qwen3Config.from_dict(shapes.decode)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype(dtype)).to(device).eval()
     ids = torch.as_tensor(prompts, device=device)
-    kw = {"max_new_tokens": shapes.decode_new, "min_new_tokens": shapes.decode_new, "do_sample": False, "pad_token_id": 0}
+    kw = {"max_new_tokens": shapes.decode_new, "min_new_tokens": shapes.decode_new, "do_sample": False,
+          "pad_token_id": 0}
     try:
         with torch.no_grad():
             model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})

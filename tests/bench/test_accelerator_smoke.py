@@ -41,7 +41,8 @@ def test_smoke_run_prints_every_line_and_passes(tmp_path: Path) -> None:
     # What runs on the CPU is compared, not skipped: only the training attention has no kernel
     # here (and, without torch, the transformers reference).
     skipped = [name for name, line in checks.items() if "skipped" in line]
-    assert skipped == ["kernel_training_attention"] if HAS_TORCH else ["logits_vs_transformers", "kernel_training_attention"]
+    expected = ["kernel_training_attention"] if HAS_TORCH else ["logits_vs_transformers", "kernel_training_attention"]
+    assert skipped == expected
     if HAS_TORCH:
         assert checks["logits_vs_transformers"]["scaled_err"] <= checks["logits_vs_transformers"]["tol"]
     assert checks["engine_vs_trainer"]["greedy_exact_argmax"] is True
