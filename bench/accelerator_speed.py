@@ -1,0 +1,289 @@
+"""Speed on the device: each function returns JSON-able lines ``{"bench": name, ...}``.
+
+Torch runs before jax within each measure and hands its cached memory back afterwards
+(``torch_free``): jax runs without preallocation and keeps what it grew, so torch gets the
+device first.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from accelerator_common import (
+    TARGETS,
+    Device,
+    Shapes,
+    mfu,
+    one_device_mesh,
+    random_decoder,
+    torch_dtype,
+    torch_free,
+    torch_sync,
+)
+
+OOM_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory")
+
+
+def _dtype(dev: Device) -> str:
+    """bfloat16 on accelerators; float32 on the CPU (bf16 dots are slower there, DESIGN 9)."""
+    return "float32" if dev.platform == "cpu" else "bfloat16"
+
+
+def _target(dev: Device, key: str, value: float | None) -> dict[str, Any]:
+    goal = TARGETS[key]
+    met = None if value is None or not dev.judged else value >= goal
+    return {"target": f">= {goal}", "meets_target": met}
+
+
+def _torch_train(dev: Device, shapes: Shapes, tokens: np.ndarray, remat: str) -> dict[str, Any]:
+    """transformers + torch: bf16 autocast on float32 weights, AdamW (as jaxrl's optimizer),
+    gradient checkpointing when jaxrl recomputes too. Best of the timed steps."""
+    import torch
+    import transformers
+
+    device = dev.torch_device
+    assert device is not None
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config.from_dict(shapes.train)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().to(device).train()
+    if remat != "none":  # transformers 5.24 renamed it; the CUDA image's 5.17 has the old name only
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable()
+        else:
+            model.gradient_checkpointing_enable()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.01)
+    ids = torch.as_tensor(tokens, dtype=torch.long, device=device)
+    amp = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device != "cpu")
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with amp:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        torch_sync(device)
+        return time.perf_counter() - t0
+
+    try:
+        step()  # warm-up
+        times = [step() for _ in range(shapes.train_steps)]
+    finally:
+        del model, opt
+        torch_free(device)
+    return {"step_s": min(times), "tokens_per_s": tokens.size / min(times), "gradient_checkpointing": remat != "none"}
+
+
+def _jaxrl_trainer(shapes: Shapes, dtype: str, remat: str, peak: float | None) -> Any:
+    from jaxrl.trainer.config import TrainerConfig
+    from jaxrl.trainer.step import Trainer
+
+    cfg = TrainerConfig(seq_len=shapes.train_seq, seq_len_buckets=[shapes.train_seq],
+                        micro_batch_rows=shapes.train_rows, steps=shapes.train_steps + 1, remat=remat)
+    model = random_decoder(shapes.train, param_dtype=jnp.float32, dtype=jnp.dtype(dtype))
+    return Trainer(model, cfg, one_device_mesh(), peak_flops=peak)
+
+
+def train_step(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
+    """Optimizer steps of ``jaxrl.trainer.step.Trainer`` on ``rows x seq`` tokens of the train
+    model (random weights), then the same on transformers + torch where torch sees this device."""
+    from jaxrl.models.arch import arch_from_hf_config
+    from jaxrl.samples import TrainingSample
+    from jaxrl.trainer.config import TrainerConfig
+
+    arch = arch_from_hf_config(shapes.train)
+    dtype = _dtype(dev)
+    tokens = np.random.default_rng(0).integers(0, arch.vocab_size, (shapes.train_rows, shapes.train_seq))
+    samples = [TrainingSample.sft(t, np.ones(len(t))) for t in tokens]
+    remat = TrainerConfig(remat="auto").remat_policy(dev.platform)
+    lines = []
+
+    torch_line: dict[str, Any] = {"bench": "train_step", "impl": "transformers"}
+    if not dev.torch_same_device:
+        torch_line["skipped"] = dev.torch_note if dev.torch_device is None else f"torch does not see the {dev.platform}"
+        torch_result = None
+    else:
+        try:
+            torch_result = _torch_train(dev, shapes, tokens, remat)
+            torch_line |= torch_result
+        except Exception as e:  # noqa: BLE001 - reported in its line; jaxrl's own measure still runs
+            torch_result = None
+            torch_line["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+
+    note, trainer = None, None
+    try:
+        trainer = _jaxrl_trainer(shapes, dtype, remat, dev.peak)
+        first = trainer.train_step(samples)  # compile + warm-up
+    except Exception as e:  # noqa: BLE001
+        if remat != "none" or not any(m in str(e) for m in OOM_MARKERS):
+            raise
+        note = f'remat "auto" resolved to "none" on {dev.platform} and ran out of memory; rerun with "full"'
+        remat, trainer = "full", None  # drop the first attempt's state before the second
+        trainer = _jaxrl_trainer(shapes, dtype, remat, dev.peak)
+        first = trainer.train_step(samples)
+    steps = [trainer.train_step(samples) for _ in range(shapes.train_steps)]
+    best = min(steps, key=lambda m: m["time/train_s"])
+    seconds = best["time/train_s"]
+    n_tok = float(tokens.size)
+    value = mfu(arch.num_params(), n_tok, seconds, dev.peak)
+    line = {"bench": "train_step", "impl": "jaxrl", "tokens_per_s": n_tok / seconds, "step_s": seconds,
+            "step_s_median": statistics.median(m["time/train_s"] for m in steps), "first_step_s": first["time/train_s"],
+            "mfu": value, "mfu_with_attention": best.get("mfu"), "params": arch.num_params(),
+            "layers": arch.num_layers, "rows": shapes.train_rows, "seq": shapes.train_seq, "dtype": dtype,
+            "param_dtype": "float32", "remat": remat, "kernels": trainer.kernels.impl,
+            "loss": best["ce_loss"], **_target(dev, "train_step_mfu", value)}
+    if note:
+        line["remat_note"] = note
+    lines.append(line)
+    if torch_result is not None:
+        ratio = line["tokens_per_s"] / torch_result["tokens_per_s"]
+        torch_line |= {"jaxrl_over_transformers": ratio, **_target(dev, "train_step_vs_transformers", ratio)}
+    lines.append(torch_line)
+    return lines
+
+
+def _hf_generate(dev: Device, shapes: Shapes, dtype: str, prompts: np.ndarray) -> float:
+    """Output tokens/s of transformers ``generate`` (greedy, exactly ``decode_new`` tokens)."""
+    import torch
+    import transformers
+
+
+    device = dev.torch_device
+    assert device is not None
+    cfg = transformers.Qwen3Config.from_dict(shapes.decode)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype(dtype)).to(device).eval()
+    ids = torch.as_tensor(prompts, device=device)
+    kw = {"max_new_tokens": shapes.decode_new, "min_new_tokens": shapes.decode_new, "do_sample": False,
+          "pad_token_id": 0}
+    try:
+        with torch.no_grad():
+            model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+            times = []
+            for _ in range(shapes.repeats):
+                torch_sync(device)
+                t0 = time.perf_counter()
+                out = model.generate(ids, **kw)
+                torch_sync(device)
+                times.append(time.perf_counter() - t0)
+        assert out.shape[1] == prompts.shape[1] + shapes.decode_new
+    finally:
+        del model
+        torch_free(device)
+    return len(prompts) * shapes.decode_new / statistics.median(times)
+
+
+def decode(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
+    """Greedy decode throughput of the engine (``jaxrl.inference.engine.Engine``, random weights
+    of the decode model) at each batch size, vs transformers ``generate`` on the same device.
+    Times include prefill; ``decode_new`` tokens per sequence, no stop token."""
+    from jaxrl.inference.config import InferenceConfig
+    from jaxrl.inference.engine import Engine
+    from jaxrl.inference.sampling import SamplingParams
+    from jaxrl.inference.scheduler import Request
+
+    dtype = _dtype(dev)
+    vocab = shapes.decode["vocab_size"]
+    rng = np.random.default_rng(0)
+    batches = {b: rng.integers(0, vocab, (b, shapes.decode_prompt)) for b in shapes.decode_batches}
+    hf: dict[int, float | str] = {}
+    for b, prompts in batches.items():  # torch first: it hands its memory back, jax keeps what it grows
+        if not dev.torch_same_device:
+            hf[b] = dev.torch_note if dev.torch_device is None else f"torch does not see the {dev.platform}"
+            continue
+        try:
+            hf[b] = _hf_generate(dev, shapes, dtype, prompts)
+        except Exception as e:  # noqa: BLE001 - reported in its line
+            hf[b] = f"error {type(e).__name__}: {str(e)[:200]}"
+
+    top = max(shapes.decode_batches)
+    cfg = InferenceConfig(
+        max_model_len=shapes.decode_prompt + shapes.decode_new + 8, max_seqs=top,
+        max_batched_tokens=top * shapes.decode_prompt, decode_steps=4, decode_steps_idle=shapes.decode_steps_idle,
+        decode_batch_buckets=list(shapes.decode_batches), prefill_len_buckets=[shapes.decode_prompt],
+        prefill_batch_buckets=list(shapes.decode_prefill_batches),
+    )
+    model = random_decoder(shapes.decode, param_dtype=jnp.dtype(dtype), dtype=jnp.dtype(dtype))
+    engine = Engine(model, cfg)
+    del model
+    warmup_s = engine.warmup()
+    params = SamplingParams(max_tokens=shapes.decode_new, temperature=0.0)
+    lines = []
+    for b, prompts in batches.items():
+        def run() -> float:
+            reqs = [Request(p.tolist(), params) for p in prompts]
+            t0 = time.perf_counter()
+            outs = engine.generate(reqs)
+            dt = time.perf_counter() - t0
+            assert all(len(o.token_ids) == shapes.decode_new for o in outs)
+            return dt
+
+        run()  # first call of each shape (programs are compiled by warmup)
+        engine.generate([Request([1, 2], SamplingParams(max_tokens=1))])  # no prefix-cache hits on the timed run
+        seconds = statistics.median(run() for _ in range(shapes.repeats))
+        tok_s = b * shapes.decode_new / seconds
+        line = {"bench": "decode", "batch": b, "engine_tok_s": tok_s, "engine_s": seconds, "dtype": dtype,
+                "prompt": shapes.decode_prompt, "new_tokens": shapes.decode_new, "kernels": engine.kernels.impl,
+                "warmup_s": warmup_s, "layers": shapes.decode["num_hidden_layers"]}
+        if isinstance(hf[b], float):
+            ratio = tok_s / hf[b]
+            line |= {"hf_generate_tok_s": hf[b], "engine_over_generate": ratio}
+            if b == 32:
+                line |= _target(dev, "decode_b32_vs_generate", ratio)
+        else:
+            line["hf_generate_skipped"] = hf[b]
+        lines.append(line)
+    return lines
+
+
+RL_KEYS = ("time/rollout_wait_s", "time/train_s", "time/weight_sync_s", "time/scoring_s", "time/step_s")
+
+
+def rl_run(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
+    """Five RL steps of configs/reverse_text/rl.toml (GRPO, embedded engine, a verifiers env
+    server process) on a tiny random model instead of the recipe's SFT warm start, evals and
+    checkpoints off; the step split comes from the run's metrics.jsonl."""
+    from pathlib import Path
+
+    from jaxrl.config import build_config, deep_merge, read_toml
+    from jaxrl.metrics import read_metrics
+    from jaxrl.rl import run_rl
+
+    root = Path(__file__).resolve().parents[1]
+    recipe = read_toml(root / "configs" / "reverse_text" / "rl.toml")
+    recipe.pop("warmstart", None)
+    recipe["model"] = {"scratch": shapes.rl_scratch}  # in place of the recipe's SFT warm start
+    recipe["orchestrator"].pop("eval", None)
+    steps = 5
+    with tempfile.TemporaryDirectory() as out:
+        over = {
+            "output_dir": out,
+            "trainer": {"steps": steps, "mesh": {"num_devices": 1}},
+            "inference": {"server": {"port": 0}, "decode_steps_idle": 4},
+            "ckpt": {"interval": 0},
+            "log": {"progress": False},
+        }
+        cfg = build_config(deep_merge(deep_merge(recipe, over), shapes.rl_overrides), [])
+        t0 = time.perf_counter()
+        run_rl(cfg)
+        wall = time.perf_counter() - t0
+        rows = [r for r in read_metrics(Path(out) / "metrics.jsonl") if "time/step_s" in r]
+    steady = rows[1:] or rows  # step 1 includes the train step's compile
+    lines = [{"bench": "rl_step", "step": r["step"], **{k.split("/")[1]: r[k] for k in RL_KEYS},
+              "reward_mean": r.get("train/reward_mean")} for r in rows]
+    mean = {k.split("/")[1]: statistics.mean(r[k] for r in steady) for k in RL_KEYS}
+    model = {k: shapes.rl_scratch[k] for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads")}
+    lines.append({"bench": "rl_run", "steps": len(rows), "steps_averaged": len(steady), **mean,
+                  **{f"{k}_frac": v / mean["step_s"] for k, v in mean.items() if k != "step_s"},
+                  "run_wall_s": wall, "model": f"scratch Qwen3-shaped {model}, random init, float32",
+                  "batch_size": cfg.orchestrator.batch_size, "group_size": cfg.orchestrator.group_size,
+                  "max_completion_tokens": cfg.orchestrator.train.sampling.max_completion_tokens})
+    return lines
+
+
+BENCHES = {"train_step": train_step, "decode": decode, "rl_run": rl_run}
