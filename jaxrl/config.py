@@ -436,6 +436,9 @@ def _unknown_flag(flag: str) -> str:
     return f"unknown flag --{key}: {hint}"
 
 
+_NO_INPUT = ("value_error", "assertion_error", "missing")  # their message says it all (or there is no input)
+
+
 def one_line(e: ValidationError) -> str:
     """A pydantic error as one line per problem, each naming its field, joined by '; '."""
     parts = []
@@ -445,7 +448,7 @@ def one_line(e: ValidationError) -> str:
         if err["type"] == "extra_forbidden":
             close = difflib.get_close_matches(loc, field_paths(), n=1, cutoff=0.75)
             msg = "unknown field" + (f"; did you mean {close[0]}?" if close else "")
-        elif not err["type"].endswith("_error") and not isinstance(err.get("input"), (dict, list)):
+        elif err["type"] not in _NO_INPUT and not isinstance(err.get("input"), (dict, list)):
             msg += f" (got {err.get('input')!r})"
         parts.append(f"{loc}: {msg}" if loc and not msg.startswith(loc.rsplit(".", 1)[-1]) else msg)
     return "; ".join(parts)

@@ -173,3 +173,17 @@ def test_the_training_server_takes_a_free_port_and_serve_keeps_8000(tmp_path, ca
     assert tomllib.loads(capsys.readouterr().out)["inference"]["server"]["port"] == 8000
     assert serve_main(["--model.name", str(model), "--inference.server.port", "0", "--dry-run"]) == 0
     assert tomllib.loads(capsys.readouterr().out)["inference"]["server"]["port"] == 0
+
+
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if "rl" in r or "echo" in r or "grpo" in r or "opd" in r
+                                    or "debate" in r or "maxrl" in r])  # fmt: skip
+def test_every_rl_recipes_envs_load_before_the_run(recipe, monkeypatch) -> None:
+    """What a run checks before the engine warms up (module, taskset, every seat's harness)
+    holds for every shipped RL recipe's train and eval envs."""
+    from jaxrl.orchestrator.orchestrator import check_envs
+
+    monkeypatch.chdir(ROOT)
+    cfg, _ = load_config(["--config", recipe])
+    if cfg.orchestrator is None:
+        pytest.skip("not an RL recipe")
+    check_envs(cfg.orchestrator)

@@ -70,3 +70,35 @@ def test_failed_rollouts_are_counted_across_resamples(fail, tokenizer_dir, tmp_p
     summaries = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "rollout" in r.getMessage()]
     assert len(summaries) == 1, summaries  # one line for the step, not one per failed rollout
     assert "step 1: 4 of 8 rollouts failed (2 batches)" in summaries[0] and "harness could not start" in summaries[0]
+
+
+def test_a_dead_env_server_is_restarted_and_its_failed_rollouts_counted(tokenizer_dir, tmp_path) -> None:
+    """The env server dies with the step's 4 rollouts in flight: they fail, the batch is
+    resampled on the restarted server, and the step reports the 4 failures (it read 0)."""
+    import signal
+    import time
+
+    policy = FlakyPolicy(0)
+    cfg = OrchestratorConfig(batch_size=4, group_size=2, max_async_level=0, train={"env": [{"id": "reverse_text"}]})
+    def slow(messages: list[dict]) -> str:
+        time.sleep(3)  # keeps the rollouts in flight while the server is killed
+        return policy(messages)
+
+    with FakeEngine(tokenizer_dir, slow) as engine:
+        endpoint = ModelEndpoint(base_url=engine.base_url, model=engine.model, tokenizer_dir=tokenizer_dir)
+        orch = Orchestrator(cfg, endpoint, output_dir=tmp_path, seed=0, policy_version=lambda: 0)
+        written: list[dict] = []
+        try:
+            orch.start()
+            deadline = time.monotonic() + 120
+            while len(engine.requests) < 4:  # every rollout of step 1 is waiting on the model
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            server = orch.train_servers[0]
+            server._proc.send_signal(signal.SIGKILL)
+            batch = _collect(orch, 1, written)
+            assert server.restarts == 1
+        finally:
+            orch.close()
+    assert batch.has_signal and batch.metrics["rollouts_failed"] == 4.0 and batch.metrics["resampled_batches"] == 1.0
+    assert [r["fate"] for r in written] == ["failed"] * 4 and all("died" in r["error"] for r in written)
