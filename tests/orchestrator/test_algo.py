@@ -42,6 +42,18 @@ def test_grpo_advantage_is_reward_minus_group_mean():
         assert s.temperature == pytest.approx(0.7) and s.policy_version == 3
 
 
+def test_grpo_std_normalize_divides_by_group_spread():
+    group = [rollout(single_turn_trace(2, reward=r)) for r in (1.0, 0.5, 0.0)]
+    algo = make_algorithm(GRPOConfig(std_normalize=True))
+    std = np.std([1.0, 0.5, 0.0])
+    assert algo.advantages(group) == pytest.approx([0.5 / std, 0.0, -0.5 / std], rel=1e-5)
+    # A low-spread group gets the same weight as a wide one; equal rewards stay all-zero.
+    narrow = [rollout(single_turn_trace(2, reward=r)) for r in (0.91, 0.9, 0.89)]
+    assert algo.advantages(narrow) == pytest.approx(algo.advantages(group), rel=1e-3)
+    equal = [rollout(single_turn_trace(2, reward=0.3)) for _ in range(3)]
+    assert algo.advantages(equal) == pytest.approx([0, 0, 0]) and algo.samples(equal) == []
+
+
 def test_grpo_length_penalty_is_prime_rl_linear_form():
     # prime-rl's own case (tests/unit/orchestrator/test_advantage.py): equal rewards, output
     # lengths 10/20/30, only the output term: penalty = 1 * 0.25 * [1/3, 2/3, 1].

@@ -30,6 +30,9 @@ from jaxrl.samples import TrainingSample
 ZERO_ADVANTAGE = 1e-8
 """Advantages within this of zero count as zero (float noise of equal rewards)."""
 
+STD_EPS = 1e-6
+"""Added to a group's reward spread before dividing (`std_normalize`), so equal rewards stay 0."""
+
 Selection = tuple[np.ndarray, np.ndarray]
 """Echo selection of one branch: (ce_w float32[L], selected bool[L]); selected tokens leave RL."""
 
@@ -69,6 +72,12 @@ class GRPOConfig(AlgoConfigBase):
     type: Literal["grpo"] = "grpo"
     length_penalty: LinearLengthPenalty | None = None
     """`[...algo.length_penalty]`: prime-rl's linear length penalty (None: off)."""
+    std_normalize: bool = False
+    """Divide each group's centred rewards by the group's standard deviation (DeepSeekMath's
+    GRPO; prime-rl and Dr. GRPO centre only). With Adam the overall scale is irrelevant; what
+    changes is the weight between groups: a group whose rollouts differ in a few tokens (low
+    spread) carries a precise signal about those tokens and gets as much weight as a group of
+    diverse, noisy rollouts. A group with equal rewards stays all-zero."""
 
     @field_validator("length_penalty", mode="before")
     @classmethod
@@ -155,4 +164,7 @@ class GRPO(GroupRelative):
             shaped = rewards - self.config.length_penalty.penalties(
                 rewards, [trace_lengths(m.trace) for m in group]
             )
-        return shaped - shaped.mean()
+        centred = shaped - shaped.mean()
+        if self.config.std_normalize:
+            return centred / (shaped.std() + STD_EPS)
+        return centred
