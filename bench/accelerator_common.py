@@ -136,13 +136,11 @@ class Shapes:
 
 
 def _tiny_qwen3(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, max_len: int) -> dict[str, Any]:
-    from transformers import Qwen3Config
+    from jaxrl.models.tiny import qwen3_config
 
-    return Qwen3Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
-        max_position_embeddings=max_len, tie_word_embeddings=True, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, architectures=["Qwen3ForCausalLM"],
+    return qwen3_config(
+        vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+        max_position_embeddings=max_len, rms_norm_eps=1e-6,
     ).to_dict()
 
 

@@ -31,13 +31,11 @@ HUGEPAGES = "glibc.malloc.hugetlb=1"
 
 
 def qwen3_config(a: argparse.Namespace) -> dict:
-    from transformers import Qwen3Config
+    from jaxrl.models.tiny import qwen3_config
 
-    return Qwen3Config(
-        vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
-        num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.hidden // a.heads,
-        max_position_embeddings=a.seq, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    return qwen3_config(
+        vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_layers=a.layers,
+        num_heads=a.heads, num_kv_heads=a.kv_heads, max_position_embeddings=a.seq,
     ).to_dict()
 
 

@@ -15,6 +15,8 @@ import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from jaxrl.models.tiny import qwen3_config, save_random_checkpoint
+
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 
 QWEN_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
@@ -58,7 +60,7 @@ def build_family_tokenizer(out_dir: Path, family: str) -> Path:
 def build_family_model(out_dir: Path, family: str, *, seed: int = 0) -> Path:
     """A random tiny checkpoint of ``family`` with its tokenizer, in one HF directory (transformers
     writes it, so it needs torch: the test skips where torch is not installed)."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     build_family_tokenizer(out_dir, family)
     vocab = -(-len(transformers.AutoTokenizer.from_pretrained(out_dir)) // 64) * 64
     common = dict(
@@ -68,12 +70,13 @@ def build_family_model(out_dir: Path, family: str, *, seed: int = 0) -> Path:
     tok = transformers.AutoTokenizer.from_pretrained(out_dir)
     ids = dict(eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
     if family == "qwen3":
-        cfg = transformers.Qwen3Config(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **common, **ids)
+        cfg = qwen3_config(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+            head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False, **ids,
+        )  # fmt: skip
     elif family == "qwen2.5":
         cfg = transformers.Qwen2Config(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **common, **ids)
     else:
         cfg = transformers.LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 5e5}, **common, **ids)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    model.save_pretrained(out_dir)
+    save_random_checkpoint(out_dir, cfg, seed=seed)
     return out_dir

@@ -37,22 +37,21 @@ def preset_hf_config(name: str) -> dict[str, Any] | None:
     key = name.rstrip("/").split("/")[-1]
     if key not in _QWEN3:
         return None
-    from transformers import Qwen3Config
+    from jaxrl.models.tiny import qwen3_config
 
     d, f, layers, heads, kv, tie = _QWEN3[key]
-    return Qwen3Config(
+    return qwen3_config(
         vocab_size=151936,
         hidden_size=d,
         intermediate_size=f,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
         head_dim=128,
         max_position_embeddings=40960,
         rms_norm_eps=1e-6,
         tie_word_embeddings=tie,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        rope_theta=1000000.0,
         bos_token_id=151643,
         eos_token_id=151645,
-        architectures=["Qwen3ForCausalLM"],
     ).to_dict()

@@ -22,30 +22,27 @@ from jaxrl.models.arch import arch_from_hf_config
 from jaxrl.models.decoder import Decoder, param_name
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.models.hub import resolve_model_dir
-from jaxrl.models.tokenizer import build_tokenizer
 from jaxrl.models.sharding import param_sharding_fn
+from jaxrl.models.tiny import qwen3_config
+from jaxrl.models.tokenizer import build_tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def scratch_hf_config(scratch: Any, vocab_size: int) -> dict[str, Any]:
     """config.json of a new Qwen3-shaped model, written by transformers itself."""
-    from transformers import Qwen3Config
-
-    cfg = Qwen3Config(
+    cfg = qwen3_config(
         vocab_size=vocab_size,
         hidden_size=scratch.hidden_size,
         intermediate_size=scratch.intermediate_size,
-        num_hidden_layers=scratch.num_layers,
-        num_attention_heads=scratch.num_heads,
-        num_key_value_heads=scratch.num_kv_heads,
+        num_layers=scratch.num_layers,
+        num_heads=scratch.num_heads,
+        num_kv_heads=scratch.num_kv_heads,
         head_dim=scratch.head_dim,
         max_position_embeddings=scratch.max_position_embeddings,
         tie_word_embeddings=scratch.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": scratch.rope_theta},
+        rope_theta=scratch.rope_theta,
         bos_token_id=None,
-        # Loaders that dispatch on it (vLLM) treat a config without architectures as an embedding model.
-        architectures=["Qwen3ForCausalLM"],
     )
     return cfg.to_dict()
 

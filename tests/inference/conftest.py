@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import transformers
 from flax import nnx
 
 from jaxrl.inference.config import InferenceConfig
 from jaxrl.models.decoder import Decoder
+from jaxrl.models.tiny import qwen3_config, save_random_checkpoint
 from jaxrl.models.tokenizer import build_tokenizer
 
 VOCAB = 272  # the byte tokenizer has 265 tokens; the model may have more rows, as real ones do
@@ -23,24 +23,13 @@ PAD_TO = 128  # scoring row length (= the test engines' max_model_len)
 
 def make_qwen3(out_dir: Path, seed: int = 0) -> Path:
     """Written by transformers itself (needs torch; tests that use it skip without torch)."""
-    torch = pytest.importorskip("torch")
-    cfg = transformers.Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    pytest.importorskip("torch")
+    cfg = qwen3_config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, max_position_embeddings=1024,
     )
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():  # larger logits than the default init, so sampling is not near-uniform
-        model.model.embed_tokens.weight.mul_(3.0)
-    model.save_pretrained(out_dir)
+    # larger logits than the default init, so sampling is not near-uniform
+    save_random_checkpoint(out_dir, cfg, seed=seed, embed_scale=3.0)
     return out_dir
 
 

@@ -21,7 +21,6 @@ import httpx
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import transformers
 from flax import nnx
 from openai import AsyncOpenAI
 from renderers import Qwen3RendererConfig, create_renderer
@@ -30,6 +29,7 @@ from transformers import AutoTokenizer
 
 from jaxrl.inference.config import InferenceConfig
 from jaxrl.models.hf_io import load_decoder
+from jaxrl.models.tiny import qwen3_config, save_random_checkpoint
 from jaxrl.rollout.vllm import VLLMBackend
 from jaxrl.trainer.logprobs import token_logprobs
 
@@ -44,17 +44,13 @@ MAX_LEN = 256
 
 
 def make_model(out: Path, seed: int) -> Path:
-    torch = pytest.importorskip("torch")
-    cfg = transformers.Qwen3Config(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    pytest.importorskip("torch")
+    cfg = qwen3_config(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
+        head_dim=32, max_position_embeddings=1024,
     )
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():  # peakier logits than the default init, so outputs depend on the weights
-        model.model.embed_tokens.weight.mul_(3.0)
-    model.save_pretrained(out)
+    # peakier logits than the default init, so outputs depend on the weights
+    save_random_checkpoint(out, cfg, seed=seed, embed_scale=3.0)
     return out
 
 

@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxrl.models.hf_io import export_hf, load_decoder
 from jaxrl.models.sharding import param_sharding_fn
+from jaxrl.models.tiny import qwen3_config, save_random_checkpoint
 from jaxrl.parallel.mesh import MeshConfig, make_mesh
 from jaxrl.samples import TrainingSample
 from jaxrl.trainer.config import TrainerConfig
@@ -24,13 +25,12 @@ from jaxrl.trainer.step import Trainer
 
 
 def _tiny_hf(out_dir) -> dict:
-    torch = pytest.importorskip("torch")  # transformers writes the checkpoint
-    cfg = transformers.Qwen3Config(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False,
+    pytest.importorskip("torch")  # transformers writes the checkpoint
+    cfg = qwen3_config(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, max_position_embeddings=128, tie_word_embeddings=False,
     )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(out_dir)
+    save_random_checkpoint(out_dir, cfg, seed=0)
     return json.loads((out_dir / "config.json").read_text())
 
 

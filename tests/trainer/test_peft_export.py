@@ -15,6 +15,7 @@ from safetensors.numpy import load_file
 
 from jaxrl.models.hf_io import export_hf, load_decoder
 from jaxrl.models.sharding import param_sharding_fn
+from jaxrl.models.tiny import qwen3_config, save_random_checkpoint
 from jaxrl.parallel.mesh import MeshConfig, make_mesh
 from jaxrl.trainer.lora import TARGETS, LoraConfig, adapter_shapes, adapter_shardings, merged
 from jaxrl.trainer.peft_export import export_peft_adapter
@@ -31,9 +32,13 @@ def _tiny_hf(out_dir, family: str) -> None:
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False,
     )  # fmt: skip
-    cfg = transformers.Qwen3Config(**common) if family == "qwen3" else transformers.LlamaConfig(**common)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(out_dir)
+    cfg = transformers.LlamaConfig(**common)
+    if family == "qwen3":
+        cfg = qwen3_config(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+            head_dim=16, max_position_embeddings=128, tie_word_embeddings=False,
+        )  # fmt: skip
+    save_random_checkpoint(out_dir, cfg, seed=0)
 
 
 def _trained_adapters(model, lora_cfg: LoraConfig, mesh) -> dict:

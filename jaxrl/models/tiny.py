@@ -1,0 +1,69 @@
+"""The one way jaxrl, its tests and its benchmarks describe a Qwen3-shaped model and write a
+random checkpoint of it.
+
+The config is transformers' own ``Qwen3Config`` (so every loader, ours, transformers' and
+vLLM's, reads the same file); the random weights are written by transformers too, which needs
+torch (a test/benchmark dependency only: ``save_random_checkpoint`` imports it lazily).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, Qwen3Config
+
+
+def qwen3_config(
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int | None = None,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 1024,
+    tie_word_embeddings: bool = True,
+    rope_theta: float = 1e6,
+    **extra: Any,
+) -> Qwen3Config:
+    """A Qwen3 config; ``head_dim`` defaults to hidden / heads and the MLP to 3 x hidden.
+    ``extra`` passes any other ``Qwen3Config`` field (token ids, ``rms_norm_eps``, ...).
+    ``architectures`` is always set: loaders that dispatch on it (vLLM) treat a config without
+    it as an embedding model."""
+    from transformers import Qwen3Config
+
+    extra.setdefault("architectures", ["Qwen3ForCausalLM"])
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 3 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim or hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        **extra,
+    )
+
+
+def save_random_checkpoint(
+    out_dir: str | Path, config: PretrainedConfig, *, seed: int = 0, embed_scale: float = 1.0
+) -> int:
+    """Writes a seeded random model of ``config`` to ``out_dir`` in float32 (HF safetensors) and
+    returns its parameter count. ``embed_scale`` > 1 makes logits peakier than the default
+    initialisation, so sampled outputs depend on the weights. Needs torch."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    if embed_scale != 1.0:
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(embed_scale)
+    model.save_pretrained(out_dir)
+    return sum(p.numel() for p in model.parameters())
