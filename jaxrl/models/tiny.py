@@ -3,7 +3,9 @@ random checkpoint of it.
 
 The config is transformers' own ``Qwen3Config`` (so every loader, ours, transformers' and
 vLLM's, reads the same file); the random weights are written by transformers too, which needs
-torch (a test/benchmark dependency only: ``save_random_checkpoint`` imports it lazily).
+torch (a test/benchmark dependency only: ``save_random_checkpoint`` imports it lazily). Where
+torch is not installed (the Python 3.12 test environment), jaxrl's own initialisation writes the
+checkpoint instead, in the same format, so tests that need only a checkpoint still run there.
 """
 
 from __future__ import annotations
@@ -56,8 +58,12 @@ def save_random_checkpoint(
 ) -> int:
     """Writes a seeded random model of ``config`` to ``out_dir`` in float32 (HF safetensors) and
     returns its parameter count. ``embed_scale`` > 1 makes logits peakier than the default
-    initialisation, so sampled outputs depend on the weights. Needs torch."""
-    import torch
+    initialisation, so sampled outputs depend on the weights. transformers (torch) writes it;
+    without torch, jaxrl's decoder initialisation and ``export_hf`` do (other random values)."""
+    try:
+        import torch
+    except ImportError:
+        return _save_with_jaxrl(out_dir, config, seed=seed, embed_scale=embed_scale)
     import transformers
 
     torch.manual_seed(seed)
@@ -67,3 +73,18 @@ def save_random_checkpoint(
             model.get_input_embeddings().weight.mul_(embed_scale)
     model.save_pretrained(out_dir)
     return sum(p.numel() for p in model.parameters())
+
+
+def _save_with_jaxrl(out_dir: str | Path, config: PretrainedConfig, *, seed: int, embed_scale: float) -> int:
+    import jax
+    from flax import nnx
+
+    from jaxrl.models.arch import arch_from_hf_config
+    from jaxrl.models.decoder import Decoder
+    from jaxrl.models.hf_io import export_hf
+
+    hf_config = config.to_dict()
+    model = Decoder(arch_from_hf_config(hf_config), rngs=nnx.Rngs(seed))
+    model.embed.value = model.embed.value * embed_scale
+    export_hf(model, out_dir, hf_config)
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -22,8 +22,7 @@ PAD_TO = 128  # scoring row length (= the test engines' max_model_len)
 
 
 def make_qwen3(out_dir: Path, seed: int = 0) -> Path:
-    """Written by transformers itself (needs torch; tests that use it skip without torch)."""
-    pytest.importorskip("torch")
+    """Written by transformers itself (by jaxrl's own initialisation where torch is missing)."""
     cfg = qwen3_config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
         head_dim=16, max_position_embeddings=1024,
