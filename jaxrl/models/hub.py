@@ -20,6 +20,7 @@ from pathlib import Path
 
 import jax
 
+from jaxrl.compat import hub_snapshot_download
 from jaxrl.parallel.distributed import barrier
 
 MODEL_FILES = (
@@ -84,7 +85,7 @@ def fetch_snapshot(repo_id: str, revision: str | None, *, repo_type: str, allow_
 
 
 def _fetch(repo_id: str, revision: str | None, repo_type: str, allow_patterns: list[str], field: str) -> Path:
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import constants
     from huggingface_hub.errors import (
         GatedRepoError,
         LocalEntryNotFoundError,
@@ -96,7 +97,7 @@ def _fetch(repo_id: str, revision: str | None, repo_type: str, allow_patterns: l
     cache = constants.HF_HUB_CACHE
     rev_field = field.rsplit(".", 1)[0] + ".revision"
     try:
-        return Path(snapshot_download(repo_id, revision=revision, repo_type=repo_type, allow_patterns=allow_patterns))
+        return hub_snapshot_download(repo_id, revision=revision, repo_type=repo_type, allow_patterns=allow_patterns)
     except LocalEntryNotFoundError as e:
         why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
         raise FileNotFoundError(
