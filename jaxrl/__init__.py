@@ -43,5 +43,18 @@ def _skip_absent_tpu() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+def _quiet_torchless_transformers() -> None:
+    """Where torch is not installed (TPU VMs, the Python 3.12 CI end), transformers prints
+    "PyTorch was not found. Models won't be available..." on import, ahead of every jaxrl command's
+    own output (a config error's one line included). jaxrl never uses transformers' torch models
+    outside tests, so that advisory is noise here; a user's own TRANSFORMERS_NO_ADVISORY_WARNINGS
+    wins, and nothing changes where torch is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
 _fast_cpu_matmuls()
 _skip_absent_tpu()
+_quiet_torchless_transformers()
