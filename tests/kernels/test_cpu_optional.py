@@ -41,6 +41,10 @@ def _copy_without_cpu_kernels(dst: Path) -> Path:
     shutil.copytree(ROOT / "kernels", dst / "jaxrl_kernels", ignore=shutil.ignore_patterns("__pycache__", "cpu_*"))
     shutil.copytree(ROOT / "tests", dst / "tests", ignore=shutil.ignore_patterns("__pycache__", "fixtures"))
     assert not list((dst / "jaxrl_kernels").glob("cpu_*"))
+    # kernels/ has no __init__.py (from the repo root it must not shadow Hugging Face's
+    # `kernels`), so `jaxrl_kernels` is a namespace package that an editable install's path hook
+    # would extend with the checkout's folder; a regular package keeps the copy's modules alone.
+    (dst / "jaxrl_kernels" / "__init__.py").write_text("")
     return dst
 
 
@@ -48,6 +52,9 @@ def test_without_the_cpu_kernels_the_engine_runs_the_references(tmp_path: Path) 
     root = _copy_without_cpu_kernels(tmp_path)
     code = (
         "import sys\n"
+        # An editable install of the checkout maps any `jaxrl_kernels.*` name the copy lacks to
+        # the checkout's kernels/ (setuptools' editable finder); without it the copy is all there is.
+        "sys.meta_path[:] = [f for f in sys.meta_path if not f.__module__.startswith('__editable__')]\n"
         "sys.path.insert(0, 'tests')\n"
         "from helpers import tiny_model\n"
         "from jaxrl.inference.config import InferenceConfig\n"
