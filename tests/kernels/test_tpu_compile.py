@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 from jaxrl.inference import weights as W  # noqa: E402
 from jaxrl.inference.engine import _decode  # noqa: E402
-from jaxrl.inference.sampling import SamplingBatch, SamplingParams  # noqa: E402
+from jaxrl.inference.sampling import SamplingBatch, SamplingParams, TokenCounts  # noqa: E402
 from jaxrl.kernel_dispatch import Kernels  # noqa: E402
 from jaxrl.models.arch import ModelArch  # noqa: E402
 from jaxrl.models.decoder import Decoder, KVCache  # noqa: E402
@@ -144,8 +144,10 @@ def test_engine_decode_program_copies_no_cache(topology) -> None:
     host = SamplingBatch.host([SamplingParams()] * rows, [0] * rows, [0] * rows, rows)
     sampling = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=rep), host)
     ids = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=rep)
-    decode = jax.jit(partial(_decode, graphdef, 4, kernels=Kernels("pallas", mesh)), donate_argnums=(1,))
-    mem = decode.lower(state, cache, ids, ids, ids, sampling, (ids, ids)).compile().memory_analysis()
+    vocab = (rows, arch.vocab_size)
+    counts = TokenCounts(jax.ShapeDtypeStruct(vocab, jnp.int32, sharding=rep), jax.ShapeDtypeStruct(vocab, jnp.bool_, sharding=rep))
+    decode = jax.jit(partial(_decode, graphdef, 4, kernels=Kernels("pallas", mesh)), donate_argnums=(1, 2))
+    mem = decode.lower(state, cache, counts, ids, ids, ids, sampling, (ids, ids)).compile().memory_analysis()
     cache_bytes_per_chip = 2 * np.prod(shape) * 2 / mesh.size
     assert mem.temp_size_in_bytes < 0.1 * cache_bytes_per_chip
 
