@@ -67,8 +67,7 @@ BUDGETS: dict[str, dict[str, dict[str, Any]]] = {
     # "curve": the lookup learning curves (issue 24): eval every 5 steps on 64 held-out tasks, greedy.
     "curve": {
         "lookup_sft": {},
-        "lookup": {"trainer": {"steps": 30}, "log": {"rollout_episodes": True},
-                   "orchestrator": {"eval": {"interval": 5, "num_tasks": 64, "k": 1}}},
+        "lookup": {"log": {"rollout_episodes": True}},  # the recipes as they are: 20 steps, eval every 5
         "reverse": {"trainer": {"steps": 20}, "orchestrator": {"eval": {"interval": 20, "num_tasks": 64, "k": 4}}},
     },
     "smoke": {
