@@ -1,6 +1,7 @@
 """Learning evidence for the algorithms beyond GRPO, on CPU-sized runs of the shipped recipes.
 
-    python bench/learning.py [--scale small|smoke] [--lookup-seeds 0 1 2] [--reverse-seeds 0 1]
+    python bench/learning.py [--scale small|medium|curve|smoke] [--lookup-seeds 0 1 2] [--reverse-seeds 0 1]
+    python bench/learning.py --scale curve --only lookup --png bench/lookup_echo_vs_grpo.png   # bench/LEARNING.md
     python bench/learning.py --report-only      # re-read finished runs, print the tables
 
 Each run is ``python -m jaxrl.train`` on a recipe in ``configs/`` with a smaller budget merged
@@ -12,11 +13,13 @@ sampling seed (``orchestrator.rollout_seeds``), and evals reuse their seeds, so 
 run seed two algorithms start from identical rollouts and are evaluated on identical held-out
 (task, seed) samples; differences are taken sample by sample (paired standard errors).
 
-1. lookup (tool env), ``configs/lookup/{grpo,echo}.toml``, each run seed: held-out reward of
-   echo vs GRPO after training, and the NLL of tool-output tokens (echo's CE target): the
-   trainer's per-step ``ce_nll_mean`` on fresh rollouts, and a held-out score of the SFT, GRPO
-   and echo models on the same tool-output tokens (the step-0 eval rollouts, identical for both
-   runs of a seed).
+1. lookup (tool env), ``configs/lookup/{grpo,echo}.toml`` from one SFT warm start, each run seed:
+   the held-out learning curve of echo and of GRPO (every eval step: ``--scale curve`` evals every
+   5 steps), the first step each reaches a held-out reward of 0.5, echo - GRPO paired at every
+   eval step, and the NLL of tool-output tokens (echo's CE target): the trainer's per-step
+   ``ce_nll_mean`` on fresh rollouts, and a held-out score of the SFT, GRPO and echo models on the
+   same tool-output tokens (the step-0 eval rollouts, identical for both runs of a seed). The
+   curves go to a PNG (``--png``).
 2. reverse_text, ``configs/reverse_text/{rl,maxrl,opd}.toml``, each run seed: held-out reward
    before (the SFT warm start) and after. OPD's teacher is the same SFT continued to the end of
    its 300-step schedule (``sft.toml`` stops at 200 on purpose), produced here first; its
