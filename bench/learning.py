@@ -241,6 +241,8 @@ def lookup_report(root: Path, runs: dict[str, Path]) -> list[dict[str, Any]]:
             **{f"{algo}_curve": {step: statistics.mean(by_step[step].values()) for step in steps} for algo, by_step in ev.items()},
             **{f"{algo}_steps_to_half": steps_to(by_step, steps) for algo, by_step in ev.items()},
             "echo_vs_grpo": {step: paired(echo[step], grpo[step]) for step in steps[1:]},
+            **{f"{algo}_copies": {step: copy_rates(runs[f"{algo}/s{seed}"], step) for step in (0, steps[-1])}
+               for algo in LOOKUP_ALGOS},
             "train_tool_nll_first_half": first_half, "train_tool_nll_second_half": second_half,
             "heldout_tool_nll": held_out}))
     per_seed = list(rows)
@@ -254,6 +256,27 @@ def lookup_report(root: Path, runs: dict[str, Path]) -> list[dict[str, Any]]:
         "heldout_tool_nll_echo_minus_grpo": mean_se([r["heldout_tool_nll"]["echo"] - r["heldout_tool_nll"]["grpo"]
                                                      for r in per_seed])}))
     return rows
+
+
+def copy_rates(out: Path, step: int) -> dict[str, float]:
+    """Where a lookup policy stands on the two copies the task needs, over a run's held-out evals at
+    ``step``: the share of samples whose first tool call names the asked key exactly (copied from
+    the prompt), and whose reply equals the first tool output exactly (copied from the tool)."""
+    key = answer = n = 0
+    for line in (out / "rollouts.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["split"] != "eval" or r["step"] != step or r["episode"] is None:
+            continue
+        n += 1
+        messages = [node.get("message", {}) for node in r["episode"]["traces"][0]["nodes"]]
+        calls = [c for m in messages for c in (m.get("tool_calls") or [])]
+        tools = [m.get("content") for m in messages if m.get("role") == "tool"]
+        try:
+            key += bool(calls) and json.loads(calls[0]["arguments"]).get("key") == r["episode"]["task"]["data"]["keys"][0]
+        except (json.JSONDecodeError, AttributeError):  # the model wrote broken arguments
+            pass
+        answer += bool(tools) and messages[-1].get("role") == "assistant" and messages[-1].get("content") == tools[0]
+    return {"key_copied": key / n, "answer_is_tool_output": answer / n}
 
 
 HALF = 0.5
@@ -351,6 +374,12 @@ def table(reverse: list[dict[str, Any]], lookup: list[dict[str, Any]]) -> str:
                          f"{h['sft']:.3f} / {h['grpo']:.3f} / {h['echo']:.3f} ({h['tokens']}) |")
         m, se = summary["heldout_tool_nll_echo_minus_grpo"]
         lines.append(f"| all | | echo - GRPO: {m:+.3f} ± {se:.3f} |")
+        lines += ["", "| run seed | held-out share: call names the key exactly / reply = tool output, SFT (step 0) | GRPO (last step) | echo (last step) |",
+                  "|---|---|---|---|"]
+        for r in lookup[:-1]:
+            last = r["steps"]
+            c = lambda x: f"{x['key_copied']:.2f} / {x['answer_is_tool_output']:.2f}"  # noqa: E731
+            lines.append(f"| {r['seed']} | {c(r['grpo_copies'][0])} | {c(r['grpo_copies'][last])} | {c(r['echo_copies'][last])} |")
     return "\n".join(lines)
 
 
