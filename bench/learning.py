@@ -241,7 +241,7 @@ def lookup_report(root: Path, runs: dict[str, Path]) -> list[dict[str, Any]]:
             **{f"{algo}_curve": {step: statistics.mean(by_step[step].values()) for step in steps} for algo, by_step in ev.items()},
             **{f"{algo}_steps_to_half": steps_to(by_step, steps) for algo, by_step in ev.items()},
             "echo_vs_grpo": {step: paired(echo[step], grpo[step]) for step in steps[1:]},
-            **{f"{algo}_copies": {step: copy_rates(runs[f"{algo}/s{seed}"], step) for step in (0, steps[-1])}
+            **{f"{algo}_copies": {step: copy_rates(runs[f"{algo}/s{seed}"], step) for step in steps}
                for algo in LOOKUP_ALGOS},
             "train_tool_nll_first_half": first_half, "train_tool_nll_second_half": second_half,
             "heldout_tool_nll": held_out}))
