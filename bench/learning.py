@@ -260,9 +260,10 @@ def lookup_report(root: Path, runs: dict[str, Path]) -> list[dict[str, Any]]:
 
 def copy_rates(out: Path, step: int) -> dict[str, float]:
     """Where a lookup policy stands on the two copies the task needs, over a run's held-out evals at
-    ``step``: the share of samples whose first tool call names the asked key exactly (copied from
-    the prompt), and whose reply equals the first tool output exactly (copied from the tool)."""
-    key = answer = n = 0
+    ``step``: the share of samples that call the tool at all, whose first call names the asked key
+    exactly (copied from the prompt), and whose reply equals the first tool output exactly (copied
+    from the tool)."""
+    called = key = answer = n = 0
     for line in (out / "rollouts.jsonl").read_text().splitlines():
         r = json.loads(line)
         if r["split"] != "eval" or r["step"] != step or r["episode"] is None:
@@ -271,12 +272,13 @@ def copy_rates(out: Path, step: int) -> dict[str, float]:
         messages = [node.get("message", {}) for node in r["episode"]["traces"][0]["nodes"]]
         calls = [c for m in messages for c in (m.get("tool_calls") or [])]
         tools = [m.get("content") for m in messages if m.get("role") == "tool"]
+        called += bool(calls)
         try:
             key += bool(calls) and json.loads(calls[0]["arguments"]).get("key") == r["episode"]["task"]["data"]["keys"][0]
         except (json.JSONDecodeError, AttributeError):  # the model wrote broken arguments
             pass
         answer += bool(tools) and messages[-1].get("role") == "assistant" and messages[-1].get("content") == tools[0]
-    return {"key_copied": key / n, "answer_is_tool_output": answer / n}
+    return {"called": called / n, "key_copied": key / n, "answer_is_tool_output": answer / n}
 
 
 HALF = 0.5
@@ -374,11 +376,11 @@ def table(reverse: list[dict[str, Any]], lookup: list[dict[str, Any]]) -> str:
                          f"{h['sft']:.3f} / {h['grpo']:.3f} / {h['echo']:.3f} ({h['tokens']}) |")
         m, se = summary["heldout_tool_nll_echo_minus_grpo"]
         lines.append(f"| all | | echo - GRPO: {m:+.3f} ± {se:.3f} |")
-        lines += ["", "| run seed | held-out share: call names the key exactly / reply = tool output, SFT (step 0) | GRPO (last step) | echo (last step) |",
+        lines += ["", "| run seed | held-out share: calls the tool / call names the key exactly / reply = tool output, SFT (step 0) | GRPO (last step) | echo (last step) |",
                   "|---|---|---|---|"]
         for r in lookup[:-1]:
             last = r["steps"]
-            c = lambda x: f"{x['key_copied']:.2f} / {x['answer_is_tool_output']:.2f}"  # noqa: E731
+            c = lambda x: f"{x['called']:.2f} / {x['key_copied']:.2f} / {x['answer_is_tool_output']:.2f}"  # noqa: E731
             lines.append(f"| {r['seed']} | {c(r['grpo_copies'][0])} | {c(r['grpo_copies'][last])} | {c(r['echo_copies'][last])} |")
     return "\n".join(lines)
 
