@@ -1,6 +1,7 @@
 """Learning evidence for the algorithms beyond GRPO, on CPU-sized runs of the shipped recipes.
 
-    python bench/learning.py [--scale small|smoke] [--lookup-seeds 0 1 2] [--reverse-seeds 0 1]
+    python bench/learning.py [--scale small|medium|curve|smoke] [--lookup-seeds 0 1 2] [--reverse-seeds 0 1]
+    python bench/learning.py --scale curve --only lookup --png bench/lookup_echo_vs_grpo.png   # bench/LEARNING.md
     python bench/learning.py --report-only      # re-read finished runs, print the tables
 
 Each run is ``python -m jaxrl.train`` on a recipe in ``configs/`` with a smaller budget merged
@@ -12,11 +13,13 @@ sampling seed (``orchestrator.rollout_seeds``), and evals reuse their seeds, so 
 run seed two algorithms start from identical rollouts and are evaluated on identical held-out
 (task, seed) samples; differences are taken sample by sample (paired standard errors).
 
-1. lookup (tool env), ``configs/lookup/{grpo,echo}.toml``, each run seed: held-out reward of
-   echo vs GRPO after training, and the NLL of tool-output tokens (echo's CE target): the
-   trainer's per-step ``ce_nll_mean`` on fresh rollouts, and a held-out score of the SFT, GRPO
-   and echo models on the same tool-output tokens (the step-0 eval rollouts, identical for both
-   runs of a seed).
+1. lookup (tool env), ``configs/lookup/{grpo,echo}.toml`` from one SFT warm start, each run seed:
+   the held-out learning curve of echo and of GRPO (every eval step: ``--scale curve`` evals every
+   5 steps), the first step each reaches a held-out reward of 0.5, echo - GRPO paired at every
+   eval step, and the NLL of tool-output tokens (echo's CE target): the trainer's per-step
+   ``ce_nll_mean`` on fresh rollouts, and a held-out score of the SFT, GRPO and echo models on the
+   same tool-output tokens (the step-0 eval rollouts, identical for both runs of a seed). The
+   curves go to a PNG (``--png``).
 2. reverse_text, ``configs/reverse_text/{rl,maxrl,opd}.toml``, each run seed: held-out reward
    before (the SFT warm start) and after. OPD's teacher is the same SFT continued to the end of
    its 300-step schedule (``sft.toml`` stops at 200 on purpose), produced here first; its
@@ -64,10 +67,16 @@ BUDGETS: dict[str, dict[str, dict[str, Any]]] = {
                    "orchestrator": {"eval": {"interval": 20, "num_tasks": 64, "k": 1}}},
         "reverse": {"trainer": {"steps": 40}, "orchestrator": {"eval": {"interval": 40, "num_tasks": 64, "k": 4}}},
     },
+    # "curve": the lookup learning curves (issue 24): eval every 5 steps on 64 held-out tasks, greedy.
+    "curve": {
+        "lookup_sft": {},
+        "lookup": {"log": {"rollout_episodes": True}},  # the recipes as they are: 20 steps, eval every 5
+        "reverse": {"trainer": {"steps": 20}, "orchestrator": {"eval": {"interval": 20, "num_tasks": 64, "k": 4}}},
+    },
     "smoke": {
         "lookup_sft": {"trainer": {"steps": 30}},  # enough to make some tool calls
         "lookup": {"trainer": {"steps": 2}, "log": {"rollout_episodes": True},
-                   "orchestrator": {"eval": {"interval": 2, "num_tasks": 4, "k": 1}}},
+                   "orchestrator": {"eval": {"interval": 1, "num_tasks": 4, "k": 1}}},
         "reverse": {"trainer": {"steps": 2}, "orchestrator": {"batch_size": 16, "eval": {"interval": 2, "num_tasks": 4, "k": 2}}},
     },
 }
@@ -208,34 +217,108 @@ def lookup_runs(root: Path, budget: dict[str, Any], sft_budget: dict[str, Any], 
 
 
 def lookup_report(root: Path, runs: dict[str, Path]) -> list[dict[str, Any]]:
+    """Per run seed: both learning curves (held-out reward at every eval step), steps to reach
+    ``HALF``, echo - GRPO paired at every eval step, and the tool-output NLLs; then all seeds."""
     from tool_nll import tool_output_nll  # bench/ is on sys.path when run as a script
 
     rows = []
     seeds = sorted({int(k.split("/s")[1]) for k in runs})
-    diffs: dict[int, float] = {}
-    pooled_a: dict[tuple[int, int], float] = {}
-    pooled_b: dict[tuple[int, int], float] = {}
+    pooled: dict[str, dict[int, dict[tuple[int, int], float]]] = {a: defaultdict(dict) for a in LOOKUP_ALGOS}
     for seed in seeds:
-        grpo, echo = eval_rewards(runs[f"grpo/s{seed}"]), eval_rewards(runs[f"echo/s{seed}"])
+        ev = {algo: eval_rewards(runs[f"{algo}/s{seed}"]) for algo in LOOKUP_ALGOS}
+        grpo, echo = ev["grpo"], ev["echo"]
         assert grpo[0] == echo[0], f"s{seed}: step-0 evals differ (not paired)"
-        g_end, e_end = grpo[max(grpo)], echo[max(echo)]
-        cmp = paired(e_end, g_end)
-        diffs[seed] = cmp["diff"]
-        pooled_a |= {(seed, s): v for s, v in e_end.items()}
-        pooled_b |= {(seed, s): v for s, v in g_end.items()}
+        steps = sorted(grpo.keys() & echo.keys())
+        for algo, by_step in ev.items():
+            for step in steps:
+                pooled[algo][step] |= {(seed, s): v for s, v in by_step[step].items()}
         first_half, second_half = train_tool_nll(runs[f"echo/s{seed}"])
         held_out = tool_output_nll(
             runs[f"echo/s{seed}"], {"sft": root / "lookup_sft" / "hf", "grpo": runs[f"grpo/s{seed}"] / "hf",
                                     "echo": runs[f"echo/s{seed}"] / "hf"})
-        rows.append(emit({"env": "lookup", "seed": seed, "steps": max(echo), "before": statistics.mean(grpo[0].values()),
-                          "grpo_after": statistics.mean(g_end.values()), "echo_after": statistics.mean(e_end.values()),
-                          "echo_vs_grpo": cmp, "train_tool_nll_first_half": first_half, "train_tool_nll_second_half": second_half,
-                          "heldout_tool_nll": held_out}))
-    pooled = paired(pooled_a, pooled_b)
-    across = mean_se(list(diffs.values()))
-    rows.append(emit({"env": "lookup", "seed": "all", "echo_vs_grpo": pooled, "echo_vs_grpo_across_seeds": across,
-                      "criterion_not_below_by_1se": pooled["diff"] >= -pooled["se"]}))
+        rows.append(emit({
+            "env": "lookup", "seed": seed, "steps": steps[-1],
+            **{f"{algo}_curve": {step: statistics.mean(by_step[step].values()) for step in steps} for algo, by_step in ev.items()},
+            **{f"{algo}_steps_to_half": steps_to(by_step, steps) for algo, by_step in ev.items()},
+            "echo_vs_grpo": {step: paired(echo[step], grpo[step]) for step in steps[1:]},
+            **{f"{algo}_copies": {step: copy_rates(runs[f"{algo}/s{seed}"], step) for step in steps}
+               for algo in LOOKUP_ALGOS},
+            "train_tool_nll_first_half": first_half, "train_tool_nll_second_half": second_half,
+            "heldout_tool_nll": held_out}))
+    per_seed = list(rows)
+    steps = sorted(pooled["grpo"])
+    rows.append(emit({
+        "env": "lookup", "seed": "all", "steps": steps[-1],
+        **{f"{algo}_curve": {step: mean_se([r[f"{algo}_curve"][step] for r in per_seed]) for step in steps}
+           for algo in LOOKUP_ALGOS},
+        "echo_vs_grpo": {step: paired(pooled["echo"][step], pooled["grpo"][step]) for step in steps[1:]},
+        "echo_vs_grpo_across_seeds": {step: mean_se([r["echo_vs_grpo"][step]["diff"] for r in per_seed]) for step in steps[1:]},
+        "heldout_tool_nll_echo_minus_grpo": mean_se([r["heldout_tool_nll"]["echo"] - r["heldout_tool_nll"]["grpo"]
+                                                     for r in per_seed])}))
     return rows
+
+
+def copy_rates(out: Path, step: int) -> dict[str, float]:
+    """Where a lookup policy stands on the two copies the task needs, over a run's held-out evals at
+    ``step``: the share of samples that call the tool at all, whose first call names the asked key
+    exactly (copied from the prompt), and whose reply equals the first tool output exactly (copied
+    from the tool)."""
+    called = key = answer = n = 0
+    for line in (out / "rollouts.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["split"] != "eval" or r["step"] != step or r["episode"] is None:
+            continue
+        n += 1
+        messages = [node.get("message", {}) for node in r["episode"]["traces"][0]["nodes"]]
+        calls = [c for m in messages for c in (m.get("tool_calls") or [])]
+        tools = [m.get("content") for m in messages if m.get("role") == "tool"]
+        called += bool(calls)
+        try:
+            key += bool(calls) and json.loads(calls[0]["arguments"]).get("key") == r["episode"]["task"]["data"]["keys"][0]
+        except (json.JSONDecodeError, AttributeError):  # the model wrote broken arguments
+            pass
+        answer += bool(tools) and messages[-1].get("role") == "assistant" and messages[-1].get("content") == tools[0]
+    return {"called": called / n, "key_copied": key / n, "answer_is_tool_output": answer / n}
+
+
+HALF = 0.5
+"""The held-out reward the lookup curves are timed to (issue 24: "steps to reach 0.5")."""
+
+
+def steps_to(by_step: dict[int, dict[int, float]], steps: list[int], level: float = HALF) -> int | None:
+    """The first eval step whose mean held-out reward is at least ``level`` (None: never reached)."""
+    return next((s for s in steps if statistics.mean(by_step[s].values()) >= level), None)
+
+
+def lookup_plot(rows: list[dict[str, Any]], png: Path) -> None:
+    """The held-out learning curves of both methods (a thin line per run seed, the seed mean thick)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    colors = {"grpo": "tab:blue", "echo": "tab:orange"}
+    for r in rows:
+        for algo, color in colors.items():
+            curve = r[f"{algo}_curve"]
+            steps = sorted(curve)
+            if r["seed"] == "all":
+                means = [curve[s][0] for s in steps]
+                ax.plot(steps, means, color=color, lw=2.5, marker="o", label=f"{algo} (mean of {len(rows) - 1} seeds)")
+            else:
+                ax.plot(steps, [curve[s] for s in steps], color=color, lw=0.8, alpha=0.45)
+    ax.axhline(HALF, color="gray", ls="--", lw=0.8)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("held-out reward (greedy)")
+    ax.set_ylim(0, 1)
+    ax.set_title("lookup: echo vs GRPO from one SFT warm start")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png)
+    plt.close(fig)
+    log(f"wrote {png}")
 
 
 def train_tool_nll(out: Path) -> tuple[float, float]:
@@ -269,17 +352,36 @@ def table(reverse: list[dict[str, Any]], lookup: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['algo']} | {r['seed']} | {r.get('steps', '')} | {r['before']:.3f} | {r['after']:.3f} | "
                          f"{fmt(r['gain'])} | {fmt(r.get('vs_grpo'))} | {kl} |")
     if lookup:
-        lines += ["", "| lookup | steps | held-out before | GRPO after | echo after | echo - GRPO (paired ± SE) | "
-                  "echo train tool NLL, first → second half of the steps | held-out tool NLL SFT / GRPO / echo |", "|---|---|---|---|---|---|---|---|"]
-        for r in lookup:
-            if r["seed"] == "all":
-                m, se = r["echo_vs_grpo_across_seeds"]
-                lines.append(f"| all seeds | | | | | {fmt(r['echo_vs_grpo'])} (pooled); {m:+.3f} ± {se:.3f} across seeds | | |")
-                continue
+        summary = lookup[-1]
+        steps = sorted(summary["grpo_curve"])
+        lines += ["", "| lookup held-out reward | run seed | " + " | ".join(f"step {s}" for s in steps) + " | steps to 0.5 |",
+                  "|---|---|" + "---|" * (len(steps) + 1)]
+        for algo in LOOKUP_ALGOS:
+            for r in lookup[:-1]:
+                reach = r[f"{algo}_steps_to_half"]
+                lines.append(f"| {algo} | {r['seed']} | " + " | ".join(f"{r[f'{algo}_curve'][s]:.3f}" for s in steps)
+                             + f" | {'> ' + str(steps[-1]) if reach is None else reach} |")
+            lines.append(f"| {algo} | mean ± SE | " + " | ".join(
+                f"{summary[f'{algo}_curve'][s][0]:.3f} ± {summary[f'{algo}_curve'][s][1]:.3f}" for s in steps) + " | |")
+        lines += ["", "| step | echo - GRPO, pooled over seeds (paired ± SE) | echo - GRPO, across the seeds' means (± SE) |",
+                  "|---|---|---|"]
+        for s in steps[1:]:
+            m, se = summary["echo_vs_grpo_across_seeds"][s]
+            lines.append(f"| {s} | {fmt(summary['echo_vs_grpo'][s])} (n = {summary['echo_vs_grpo'][s]['n']}) | {m:+.3f} ± {se:.3f} |")
+        lines += ["", "| run seed | echo train tool NLL, first → second half of the steps | held-out tool NLL SFT / GRPO / echo (tokens) |",
+                  "|---|---|---|"]
+        for r in lookup[:-1]:
             h = r["heldout_tool_nll"]
-            lines.append(f"| seed {r['seed']} | {r['steps']} | {r['before']:.3f} | {r['grpo_after']:.3f} | {r['echo_after']:.3f} | "
-                         f"{fmt(r['echo_vs_grpo'])} | {r['train_tool_nll_first_half']:.3f} → {r['train_tool_nll_second_half']:.3f} | "
-                         f"{h['sft']:.3f} / {h['grpo']:.3f} / {h['echo']:.3f} |")
+            lines.append(f"| {r['seed']} | {r['train_tool_nll_first_half']:.3f} → {r['train_tool_nll_second_half']:.3f} | "
+                         f"{h['sft']:.3f} / {h['grpo']:.3f} / {h['echo']:.3f} ({h['tokens']}) |")
+        m, se = summary["heldout_tool_nll_echo_minus_grpo"]
+        lines.append(f"| all | | echo - GRPO: {m:+.3f} ± {se:.3f} |")
+        lines += ["", "| run seed | held-out share: calls the tool / call names the key exactly / reply = tool output, SFT (step 0) | GRPO (last step) | echo (last step) |",
+                  "|---|---|---|---|"]
+        for r in lookup[:-1]:
+            last = r["steps"]
+            c = lambda x: f"{x['called']:.2f} / {x['key_copied']:.2f} / {x['answer_is_tool_output']:.2f}"  # noqa: E731
+            lines.append(f"| {r['seed']} | {c(r['grpo_copies'][0])} | {c(r['grpo_copies'][last])} | {c(r['echo_copies'][last])} |")
     return "\n".join(lines)
 
 
@@ -297,6 +399,7 @@ def main() -> None:
     p.add_argument("--only", choices=["lookup", "reverse"], default=None)
     p.add_argument("--out", default=None, help="default outputs/bench_learning/<scale>")
     p.add_argument("--report-only", action="store_true", help="read finished runs; start none")
+    p.add_argument("--png", default=None, help="where the lookup curves go (default <out>/lookup_echo_vs_grpo.png)")
     a = p.parse_args()
     root = Path(a.out or ROOT / "outputs" / "bench_learning" / a.scale).resolve()
     budget = BUDGETS[a.scale]
@@ -309,7 +412,10 @@ def main() -> None:
     else:
         rev = reverse_runs(root, budget["reverse"], reverse_seeds) if reverse_seeds else {}
         look = lookup_runs(root, budget["lookup"], budget["lookup_sft"], lookup_seeds) if lookup_seeds else {}
-    print(table(reverse_report(rev) if rev else [], lookup_report(root, look) if look else []))
+    lookup_rows = lookup_report(root, look) if look else []
+    if lookup_rows:
+        lookup_plot(lookup_rows, Path(a.png) if a.png else root / "lookup_echo_vs_grpo.png")
+    print(table(reverse_report(rev) if rev else [], lookup_rows))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import random
 import string
 
 import verifiers.v1 as vf
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from jaxrl.envs.common import SplitTasksetConfig, draw_split, similarity
 from jaxrl.envs.harness import LocalChatHarness, ToolTaskData, tool_spec
@@ -79,19 +79,25 @@ class LookupConfig(SplitTasksetConfig):
     """Shortest word (words are random lowercase letters)."""
     max_len: int = Field(6, ge=1)
     """Longest word."""
+    alphabet_size: int = Field(26, ge=2, le=26)
+    """Letters the words are drawn from: the first `alphabet_size` of a-z. Fewer letters make
+    random keys easier to guess, never the answer easier to know without the tool: the code is
+    still each letter shifted one place along the full alphabet."""
+
+    @model_validator(mode="after")
+    def _lengths(self) -> LookupConfig:
+        if self.max_len < self.min_len:
+            raise ValueError(f"lookup: max_len={self.max_len} < min_len={self.min_len}; set max_len >= min_len")
+        return self
 
 
 class LookupTaskset(vf.Taskset[LookupTask, LookupConfig]):
     def load(self) -> list[LookupTask]:
         cfg = self.config
-
-        if cfg.max_len < cfg.min_len:
-            raise ValueError(f"lookup: max_len={cfg.max_len} < min_len={cfg.min_len}")
+        letters = string.ascii_lowercase[: cfg.alphabet_size]
 
         def word(rng: random.Random) -> str:
-            return "".join(
-                rng.choice(string.ascii_lowercase) for _ in range(rng.randint(cfg.min_len, cfg.max_len))
-            )
+            return "".join(rng.choice(letters) for _ in range(rng.randint(cfg.min_len, cfg.max_len)))
 
         def sample(rng: random.Random) -> tuple[str, ...]:
             return tuple(dict.fromkeys(word(rng) for _ in range(rng.randint(1, cfg.max_keys))))

@@ -125,3 +125,15 @@ def test_lookup_tool_and_rewards():
     assert score(task, ("q", task.data.answer)).reward == pytest.approx(0.75)  # answered without looking up
     half = score(task, ("q", "nope"), tool_outputs=(codes[0],))
     assert half.rewards["looked_up"].score == 0.5
+
+
+def test_lookup_alphabet_and_lengths():
+    tasks = load("lookup", num_tasks=100, min_len=4, max_len=4, alphabet_size=6)
+    keys = [k for t in tasks for k in t.data.keys]
+    assert {len(k) for k in keys} == {4} and set("".join(keys)) == set("abcdef")  # all six letters, no others
+    # the code is still the shift along the full alphabet: 'f' -> 'g', outside the key letters
+    assert all(t.data.answer == lookup(t.data.keys[0]) for t in tasks) and "g" in "".join(t.data.answer for t in tasks)
+    for bad, match in (({"alphabet_size": 27}, "alphabet_size"), ({"alphabet_size": 1}, "alphabet_size"),
+                       ({"min_len": 5, "max_len": 4}, "max_len=4 < min_len=5; set max_len >= min_len")):
+        with pytest.raises(ValueError, match=match):
+            LookupConfig(**bad)
