@@ -8,6 +8,7 @@ seeds, so every eval of a run, and of every run with the same run seed and eval 
 same samples) with its paired standard error. ``--base``: also each run minus the base run at
 the same step, paired the same way. The PNG plots reward against step with ±1 paired-SE bars.
 Used for the reverse_text recipe study in bench/LEARNING.md; it only reads ``rollouts.jsonl``.
+``bench/learning.py`` pairs its tables with the same two functions.
 """
 
 from __future__ import annotations
@@ -19,41 +20,43 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-Samples = dict[tuple[str, int], float]
+Samples = dict[int, float]
+"""{sampling seed: reward}: every eval sample of a run has its own sampling seed."""
 
 
-def eval_samples(run: Path) -> dict[int, Samples]:
-    """step -> {(prompt, sampling seed): reward} of every held-out eval sample of a run."""
+def eval_rewards(run: Path) -> dict[int, Samples]:
+    """step -> {sampling seed: reward} of every held-out eval sample of a run."""
     by_step: dict[int, Samples] = defaultdict(dict)
     with (run / "rollouts.jsonl").open() as f:
         for line in f:
             r = json.loads(line)
             if r["split"] == "eval":
-                by_step[r["step"]][(json.dumps(r["prompt"]), r["seed"])] = r["reward"]
+                by_step[r["step"]][r["seed"]] = r["reward"]
     return dict(sorted(by_step.items()))
 
 
-def paired_diff(a: Samples, b: Samples) -> tuple[float, float]:
-    """Mean of a - b over the samples both score, and its standard error."""
-    keys = a.keys() & b.keys()
-    if len(keys) < 2 or len(keys) != len(a):
+def paired(a: Samples, b: Samples) -> dict[str, float]:
+    """Mean of ``a - b`` over the same samples, its standard error and the sample count."""
+    seeds = a.keys() & b.keys()
+    if len(seeds) < 2 or not len(seeds) == len(a) == len(b):
         raise ValueError("evals are not paired: the runs scored different (task, seed) samples")
-    d = [a[k] - b[k] for k in keys]
-    return statistics.mean(d), statistics.stdev(d) / math.sqrt(len(d))
+    d = [a[s] - b[s] for s in seeds]
+    return {"diff": statistics.mean(d), "se": statistics.stdev(d) / math.sqrt(len(d)), "n": len(d)}
 
 
 def curve(run: Path, base: dict[int, Samples] | None = None) -> list[dict]:
     """One row per eval step: reward, paired gain over step 0 (and over ``base`` at that step)."""
-    evals = eval_samples(run)
+    evals = eval_rewards(run)
     if 0 not in evals:
         raise ValueError(f"{run}: no step-0 eval in rollouts.jsonl")
     rows = []
     for step, samples in evals.items():
-        gain, gain_se = paired_diff(samples, evals[0])
-        row = {"step": step, "reward": statistics.mean(samples.values()), "n": len(samples),
-               "gain": gain, "gain_se": gain_se}
+        gain = paired(samples, evals[0])
+        row = {"step": step, "reward": statistics.mean(samples.values()), "n": gain["n"],
+               "gain": gain["diff"], "gain_se": gain["se"]}
         if base is not None and step in base:
-            row["vs_base"], row["vs_base_se"] = paired_diff(samples, base[step])
+            vs = paired(samples, base[step])
+            row["vs_base"], row["vs_base_se"] = vs["diff"], vs["se"]
         rows.append(row)
     return rows
 
@@ -87,7 +90,7 @@ def main() -> None:
     p.add_argument("--title", default="held-out reward")
     p.add_argument("--y", choices=["reward", "gain"], default="reward", help="what the PNG plots")
     a = p.parse_args()
-    base = eval_samples(a.base) if a.base else None
+    base = eval_rewards(a.base) if a.base else None
     curves = {}
     for spec in a.runs:
         path, _, label = spec.partition("=")

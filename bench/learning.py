@@ -38,12 +38,13 @@ import statistics
 import subprocess
 import sys
 import time
+import tomllib
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import tomli_w
-import tomllib
+from eval_curves import eval_rewards, paired  # bench/ is on sys.path when run as a script
 
 from jaxrl.config import deep_merge
 
@@ -107,24 +108,6 @@ def train(config: str, out: Path, over: dict[str, Any], *, resume: bool = False)
         raise RuntimeError(f"{config} -> {out} failed (exit {rc}); see {out / 'train.log'}")
     log(f"done {out.name} in {time.monotonic() - t0:.0f} s")
     return out
-
-
-def eval_rewards(out: Path) -> dict[int, dict[int, float]]:
-    """step -> {rollout seed: reward} of every held-out eval sample of a run."""
-    by_step: dict[int, dict[int, float]] = defaultdict(dict)
-    for line in (out / "rollouts.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if r["split"] == "eval":
-            by_step[r["step"]][r["seed"]] = r["reward"]
-    return dict(by_step)
-
-
-def paired(a: dict[int, float], b: dict[int, float]) -> dict[str, float]:
-    """Mean of ``a - b`` over the shared seeds and its standard error."""
-    seeds = sorted(a.keys() & b.keys())
-    assert seeds and len(seeds) == len(a) == len(b), "evals are not paired: different sample seeds"
-    d = [a[s] - b[s] for s in seeds]
-    return {"diff": statistics.mean(d), "se": statistics.stdev(d) / math.sqrt(len(d)), "n": len(d)}
 
 
 def mean_se(xs: list[float]) -> tuple[float, float]:
@@ -380,7 +363,7 @@ def table(reverse: list[dict[str, Any]], lookup: list[dict[str, Any]]) -> str:
                   "|---|---|---|---|"]
         for r in lookup[:-1]:
             last = r["steps"]
-            c = lambda x: f"{x['called']:.2f} / {x['key_copied']:.2f} / {x['answer_is_tool_output']:.2f}"  # noqa: E731
+            c = lambda x: f"{x['called']:.2f} / {x['key_copied']:.2f} / {x['answer_is_tool_output']:.2f}"
             lines.append(f"| {r['seed']} | {c(r['grpo_copies'][0])} | {c(r['grpo_copies'][last])} | {c(r['echo_copies'][last])} |")
     return "\n".join(lines)
 

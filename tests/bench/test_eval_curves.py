@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))  # as `python bench/eval_curves.py` has it
 
-from eval_curves import curve, eval_samples, paired_diff  # noqa: E402
+from eval_curves import curve, eval_rewards, paired
 
 
 def write_run(run: Path, rewards: dict[int, list[float]], seeds: list[int] | None = None) -> Path:
@@ -46,15 +46,15 @@ def test_gain_is_paired_sample_by_sample(tmp_path: Path) -> None:
 def test_base_run_paired_at_the_same_step(tmp_path: Path) -> None:
     a = write_run(tmp_path / "a", {0: [0.1, 0.5, 0.9], 10: [0.3, 0.6, 0.9]})
     b = write_run(tmp_path / "b", {0: [0.1, 0.5, 0.9], 10: [0.2, 0.6, 0.7]})
-    rows = curve(a, eval_samples(b))
+    rows = curve(a, eval_rewards(b))
     assert rows[1]["vs_base"] == pytest.approx(0.1)
 
 
 def test_unpaired_evals_are_refused(tmp_path: Path) -> None:
-    a = eval_samples(write_run(tmp_path / "a", {0: [0.1, 0.5, 0.9]}))
-    b = eval_samples(write_run(tmp_path / "b", {0: [0.1, 0.5, 0.9]}, seeds=[1, 2, 3]))
+    a = eval_rewards(write_run(tmp_path / "a", {0: [0.1, 0.5, 0.9]}))
+    b = eval_rewards(write_run(tmp_path / "b", {0: [0.1, 0.5, 0.9]}, seeds=[1, 2, 3]))
     with pytest.raises(ValueError, match="not paired"):
-        paired_diff(a[0], b[0])
+        paired(a[0], b[0])
 
 
 def test_cli_prints_rows_and_writes_png(tmp_path: Path) -> None:
