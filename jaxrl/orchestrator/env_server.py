@@ -70,7 +70,10 @@ def verifiers_env_config(config: EnvConfig) -> vf.EnvConfig:
                 data[name] = seat
         return resolve_env_config(data)
     except (ValidationError, ImportError, TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"env {config.name!r} (id {config.id!r}): {e}") from e
+        from jaxrl.config import one_line  # the run config's formatter: each bad arg in one line
+
+        detail = one_line(e) if isinstance(e, ValidationError) else e
+        raise ValueError(f"env {config.name!r} (id {config.id!r}): {detail}") from e
 
 
 class EnvServerError(RuntimeError):

@@ -130,6 +130,10 @@ def test_bad_configs_fail_before_anything_runs(loop, tmp_path):
         EnvConfig(id="reverse_text", pool=2)
     with pytest.raises(ValueError, match="(?s)env 'reverse_text' \\(id 'reverse_text'\\).*num_taskz"):
         EnvServer(EnvConfig(id="reverse_text", args={"num_taskz": 3}), output_dir=tmp_path)
+    with pytest.raises(ValueError) as bad_arg:  # a bad env arg is one line naming the field and the value
+        EnvServer(EnvConfig(id="lookup", args={"alphabet_size": 30}), output_dir=tmp_path)
+    assert str(bad_arg.value) == (
+        "env 'lookup' (id 'lookup'): taskset.alphabet_size: Input should be less than or equal to 26 (got 30)")
     with pytest.raises(ValueError, match="names must be unique"):
         loop.run_until_complete(
             start_env_servers(
