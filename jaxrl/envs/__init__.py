@@ -2,7 +2,8 @@
 
 - `reverse_text`: single turn, reverse a short text.
 - `alphabet_sort`: multi-turn with a scripted user, keep a growing list of names sorted.
-- `lookup`: multi-turn with a local tool whose output is a learnable function of its input.
+- `lookup`: multi-turn with a local tool whose output is a learnable function of its input
+  (`shifts > 1`: a hidden per-task shift, so the answer needs what the tool returned).
 - `reverse_duel`: two seats of one policy play reverse_text zero-sum (multi-agent credit).
 
 Each is a verifiers plugin module (`__all__` exports its `Taskset`, the in-process

@@ -10,7 +10,7 @@ from verifiers.v1.trace import AgentInfo, TraceTask
 
 from jaxrl.envs.alphabet_sort import AlphabetSortConfig, AlphabetSortTaskset, parse_names
 from jaxrl.envs.common import draw_split, similarity, split_of
-from jaxrl.envs.lookup import LookupConfig, LookupTaskset, lookup
+from jaxrl.envs.lookup import LookupConfig, LookupTaskset, code, lookup, reference_conversation
 from jaxrl.envs.reverse_text import ReverseTextConfig, ReverseTextTaskset
 
 TASKSETS = {
@@ -134,6 +134,31 @@ def test_lookup_alphabet_and_lengths():
     # the code is still the shift along the full alphabet: 'f' -> 'g', outside the key letters
     assert all(t.data.answer == lookup(t.data.keys[0]) for t in tasks) and "g" in "".join(t.data.answer for t in tasks)
     for bad, match in (({"alphabet_size": 27}, "alphabet_size"), ({"alphabet_size": 1}, "alphabet_size"),
+                       ({"shifts": 0}, "shifts"), ({"shifts": 26}, "shifts"),
                        ({"min_len": 5, "max_len": 4}, "max_len=4 < min_len=5; set max_len >= min_len")):
         with pytest.raises(ValueError, match=match):
             LookupConfig(**bad)
+
+
+def test_lookup_hidden_shifts_make_the_answer_need_the_tool():
+    plain = wire(load("lookup", num_tasks=60, seed=1))
+    assert plain == wire(load("lookup", num_tasks=60, seed=1, shifts=1))  # the default keeps its tasks
+    tasks = load("lookup", num_tasks=200, seed=1, shifts=4, min_len=4, max_len=4, alphabet_size=6)
+    assert {t.data.shift for t in tasks} == {1, 2, 3, 4}
+    for t in tasks:
+        assert t.data.answer == code(t.data.keys[0], t.data.shift)
+        assert not any(ch.isdigit() for ch in t.data.prompt + t.data.system_prompt)  # the shift stays hidden
+    task = next(t for t in tasks if t.data.shift == 3)
+    assert code("xyz", 3) == "abc" and task.data.tools == ["jaxrl.envs.lookup:lookup_shift3"]
+    # the tool the harness resolves applies the task's shift and is offered to the model as `lookup`
+    from verifiers.v1.utils.loaders import plugged_fn
+
+    tool = plugged_fn(task.data.tools[0])
+    assert tool.__name__ == "lookup" and tool(task.data.keys[0]) == task.data.answer != lookup(task.data.keys[0])
+    # the SFT reference episode shows the task's own tool output; the rewards check against it
+    messages, specs = reference_conversation(task.data)
+    assert [m["content"] for m in messages if m["role"] == "tool"] == [task.data.answer]
+    assert specs[0]["function"]["name"] == "lookup"
+    assert score(task, ("q", task.data.answer), tool_outputs=(task.data.answer,)).reward == pytest.approx(1.0)
+    wrong_tool = score(task, ("q", task.data.answer), tool_outputs=(lookup(task.data.keys[0]),))
+    assert wrong_tool.rewards["looked_up"].score == 0.0
