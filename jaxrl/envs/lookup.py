@@ -66,7 +66,7 @@ def question(keys: list[str]) -> str:
     return f"What are the codes of {quoted}?" if len(keys) > 1 else f"What is the code of {quoted}?"
 
 
-def reference_conversation(data: "LookupData") -> tuple[list[dict], list[dict]]:
+def reference_conversation(data: LookupData) -> tuple[list[dict], list[dict]]:
     """The ideal episode (look every key up, then answer) and its tool specs: SFT warm-start data."""
     calls = [
         {"id": f"call_{i}", "type": "function", "function": {"name": "lookup", "arguments": json.dumps({"key": k})}}
