@@ -51,6 +51,28 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     return text[: text.index("<tool_call>")].strip(), calls
 
 
+def renderer_tool_calls(parsed: Any) -> tuple[str, list[dict[str, Any]]]:
+    """(content, OpenAI tool_calls) of a renderer's ``ParsedResponse``. A call the renderer could
+    not parse (broken JSON, no name) stays in the content as the model wrote it, as in
+    ``parse_tool_calls`` and vLLM's Hermes parser: a malformed call is visible to the client and
+    in the rollout's record, never dropped."""
+    calls, broken = [], []
+    for tc in parsed.tool_calls:
+        if tc.status.value != "ok" or not tc.name:
+            broken.append(tc.raw)
+            continue
+        arguments = tc.arguments if isinstance(tc.arguments, str) else json.dumps(tc.arguments or {})
+        calls.append(
+            {
+                "id": tc.id or f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": tc.name, "arguments": arguments},
+            }
+        )
+    content = "\n".join(part for part in (parsed.content, *broken) if part)
+    return content, calls
+
+
 def _message(m: api.ChatMessage) -> dict[str, Any]:
     msg = m.model_dump(exclude_none=True)
     if isinstance(m.content, list):  # OpenAI content parts (text only), concatenated
@@ -197,19 +219,8 @@ class ChatServing:
         reasoning = None
         if renderer is not None:
             parsed = renderer.parse_response(ids, tools=body.tools, prompt_ids=prompt)
-            content, reasoning = parsed.content, parsed.reasoning_content
-            tool_calls = [
-                {
-                    "id": tc.id or f"call_{uuid.uuid4().hex[:24]}",
-                    "type": "function",
-                    "function": {
-                        "name": tc.name,
-                        "arguments": tc.arguments if isinstance(tc.arguments, str) else json.dumps(tc.arguments or {}),
-                    },
-                }
-                for tc in parsed.tool_calls
-                if tc.status.value == "ok" and tc.name
-            ]
+            reasoning = parsed.reasoning_content
+            content, tool_calls = renderer_tool_calls(parsed)
         else:
             content, tool_calls = parse_tool_calls(text) if body.tools else (text, [])
         message: dict[str, Any] = {"role": "assistant", "content": _CONTROL.sub("", content) or None}

@@ -15,7 +15,7 @@ from renderers.client import generate
 from transformers import AutoTokenizer
 
 from jaxrl.inference import api
-from jaxrl.inference.chat_serving import parse_tool_calls
+from jaxrl.inference.chat_serving import parse_tool_calls, renderer_tool_calls
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.sampling import SamplingParams
 from jaxrl.inference.scheduler import Request as EngineRequest
@@ -207,6 +207,20 @@ def test_parse_tool_calls() -> None:
     assert content == "Let me check."
     assert [c["function"] for c in calls] == [{"name": "lookup_weather", "arguments": '{"city": "Oslo"}'}]
     assert parse_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+
+
+def test_a_call_the_renderer_cannot_parse_stays_in_the_content(tokenizer) -> None:
+    """The run's renderer path keeps a broken call visible, as the Hermes fallback above does
+    (a policy closing its call with one brace too many must show up in its rollouts' record)."""
+    renderer = create_renderer(tokenizer, Qwen3RendererConfig(enable_thinking=False))
+    good, broken = '{"name": "lookup", "arguments": {"key": "ab"}}', '{"name": "lookup", "arguments": {"key": "cd"}}}'
+    text = f"ok <tool_call>\n{good}\n</tool_call>\n<tool_call>\n{broken}\n</tool_call><|im_end|>"
+    parsed = renderer.parse_response(tokenizer.encode(text, add_special_tokens=False))
+    content, calls = renderer_tool_calls(parsed)
+    assert content == f"ok\n{broken}"
+    assert [c["function"] for c in calls] == [{"name": "lookup", "arguments": '{"key": "ab"}'}]
+    only_broken = renderer.parse_response(tokenizer.encode(f"<tool_call>\n{broken}\n</tool_call>", add_special_tokens=False))
+    assert renderer_tool_calls(only_broken) == (broken, [])
 
 
 OUT_OF_RANGE = [
