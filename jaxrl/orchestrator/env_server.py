@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Self
 
+from jaxrl.config import one_line
 from jaxrl.endpoint import ModelEndpoint
 from jaxrl.envs import LOCAL_HARNESS, plugin_id, register_plugin
 from jaxrl.orchestrator.config import EnvConfig
@@ -70,8 +71,6 @@ def verifiers_env_config(config: EnvConfig) -> vf.EnvConfig:
                 data[name] = seat
         return resolve_env_config(data)
     except (ValidationError, ImportError, TypeError, ValueError, AttributeError) as e:
-        from jaxrl.config import one_line  # the run config's formatter: each bad arg in one line
-
         detail = one_line(e) if isinstance(e, ValidationError) else e
         raise ValueError(f"env {config.name!r} (id {config.id!r}): {detail}") from e
 
