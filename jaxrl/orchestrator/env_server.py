@@ -35,7 +35,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Self
 
-from jaxrl.config import one_line
 from jaxrl.endpoint import ModelEndpoint
 from jaxrl.envs import LOCAL_HARNESS, plugin_id, register_plugin
 from jaxrl.orchestrator.config import EnvConfig
@@ -71,6 +70,11 @@ def verifiers_env_config(config: EnvConfig) -> vf.EnvConfig:
                 data[name] = seat
         return resolve_env_config(data)
     except (ValidationError, ImportError, TypeError, ValueError, AttributeError) as e:
+        # Imported here, not at the top: jaxrl.config is the whole run config (it imports
+        # jaxrl.inference.config), and the orchestrator must not import jaxrl.inference
+        # (tests/test_seams.py). one_line needs the run config for its did-you-mean hints.
+        from jaxrl.config import one_line
+
         detail = one_line(e) if isinstance(e, ValidationError) else e
         raise ValueError(f"env {config.name!r} (id {config.id!r}): {detail}") from e
 
