@@ -25,6 +25,10 @@ succeeds when every pod of the ``successPolicy`` target jobs (default: all jobs)
 the other pods are then stopped. Pods are stopped with SIGTERM, then SIGKILL after the pod's
 ``terminationGracePeriodSeconds``.
 
+``kill -USR1 <runner>`` evicts every pod, as a preemption or maintenance event does on GKE:
+each gets pod condition ``DisruptionTarget`` and SIGTERM (the rendered ``podFailurePolicy``
+then makes the restart free).
+
 ``<work>/pods.json`` lists the running pods (pid, address, attempt) and ``<work>/status.json``
 the restarts so far; each attempt's logs are under ``<work>/logs/attempt-N/``.
 """
@@ -67,6 +71,7 @@ class Pod:
     proc: subprocess.Popen | None = None
     log: Path | None = None
     peers: list[str] = field(default_factory=list)  # addresses of its Job's pods, by index
+    evicted: bool = False  # pod condition DisruptionTarget: the runner evicted it (SIGUSR1)
 
     @property
     def name(self) -> str:
@@ -191,6 +196,9 @@ def stop(pods: list[Pod]) -> None:
 def failure_reason(pod: Pod, code: int) -> str:
     """Why a pod's exit ``code`` fails its Job: a matching podFailurePolicy rule, else backoffLimit 0."""
     for rule in pod.rules:
+        conditions = rule.get("onPodConditions", [])
+        if rule.get("action") == "FailJob" and pod.evicted and any(c.get("type") == "DisruptionTarget" for c in conditions):
+            return "PodFailurePolicy"
         codes = rule.get("onExitCodes")
         if rule.get("action") == "FailJob" and codes and codes.get("containerName") in (None, pod.container["name"]):
             if (code in codes["values"]) == (codes.get("operator", "In") == "In"):
@@ -198,10 +206,22 @@ def failure_reason(pod: Pod, code: int) -> str:
     return "BackoffLimitExceeded"
 
 
-def watch(pods: list[Pod], targets: set[str], deadline: float) -> tuple[str, Pod | None]:
+def evict_all(pods: list[Pod]) -> None:
+    """A preemption as GKE delivers it: every pod gets condition DisruptionTarget and SIGTERM."""
+    print("[local] evicting every pod (DisruptionTarget + SIGTERM)", flush=True)
+    for pod in pods:
+        if pod.proc is not None and pod.proc.poll() is None:
+            pod.evicted = True
+            pod.proc.send_signal(signal.SIGTERM)
+
+
+def watch(pods: list[Pod], targets: set[str], deadline: float, evict: list[bool]) -> tuple[str, Pod | None]:
     """Until the set succeeds ("succeeded", None), a pod fails its Job (reason, pod) or the
-    deadline passes ("deadline", None)."""
+    deadline passes ("deadline", None). ``evict[0]`` set (by SIGUSR1) evicts every pod."""
     while time.monotonic() < deadline:
+        if evict[0]:
+            evict[0] = False
+            evict_all(pods)
         for pod in pods:
             code = pod.proc.poll() if pod.proc is not None else None
             if code not in (None, 0):
@@ -255,13 +275,16 @@ def run(manifest: dict[str, Any], bucket: Path, work: Path, timeout_s: float) ->
     deadline = time.monotonic() + timeout_s
     history: list[dict[str, Any]] = []
     counted = attempt = 0
+    evict = [False]
+    signal.signal(signal.SIGUSR1, lambda *_: evict.__setitem__(0, True))
     while True:
         for pod in pods:
+            pod.evicted = False
             start(pod, names, bucket, work, attempt)
         write_json(work / "pods.json", {p.name: {"pid": p.proc.pid, "address": p.address, "job": p.job,
                                                   "attempt": attempt, "log": str(p.log)} for p in pods})  # fmt: skip
         try:
-            outcome, failed = watch(pods, targets, deadline)
+            outcome, failed = watch(pods, targets, deadline, evict)
         finally:
             stop(pods)
         if outcome in ("succeeded", "deadline"):

@@ -438,3 +438,9 @@ def test_local_runner_maps_names_mounts_and_the_failure_policy(tmp_path) -> None
     assert local.failure_reason(pods[0], 75) == "PodFailurePolicy"  # preempted: a free restart
     assert local.failure_reason(pods[0], 1) == "BackoffLimitExceeded"  # counted against maxRestarts
     assert local.failure_reason(pods[2], 75) == "BackoffLimitExceeded"  # the rule names the trainer container
+
+
+def test_a_user_package_that_does_not_install_stops_the_pod_naming_it(tmp_path) -> None:
+    missing = tmp_path / "my_env-0.1-py3-none-any.whl"
+    with pytest.raises(RuntimeError, match=f"--pip {missing}: pip install failed"):
+        entrypoint.pip_install([str(missing)])
