@@ -199,10 +199,10 @@ def failure_reason(pod: Pod, code: int) -> str:
         conditions = rule.get("onPodConditions", [])
         if rule.get("action") == "FailJob" and pod.evicted and any(c.get("type") == "DisruptionTarget" for c in conditions):
             return "PodFailurePolicy"
-        codes = rule.get("onExitCodes")
-        if rule.get("action") == "FailJob" and codes and codes.get("containerName") in (None, pod.container["name"]):
-            if (code in codes["values"]) == (codes.get("operator", "In") == "In"):
-                return "PodFailurePolicy"
+        codes = rule.get("onExitCodes") or {}
+        mine = codes.get("containerName") in (None, pod.container["name"])
+        if rule.get("action") == "FailJob" and codes and mine and (code in codes["values"]) == (codes.get("operator", "In") == "In"):
+            return "PodFailurePolicy"
     return "BackoffLimitExceeded"
 
 

@@ -10,8 +10,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import tomllib
 import time
+import tomllib
 from pathlib import Path
 
 import pytest

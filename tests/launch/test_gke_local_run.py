@@ -98,8 +98,8 @@ def test_rendered_jobset_fetches_once_resumes_after_preemption_and_a_dead_server
             env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     metrics = bucket / NAME / "rl" / "metrics.jsonl"
-    rows = lambda: read_metrics(metrics) if metrics.exists() else []  # noqa: E731
-    pods = lambda: json.loads((work / "pods.json").read_text())  # noqa: E731
+    rows = lambda: read_metrics(metrics) if metrics.exists() else []
+    pods = lambda: json.loads((work / "pods.json").read_text())
     try:
         # (b) a preemption after the first step: every pod evicted (DisruptionTarget + SIGTERM).
         wait_until(lambda: len(rows()) >= 1, runner, log, "first step")
