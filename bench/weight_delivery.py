@@ -8,7 +8,8 @@ Two paths, side by side in one run, at real Qwen3 shapes in bfloat16 (one JSON l
 - ``gather``: today's path. ``export_hf`` gathers every weight to process 0 (``device_get``) and
   writes 2 GB shards there, one after another; then ``sync``.
 - ``parallel``: every trainer host writes the tensors it holds, at once (``--writers`` processes,
-  each one host's share, no gather); then ``sync``.
+  each one host's share, no gather); then ``sync``. ``write_s`` includes turning the weights into
+  HF tensors (``of_which_convert_s``, done by one process here, by every host on a pod).
 
 Both are then loaded the way a ``jaxrl.serve`` server does it (``load_decoder`` from the
 directory), with the files dropped from the page cache first (``posix_fadvise DONTNEED``) so the
@@ -73,7 +74,8 @@ def write_share(out: str, share: dict[str, Any], index: int) -> None:
 
 
 def parallel_write(tensors: dict[str, Any], out: Path, writers: int) -> None:
-    """``writers`` processes (forked: the tensors are shared, not copied) each write one share."""
+    """``writers`` processes (forked: the tensors are shared, not copied) each write one share,
+    then the index (written by process 0 on a pod, after a barrier)."""
     names = sorted(tensors, key=lambda n: -tensors[n].nbytes)
     shares: list[dict[str, Any]] = [{} for _ in range(writers)]
     sizes = [0] * writers
@@ -88,6 +90,9 @@ def parallel_write(tensors: dict[str, Any], out: Path, writers: int) -> None:
     for p in procs:
         p.join()
         assert p.exitcode == 0, f"writer exited {p.exitcode}"
+    weight_map = {n: f"model-{i:05d}.safetensors" for i, share in enumerate(shares) for n in share}
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))  # what every loader reads first
 
 
 def measure(label: str, name: str, layers: int | None, full_layers: int, args: argparse.Namespace) -> None:
@@ -101,13 +106,16 @@ def measure(label: str, name: str, layers: int | None, full_layers: int, args: a
         for path in ("gather", "parallel"):
             out = root / path
             t0 = time.perf_counter()
+            convert_s = None
             if path == "gather":
                 export_hf(model, out, hf)
             else:
                 out.mkdir()
-                tensors = dict(iter_hf_tensors(model))  # stands in for each host's own shards (no gather on a pod)
+                # Each host's own shards as HF tensors (here one process converts them all: on a
+                # pod each host converts its 1/N, so this part would shrink too).
+                tensors = dict(iter_hf_tensors(model))
                 (out / "config.json").write_text(json.dumps(hf))
-                t0 = time.perf_counter()
+                convert_s = time.perf_counter() - t0
                 parallel_write(tensors, out, args.writers)
                 del tensors
             os.sync()
@@ -121,7 +129,8 @@ def measure(label: str, name: str, layers: int | None, full_layers: int, args: a
             row = {
                 "bench": "weight_delivery", "model": label, "path": path, "layers": hf["num_hidden_layers"],
                 "writers": 1 if path == "gather" else args.writers, "bytes": size,
-                "write_s": round(write_s, 2), "load_s": round(load_s, 2),
+                "write_s": round(write_s, 2), "of_which_convert_s": None if convert_s is None else round(convert_s, 2),
+                "load_s": round(load_s, 2),
                 "write_GBps": round(size / write_s / 1e9, 3), "load_GBps": round(size / load_s / 1e9, 3),
                 "step_s": round(write_s + load_s, 2),
             }  # fmt: skip
