@@ -2,15 +2,21 @@
 
     python launch/gke/render.py --slice v6e-16 --image IMAGE --bucket BUCKET \\
         --config configs/reverse_text/rl.toml [--rollout-slice v6e-8 --rollout-replicas 2] \\
+        [--model ORG/NAME | gs://...] [--hf-token-secret hf] [--extra-pip SPEC] \\
         [-o jobset.yaml] [-- --trainer.steps 100 ...]
 
 One replicated Job ("trainer") runs ``launch/gke/entrypoint.py`` - i.e. ``python -m
 jaxrl.train --config ... --distributed.enabled true`` - on every host of the slice; JAX finds
 its peers from the TPU_WORKER_* variables GKE injects. With ``--rollout-slice`` a second
-replicated Job ("rollout") runs vllm-tpu servers, one per single-host slice, and the trainer
-spreads its rollouts over all of them as external servers, pushing new weights to each after
-every step (see launch/gke/README.md). Everything a run
-writes lands in the bucket, mounted at /data by the GCS FUSE CSI driver.
+replicated Job ("rollout") runs vllm-tpu (or ``jaxrl.serve``) servers, one per single-host slice,
+and the trainer spreads its rollouts over all of them as external servers, pushing new weights
+to each after every step (see launch/gke/README.md). Everything a run writes lands in the
+bucket, mounted at /data by the GCS FUSE CSI driver.
+
+Only layouts that can run are rendered: RL on a multi-host slice needs ``--rollout-slice``, and
+the starting weights must be readable by every pod (a hub id or ``gs://`` path is fetched once
+per run into the bucket by trainer process 0; everything else waits for it with a deadline).
+``launch/gke/local.py`` runs the rendered manifest on one machine.
 
 Only the standard library and PyYAML: the renderer runs wherever kubectl does.
 """
@@ -267,6 +273,12 @@ def rollout_model_path(recipe: dict[str, Any], run: str) -> str:
     return str(Path(DATA, run, *p.parts[1:]))
 
 
+def compile_cache(args: argparse.Namespace) -> dict[str, str]:
+    """JAX's persistent compilation cache on the bucket: a restarted pod (preemption, failure)
+    loads its programs instead of compiling them again (minutes for an 8B train step)."""
+    return {"name": "JAX_COMPILATION_CACHE_DIR", "value": f"{DATA}/{args.name}/jax_cache"}
+
+
 def trainer_container(args: argparse.Namespace, s: Slice, weights: Weights, overrides: list[str]) -> dict[str, Any]:
     # Multi-host: JAX's multi-controller runtime, its peers read from GKE's TPU_WORKER_* variables.
     dist = ["--distributed.enabled", "true"] if s.hosts > 1 else []
@@ -294,6 +306,7 @@ def trainer_container(args: argparse.Namespace, s: Slice, weights: Weights, over
         "image": args.image,
         "workingDir": APP,
         "command": command,
+        "env": [compile_cache(args)],
         "ports": [
             {"containerPort": 8471, "name": "tpu-runtime"},
             {"containerPort": 8476, "name": "jax-coord"},
@@ -301,9 +314,9 @@ def trainer_container(args: argparse.Namespace, s: Slice, weights: Weights, over
     }
     if args.hf_token_secret:  # a gated or private hub model: the token from a Kubernetes secret
         secret, _, key = args.hf_token_secret.partition(":")
-        container["env"] = [
+        container["env"].append(
             {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret, "key": key or "token"}}}
-        ]
+        )
     return container
 
 
@@ -360,7 +373,7 @@ def rollout_tensor_parallel(args: argparse.Namespace, recipe: dict[str, Any], s:
     tp = tensor_parallel(*heads, s.chips_per_host)
     if tp < s.chips_per_host:
         print(
-            f"note: vLLM tensor parallel {tp} of {s.chips_per_host} chips per server ({heads[0]} heads, "
+            f"note: rollout tensor parallel {tp} of {s.chips_per_host} chips per server ({heads[0]} heads, "
             f"{heads[1]} KV heads); the other chips of each rollout slice stay idle",
             file=sys.stderr,
         )
@@ -382,7 +395,7 @@ def rollout_container(
             "--inference.server.host", "0.0.0.0", "--inference.server.port", str(VLLM_PORT),
         ])  # fmt: skip
         image: dict[str, Any] = {"image": args.image, "workingDir": APP}
-        env: list[dict[str, str]] = []
+        env: list[dict[str, str]] = [compile_cache(args)]
     else:
         # --logprobs-mode processed_logprobs: log-probs of logits / temperature, what the trainer's
         # loss compares against (vLLM's default is the raw distribution's).

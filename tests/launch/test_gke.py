@@ -371,7 +371,10 @@ def test_a_hub_model_is_fetched_once_and_every_wait_has_a_deadline(tmp_path) -> 
     assert cmd[cmd.index("--fetch") + 1] == "Qwen/Qwen3-8B" and cmd[cmd.index("--fetch-to") + 1] == "/data/q8/model"
     assert cmd[cmd.index("--model.name") + 1] == "/data/q8/model"
     assert cmd[cmd.index("--pip") + 1] == "/data/wheels/my_env-0.1-py3-none-any.whl"
-    assert trainer["env"] == [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
+    assert trainer["env"] == [
+        {"name": "JAX_COMPILATION_CACHE_DIR", "value": "/data/q8/jax_cache"},  # restarts skip compiles
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+    ]
     serve = pod(jobs(m)["rollout"])["containers"][0]["command"][-1]
     assert "until [ -f /data/q8/model/.jaxrl-fetched.json ]" in serve and "SECONDS + 3600" in serve
     assert "exit 1" in serve and "vllm serve /data/q8/model " in serve
