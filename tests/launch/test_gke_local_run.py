@@ -132,3 +132,4 @@ def test_rendered_jobset_fetches_once_resumes_after_preemption_and_a_dead_server
     logs = sorted((work / "logs").glob(f"attempt-*/{NAME}-trainer-0-0.log"))
     assert "fetching jaxrl-test/tiny-qwen3" in logs[0].read_text()
     assert all("already fetched" in p.read_text() for p in logs[1:])
+    assert any((bucket / NAME / "jax_cache").iterdir())  # restarts find the compiled programs on the bucket
