@@ -75,7 +75,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl.parallel.rules import SEQ_AXIS, logical_to_spec
 from jaxrl_kernels import cudnn_attention, select
-from jaxrl_kernels.attention import segment_attention, segment_attention_reference, tpu_segment_attention
+from jaxrl_kernels.attention import blocked_segment_attention_reference, segment_attention, tpu_segment_attention
 from jaxrl_kernels.decode_attention import decode_attention
 from jaxrl_kernels.logprobs import logprobs as pallas_logprobs
 
@@ -259,7 +259,7 @@ class Kernels:
         if inner is None:
             if context == 1:
                 return None
-            inner = segment_attention_reference  # the decoder's semantics, on whole sequences
+            inner = blocked_segment_attention_reference  # the decoder's semantics, on whole sequences
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             if self.mesh is None:
