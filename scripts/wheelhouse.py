@@ -155,7 +155,7 @@ def _uv() -> str:
 
 
 def _run(cmd: list[str], what: str) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode:
         errors = [x for x in proc.stderr.splitlines() if x.strip() and "is ignored: it is neither" not in x]
         raise WheelhouseError(f"{what} failed: {' | '.join(errors[-6:])}")

@@ -45,7 +45,7 @@ def test_smoke_run_writes_every_line_and_passes(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "jaxrl.devicecheck", "--smoke", "--out", str(out), "--profile",
          "--budget-s", "3600", "--measure-s", "1800"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800,
+        check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     (lines_file,) = out.glob("lines-*.jsonl")
@@ -112,7 +112,7 @@ def test_smoke_run_writes_every_line_and_passes(tmp_path: Path) -> None:
 def test_unknown_only_name_is_refused() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "jaxrl.devicecheck", "--only", "train_remat_full,nope"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        check=False, cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
     assert "--only: unknown name(s) nope" in proc.stderr

@@ -226,7 +226,8 @@ def full_shapes() -> Shapes:
         kernel_dims={"batch": 2, "seq": 1024, "heads": 16, "kv_heads": 8, "head_dim": 128, "cache_len": 1024,
                      "layers": 2, "tokens": 1024, "hidden": 1024, "vocab": 151936},
         rl_scratch=rl_0_6b,  # Qwen3-0.6B's layers and widths (the byte tokenizer's vocabulary)
-        rl_overrides={"inference": {"max_seqs": 64, "decode_batch_buckets": [64], "prefill_len_buckets": [256],
+        rl_overrides={"trainer": {"seq_len_buckets": [256]},  # one train-step compile of the 0.6B model
+                      "inference": {"max_seqs": 64, "decode_batch_buckets": [64], "prefill_len_buckets": [256],
                                     "prefill_batch_buckets": [8], "max_batched_tokens": 2048}},
     )
 

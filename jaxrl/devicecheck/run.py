@@ -54,19 +54,20 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 # jax must not take the whole device up front: torch runs beside it (before the jax imports).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import jax  # noqa: E402 - after the environment above
+import jax  # after the environment above
 
-from jaxrl.devicecheck.checks import CHECKS  # noqa: E402
-from jaxrl.devicecheck.common import detect_device, full_shapes, smoke_shapes  # noqa: E402
-from jaxrl.devicecheck.mismatch import logprob_mismatch_bf16  # noqa: E402
-from jaxrl.devicecheck.speed import BENCHES  # noqa: E402
+from jaxrl.devicecheck.checks import CHECKS
+from jaxrl.devicecheck.common import detect_device, full_shapes, smoke_shapes
+from jaxrl.devicecheck.mismatch import logprob_mismatch_bf16
+from jaxrl.devicecheck.speed import BENCHES
 
 Measure = Callable[..., Iterable[dict[str, Any]]]
 MEASURES: dict[str, tuple[str, Measure]] = {
@@ -180,11 +181,11 @@ class Deadline:
                               "timed_out": True, "deadline_s": round(self.seconds, 1)})
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main), ctypes.py_object(MeasureTimeout))
 
-    def __enter__(self) -> Deadline:
+    def __enter__(self) -> Self:
         self.timer.start()
         return self
 
-    def __exit__(self, typ: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
         with self.lock:
             self.done = True
             self.timer.cancel()

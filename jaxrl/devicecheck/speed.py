@@ -84,7 +84,7 @@ def _torch_train(dev: Device, shapes: Shapes, tokens: np.ndarray, checkpointing:
         step()  # warm-up
         times = [step() for _ in range(shapes.train_steps)]
     finally:
-        del model, opt
+        model = opt = None  # drop torch's references before handing its memory back
         torch_free(device)
     return {"step_s": min(times), "tokens_per_s": tokens.size / min(times), "gradient_checkpointing": checkpointing}
 
@@ -195,11 +195,11 @@ def decode(dev: Device, shapes: Shapes) -> Lines:
     ``hbm_share``: the HBM bandwidth the decode steps reach over the device's peak, counting the
     bytes each step must read (``common.decode_bytes_per_step``: the weights once, the KV cache
     at the mean context). Prefill is in the time, so it is a lower bound."""
-    from jaxrl.models.arch import arch_from_hf_config
     from jaxrl.inference.config import InferenceConfig
     from jaxrl.inference.engine import Engine
     from jaxrl.inference.sampling import SamplingParams
     from jaxrl.inference.scheduler import Request
+    from jaxrl.models.arch import arch_from_hf_config
 
     dtype = _dtype(dev)
     vocab = shapes.decode["vocab_size"]
@@ -230,7 +230,7 @@ def decode(dev: Device, shapes: Shapes) -> Lines:
     arch = arch_from_hf_config(shapes.decode)
     width = jnp.dtype(dtype).itemsize
     for b, prompts in batches.items():
-        def run() -> float:
+        def run(prompts: np.ndarray = prompts) -> float:
             reqs = [Request(p.tolist(), params) for p in prompts]
             t0 = time.perf_counter()
             outs = engine.generate(reqs)
