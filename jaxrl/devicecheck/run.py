@@ -36,7 +36,7 @@ Numbers (``{"bench": name, ...}``):
 
 Peaks per device kind: ``common.DEVICE_PEAKS``. Targets (on H100/H200): train step MFU >= 35% and
 >= 1.3x transformers; decode at batch 32 >= 3x ``generate``. ``--smoke`` runs every measure on tiny
-shapes (the CPU, about a minute; tests/test_devicecheck.py and scripts/rehearse_offline_install.sh
+shapes (the CPU: ~2 min of CPU time; tests/test_devicecheck.py and scripts/rehearse_offline_install.sh
 run it). A summary table of every line ends the run.
 """
 
@@ -98,7 +98,7 @@ def versions() -> dict[str, str | None]:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jaxrl.devicecheck", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU-friendly, about a minute)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (~2 min of CPU time)")
     p.add_argument("--out", type=Path, default=Path("devicecheck-out"), metavar="DIR",
                    help="folder for lines-<time>.jsonl, compile-cache/ and profiles (default ./devicecheck-out)")
     p.add_argument("--skip-torch", action="store_true", help="no transformers/torch references or baselines")
