@@ -9,7 +9,7 @@ rl_w = 0, so they add no RL tokens (nor their KL term) to the step.
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 from pydantic import Field, field_validator
@@ -17,6 +17,7 @@ from pydantic import Field, field_validator
 from jaxrl.orchestrator.algo.base import (
     AlgoConfigBase,
     Algorithm,
+    LossComponent,
     Member,
     TraceLengths,
     has_weight,
@@ -70,6 +71,7 @@ class LinearLengthPenalty(AlgoConfigBase):
 
 class GRPOConfig(AlgoConfigBase):
     type: Literal["grpo"] = "grpo"
+    loss_components: ClassVar[frozenset[LossComponent]] = frozenset({"rl"})
     length_penalty: LinearLengthPenalty | None = None
     """`[...algo.length_penalty]`: prime-rl's linear length penalty (None: off)."""
     std_normalize: bool = False
