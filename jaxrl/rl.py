@@ -229,14 +229,15 @@ class _Stepper:
         assert self.orch is not None
         orch = self.orch
         batch = collect_batch(
-            lambda: self._next_batch(step), lambda: orch.request_more(step), orch.algorithms, step,
-            max_resample=self.max_resample, write=self.rollouts.write, env_logs=orch.env_logs(),
+            lambda n=None: self._next_batch(step, n), lambda n=None: orch.request_more(step, n), orch.algorithms,
+            step, max_resample=self.max_resample, write=self.rollouts.write, env_logs=orch.env_logs(),
+            dynamic=orch.cfg.dynamic_sampling,
         )  # fmt: skip
         return {"kind": "batch", "samples": batch.samples, "records": batch.records, "metrics": batch.metrics}
 
-    def _next_batch(self, step: int) -> list[Any]:
+    def _next_batch(self, step: int, n: int | None = None) -> list[Any]:
         assert self.orch is not None
-        groups = self.orch.next_batch(step)
+        groups = self.orch.next_batch(step, n=n)
         self.backend.check()  # rollouts a server failed must not be trained on
         return groups
 
