@@ -137,8 +137,9 @@ class LossConfig(pydantic.BaseModel):
 
     @pydantic.model_validator(mode="after")
     def _knobs_match_type(self) -> LossConfig:
+        # A knob of another type is refused unless it holds its default (what --dry-run prints).
         for knob in sorted(set().union(*_TYPE_KNOBS.values()) - _TYPE_KNOBS[self.type]):
-            if knob in self.model_fields_set:
+            if knob in self.model_fields_set and getattr(self, knob) != type(self).model_fields[knob].default:
                 users = sorted(t for t, k in _TYPE_KNOBS.items() if knob in k)
                 raise ValueError(f"trainer.loss.{knob} applies to type {' / '.join(users)}, not {self.type!r}; "
                                  f"remove it or set trainer.loss.type")  # fmt: skip
