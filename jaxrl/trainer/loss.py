@@ -4,14 +4,20 @@ Each component is normalised by its own *global* token count over the whole opti
 the functions here return unreduced sums and the division happens once, with counts the trainer
 computes up front (they depend only on the batch, never on params):
 
-    counts = loss_counts(rl_w, ce_w, loss_mask)                # summed over the whole step
+    counts = loss_counts(rl_w, ce_w, loss_mask, cfg=cfg, ...)  # summed over the whole step
     for mb in micro_batches:                                   # and data-parallel shards
-        sums = loss_sums(logp, logq, A, rl_w, ce_w, loss_mask, cfg, entropy=entropy)
+        sums = loss_sums(logp, logq, A, rl_w, ce_w, loss_mask, cfg, entropy=entropy,
+                         segment_ids=..., policy_version=..., trainer_version=...)
         loss_mb = normalized_loss(sums, counts)                # grads of these are summed
         total = add_sums(total, sums)
     step_metrics = metrics(total)
 
 Summing ``normalized_loss`` over micro-batches then equals the loss of the whole batch at once.
+The RL component's per-token loss comes from the objective ``[trainer.loss]`` selects (DPPO by
+default; GSPO, PPO clip-higher, CISPO, TIS and the MIS mask in ``policy_loss``, or ``custom``),
+which sees the micro-batch as one ``LossBatch`` (``loss_view``): segments, sampler log-probs,
+per-token policy versions. Under sequence normalisation (GSPO) the RL denominator is the
+step's count of samples with RL tokens instead of its RL tokens.
 """
 
 from __future__ import annotations
@@ -269,7 +275,9 @@ def _segments(segment_ids: jax.Array | None, like: jax.Array) -> jax.Array:
     return jnp.ones(like.shape, jnp.int32) if segment_ids is None else jnp.asarray(segment_ids)
 
 
-def _effective_rl_w(rl_w, cfg: LossConfig, policy_version, trainer_version) -> jax.Array:
+def _effective_rl_w(
+    rl_w: jax.Array, cfg: LossConfig, policy_version: jax.Array | None, trainer_version: int | jax.Array | None
+) -> jax.Array:
     """``rl_w`` times the staleness factor of each token (unchanged without ``cfg.staleness``)."""
     if cfg.staleness is None:
         return rl_w
