@@ -48,8 +48,12 @@ _MB_DTYPES = {
     "ce_w": jnp.float32,
     "ref_kl_w": jnp.float32,
     "logr": jnp.float32,
+    "policy_version": jnp.int32,
 }
 _MB_FIELDS = tuple(_MB_DTYPES)
+STEP_CONSTANTS = (*L.COMPONENTS, "rl_norm", "trainer_version")
+"""What the host computes once per optimizer step and every micro-step reads (``component_counts``
+with the loss config): the global component counts, the RL denominator, the trained version."""
 
 
 def packed_logprobs(
@@ -87,6 +91,7 @@ def micro_batch_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Loss of one micro-batch, normalised by the step's global counts, and its sums.
 
+    ``counts``: the step's constants (``STEP_CONSTANTS``; at least the component counts).
     ``params``: the trained state - the model's parameters, or with ``[trainer.lora]`` the
     adapters, merged here into the ``frozen`` base weights (so gradients reach only them).
     ``kernels``: log-prob and attention implementations (default: ``cfg.kernels`` resolved for
@@ -99,6 +104,7 @@ def micro_batch_loss(
         assert cfg.lora is not None
         params, adapters = frozen, LayerAdapters(params, cfg.lora.scale)
     logp, entropy = packed_logprobs(nnx.merge(graphdef, params), mb, kernels, cfg.vocab_block, adapters)
+    version = counts.get("trainer_version")
     sums = L.loss_sums(
         logp,
         mb["logq"][:, 1:],
@@ -110,6 +116,10 @@ def micro_batch_loss(
         entropy=entropy,
         ref_kl_w=mb["ref_kl_w"][:, 1:],
         logr=mb["logr"][:, 1:],
+        segment_ids=mb["segment_ids"][:, 1:],
+        positions=mb["positions"][:, 1:],
+        policy_version=mb["policy_version"][:, 1:] if "policy_version" in mb else None,
+        trainer_version=None if version is None else version.astype(jnp.int32),
     )
     return L.normalized_loss(sums, counts), sums
 
@@ -233,7 +243,7 @@ class TrainPrograms:
         self, params: Any, mb: dict[str, Any], cfg: TrainerConfig, frozen: Any = None
     ) -> dict[str, jax.ShapeDtypeStruct]:
         """Shapes of the micro-step's loss-sum accumulator (traced, not run)."""
-        counts = {c: jax.ShapeDtypeStruct((), jnp.float32) for c in L.COMPONENTS}
+        counts = {c: jax.ShapeDtypeStruct((), jnp.float32) for c in STEP_CONSTANTS}
         return jax.eval_shape(
             lambda p, m, c, f: micro_batch_loss(p, self.graphdef, m, c, cfg, self.kernels, f)[1], params, mb, counts, frozen
         )
@@ -279,13 +289,19 @@ class Trainer:
         bucket = choose_bucket(samples, self.cfg.seq_len_buckets or [self.cfg.seq_len], self.cfg.micro_batch_rows)
         return pack(samples, bucket, rows_multiple=self.cfg.micro_batch_rows)
 
+    def _step_constants(self, batch: PackedBatch) -> dict[str, jax.Array]:
+        """``STEP_CONSTANTS`` of ``batch``, replicated: counts after the staleness rule, the RL
+        denominator, and the version being trained (the parameters' step count)."""
+        constants = component_counts(batch, self.cfg.loss, trainer_version=self.step)
+        return jax.device_put({k: np.float32(constants[k]) for k in STEP_CONSTANTS}, replicated(self.mesh))
+
     def train_step(self, samples: Sequence[TrainingSample]) -> dict[str, float]:
         """One optimizer step over ``samples``; returns this step's metrics (host floats)."""
         t0 = time.perf_counter()
         batch = self.pack(samples)
         if unscored := sum(s.needs_reference for s in samples):
             raise ValueError(f"{unscored} sample(s) train the ref-KL component but carry no teacher log-probs (logr)")
-        counts = jax.device_put({k: np.float32(v) for k, v in component_counts(batch).items()}, replicated(self.mesh))
+        counts = self._step_constants(batch)
         grads, total = self._zeroed_accumulators(batch)
         rows = self.cfg.micro_batch_rows
         for start in range(0, batch.num_rows, rows):
@@ -314,7 +330,7 @@ class Trainer:
         parameters, with no update: packed and split into micro-batches as ``train_step`` does,
         forward only (one extra compile per row-length bucket)."""
         batch = self.pack(samples)
-        counts = jax.device_put({k: np.float32(v) for k, v in component_counts(batch).items()}, replicated(self.mesh))
+        counts = self._step_constants(batch)
         if self._loss_sums is None:
             self._loss_sums = jax.jit(
                 lambda params, mb, counts, frozen: micro_batch_loss(
