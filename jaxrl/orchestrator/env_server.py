@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -56,6 +58,8 @@ def verifiers_env_config(config: EnvConfig) -> vf.EnvConfig:
 
     taskset_id, module = plugin_id(config.id)
     try:
+        if module is None and importlib.util.find_spec(taskset_id.replace("-", "_")) is not None:
+            importlib.import_module(taskset_id.replace("-", "_"))  # its own import errors, not "taskset not found"
         if module is not None:
             register_plugin(taskset_id, module)
         register_plugin(*LOCAL_HARNESS)
@@ -70,13 +74,24 @@ def verifiers_env_config(config: EnvConfig) -> vf.EnvConfig:
                 data[name] = seat
         return resolve_env_config(data)
     except (ValidationError, ImportError, TypeError, ValueError, AttributeError) as e:
-        # Imported here, not at the top: jaxrl.config is the whole run config (it imports
-        # jaxrl.inference.config), and the orchestrator must not import jaxrl.inference
-        # (tests/test_seams.py). one_line needs the run config for its did-you-mean hints.
-        from jaxrl.config import one_line
+        raise ValueError(f"env {config.name!r} (id {config.id!r}): {_env_error(e)}") from e
 
-        detail = one_line(e) if isinstance(e, ValidationError) else e
-        raise ValueError(f"env {config.name!r} (id {config.id!r}): {detail}") from e
+
+def _env_error(e: Exception) -> str:
+    """An env's config or import error in one line: each field of the env's own config with its
+    problem (no hints from the run config: the fields are the taskset's), or the exception's type
+    and message (`ModuleNotFoundError: No module named 'x'` inside the user's module)."""
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError):
+        parts = []
+        for err in e.errors():
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] not in ("value_error", "assertion_error", "missing") and not isinstance(err.get("input"), (dict, list)):
+                msg += f" (got {err.get('input')!r})"
+            parts.append(f"{'.'.join(map(str, err['loc'])) or 'config'}: {msg}")
+        return "; ".join(parts)
+    return f"{type(e).__name__}: {e}" if isinstance(e, ImportError) else str(e)
 
 
 class EnvServerError(RuntimeError):

@@ -85,3 +85,19 @@ def test_eval_on_an_env_without_splits_and_a_broken_env_fail_before_any_spawn(my
     with pytest.raises(ValueError, match=r"env 'my_words_env' \(id 'my_words_env'\): my data file is missing"):
         check_envs(broken)
     assert time.perf_counter() - t0 < 30
+
+
+def test_an_env_whose_own_import_fails_names_the_missing_module(tmp_path, monkeypatch) -> None:
+    """It said "taskset 'my_broken_env' not found", hiding the ModuleNotFoundError inside."""
+    site = tmp_path / "site"
+    (site / "my_broken_env").mkdir(parents=True)
+    (site / "my_broken_env" / "__init__.py").write_text("import a_package_nobody_installed\n")
+    monkeypatch.syspath_prepend(str(site))
+    cfg = OrchestratorConfig(batch_size=4, group_size=2, train={"env": [{"id": "my_broken_env"}]}, eval={"interval": 0})
+    try:
+        with pytest.raises(ValueError) as e:
+            check_envs(cfg)
+    finally:
+        sys.modules.pop("my_broken_env", None)
+    assert str(e.value).startswith("env 'my_broken_env' (id 'my_broken_env'): "
+                                   "ModuleNotFoundError: No module named 'a_package_nobody_installed'"), e.value
