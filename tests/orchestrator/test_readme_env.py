@@ -23,7 +23,7 @@ def readme_block(lang: str, after: str) -> str:
     """The first ```lang block after the line containing ``after`` in README.md."""
     text = (ROOT / "README.md").read_text()
     start = text.index(after)
-    return re.search(rf"```{lang}\n(.*?)```", text[start:], re.S).group(1)
+    return re.search(rf"```{lang}\n(.*?)```", text[start:], re.DOTALL).group(1)
 
 
 @pytest.fixture
