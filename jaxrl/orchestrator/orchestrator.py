@@ -174,6 +174,14 @@ class Orchestrator:
         self._next_step = first_step
         self._producer = asyncio.run_coroutine_threadsafe(self._produce(), self._loop)
 
+    def start_eval_only(self) -> None:
+        """Only the eval envs' servers and tasks, no train producer (``python -m jaxrl.eval``)."""
+        assert self.cfg.eval is not None
+        self._thread.start()
+        configs, _ = eval_env_configs(self.cfg)
+        self.eval_servers = self._run(start_env_servers(configs, output_dir=self.output_dir, kind="eval"))
+        self._load_eval_tasks(self.cfg.eval, configs)
+
     def _start_eval(self, cfg: EvalConfig) -> None:
         configs, separate = eval_env_configs(self.cfg)
         if separate:
@@ -181,6 +189,9 @@ class Orchestrator:
         else:  # same env, eval split: the train servers run any task of their taskset
             by_name = {s.name: s for s in self.train_servers}
             self.eval_servers = [by_name[c.name] for c in configs]
+        self._load_eval_tasks(cfg, configs)
+
+    def _load_eval_tasks(self, cfg: EvalConfig, configs: list[EnvConfig]) -> None:
         for server, config in zip(self.eval_servers, configs):
             loader = EnvServer(config, output_dir=self.output_dir, kind="eval")  # loads tasks; spawns nothing
             self.eval_tasks[server.name] = [task_data(t) for t in loader.taskset()][: cfg.num_tasks]
