@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 from jaxrl.endpoint import ModelEndpoint
 from jaxrl.envs import LOCAL_HARNESS, plugin_id, register_plugin
 from jaxrl.orchestrator.config import EnvConfig
-from jaxrl.orchestrator.traces import Rollout, episode_error
+from jaxrl.orchestrator.traces import Rollout, episode_error, episode_traceback
 
 if TYPE_CHECKING:
     import verifiers.v1 as vf
@@ -361,7 +361,17 @@ class EnvServer:
             rollout.error = f"{type(e).__name__}: {e}"
         if rollout.error is not None:  # the RL loop logs one line per step with the first error
             logger.debug("rollout on env %s failed: %s", self.name, rollout.error)
+            self._log_failure(rollout)
         return rollout
+
+    def _log_failure(self, rollout: Rollout) -> None:
+        """A failed rollout's error, with the traceback verifiers kept (a reward that raised),
+        appended to this env's log: the log the run's error line points to."""
+        tb = episode_traceback(rollout.episode)
+        if tb is None or self._proc is None:  # an attached server's log is its owner's
+            return
+        with open(self.log_path, "a", encoding="utf-8") as log:
+            log.write(f"[jaxrl] rollout {rollout.group_id} failed: {rollout.error}\n{tb.rstrip()}\n")
 
     async def run_group(
         self,
