@@ -28,7 +28,7 @@ from jaxrl.inference.http_thread import check_port_free
 from jaxrl.metrics import MetricsLogger
 from jaxrl.orchestrator.algo import OPDConfig
 from jaxrl.orchestrator.batch import BatchFailed, collect_batch
-from jaxrl.orchestrator.env_server import EnvServerDead
+from jaxrl.orchestrator.env_process import EnvServerDead
 from jaxrl.orchestrator.orchestrator import Orchestrator, check_envs
 from jaxrl.parallel.distributed import broadcast_from_main, initialize, is_main_process
 from jaxrl.preemption import RunAborted

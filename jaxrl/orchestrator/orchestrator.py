@@ -36,7 +36,10 @@ from typing import Any
 from jaxrl.endpoint import ModelEndpoint
 from jaxrl.orchestrator.algo import Algorithm, make_algorithm
 from jaxrl.orchestrator.config import EnvConfig, EvalConfig, OrchestratorConfig, SamplingConfig
-from jaxrl.orchestrator.env_server import EnvServer, EnvServerDead, start_env_servers, task_data, verifiers_env_config
+from jaxrl.orchestrator.env_config import verifiers_env_config
+from jaxrl.orchestrator.env_process import EnvServerDead
+from jaxrl.orchestrator.env_server import EnvServer, start_env_servers
+from jaxrl.orchestrator.env_tasks import task_data
 from jaxrl.orchestrator.tasks import TaskSampler
 from jaxrl.orchestrator.traces import Rollout
 from jaxrl.sampling_ranges import JSON_INT64_MAX
