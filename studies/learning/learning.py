@@ -48,7 +48,7 @@ from eval_curves import eval_rewards, paired  # studies/learning/ is on sys.path
 
 from jaxrl.config import deep_merge
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # studies/learning/ -> the repository root
 QUIET = {"log": {"progress": False}, "ckpt": {"interval": 0}}
 
 # Budgets merged over the recipes. "small" fits ~70 min of 2 shared CPU cores; "smoke" checks
