@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.kernel_dispatch import Kernels
+from jaxrl.models.arch import ModelArch
 from jaxrl.models.decoder import Decoder, LayerAdapters
 from jaxrl.models.sharding import state_shardings
 from jaxrl.parallel.mesh import batch_sharding, replicated
@@ -62,14 +63,17 @@ def packed_logprobs(
     entry t - 1 is token t predicted from position t - 1 (column 0 has no prediction)."""
     hidden, _ = model(mb["tokens"], mb["positions"], mb["segment_ids"], kernels=kernels, lora=lora)
     b, t, d = hidden.shape
+    # Every position is scored against the next token (the last against the row's first, then
+    # dropped): slicing ``hidden[:, :-1]`` instead would make a context-parallel sequence shard
+    # uneven and cost a reshard of the hidden states; a roll of the int targets is a cheap shift.
     logp, entropy = (kernels.token_logprobs() or token_logprobs)(
-        hidden[:, :-1].reshape(-1, d),
+        hidden.reshape(-1, d),
         model.lm_head_weight(),
-        mb["tokens"][:, 1:].reshape(-1),
-        mb["temperature"][:, 1:].reshape(-1),
+        jnp.roll(mb["tokens"], -1, axis=1).reshape(-1),
+        jnp.roll(mb["temperature"], -1, axis=1).reshape(-1),
         block_size=vocab_block,
     )
-    return logp.reshape(b, t - 1), entropy.reshape(b, t - 1)
+    return logp.reshape(b, t)[:, :-1], entropy.reshape(b, t)[:, :-1]
 
 
 def micro_batch_loss(
@@ -134,6 +138,29 @@ def micro_batch_shapes(mesh: Mesh, rows: int, seq_len: int) -> dict[str, jax.Sha
     }
 
 
+def check_context_parallel(arch: ModelArch, cfg: TrainerConfig, mesh: Mesh) -> None:
+    """Context parallelism's shape rules, as one line naming trainer.mesh.context: every bucket
+    splits evenly over the context axis, and Ulysses attention hands each context device whole
+    query heads of its tensor shard (KV heads are repeated up to a multiple where they do not
+    divide; see ``jaxrl.kernel_dispatch``)."""
+    c = mesh.shape.get("context", 1)
+    if c == 1:
+        return
+    uneven = [b for b in cfg.seq_len_buckets or [cfg.seq_len] if b % c]
+    if uneven:
+        raise ValueError(
+            f"trainer.mesh.context = {c}: trainer.seq_len_buckets {uneven} do not divide by it; "
+            "use lengths that are multiples of the context size"
+        )
+    tensor = mesh.shape.get("tensor", 1)
+    heads = arch.num_heads // tensor if arch.num_heads % tensor == 0 and arch.num_kv_heads % tensor == 0 else arch.num_heads
+    if heads % c:
+        raise ValueError(
+            f"trainer.mesh.context = {c}: the model's {heads} query heads per tensor shard do not divide by it "
+            "(Ulysses attention splits heads over the context axis); pick a context size that divides them"
+        )
+
+
 @dataclass(frozen=True)
 class TrainPrograms:
     """The trainer's jitted programs and the shardings of the state they run on.
@@ -165,6 +192,7 @@ class TrainPrograms:
                 f"trainer.micro_batch_rows = {cfg.micro_batch_rows} must be a multiple of "
                 f"data*fsdp = {dp} (each data-parallel shard gets whole rows)"
             )
+        check_context_parallel(model.arch, cfg, mesh)
         platform = mesh.devices.flat[0].platform
         model.remat = cfg.remat_policy(platform)
         kernels = Kernels.create(cfg.kernels, field="trainer.kernels", mesh=mesh)
