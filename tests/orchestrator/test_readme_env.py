@@ -7,12 +7,11 @@ from __future__ import annotations
 import os
 import re
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
-from jaxrl.config import build_config, deep_merge, read_toml
+from jaxrl.config import load_config
 from jaxrl.orchestrator.batch import build_batch
 from jaxrl.orchestrator.orchestrator import Orchestrator, check_envs
 
@@ -38,8 +37,9 @@ def readme_env(tmp_path, monkeypatch) -> str:
 
 
 def test_the_readme_own_env_example_runs(readme_env, endpoint, tmp_path) -> None:
-    mine = tomllib.loads(readme_block("toml", "and this in `my_rl.toml`"))
-    cfg = build_config(deep_merge(read_toml(ROOT / "configs" / "reverse_text" / "rl.toml"), mine), [])
+    mine = tmp_path / "my_rl.toml"
+    mine.write_text(readme_block("toml", "and this in `my_rl.toml`"))
+    cfg, _ = load_config(["--config", str(ROOT / "configs" / "reverse_text" / "rl.toml"), "--config", str(mine)])
     assert [e.id for e in cfg.orchestrator.train.env] == [readme_env] and cfg.orchestrator.eval.interval == 0
     ocfg = cfg.orchestrator.model_copy(update={"batch_size": 4, "group_size": 2, "max_async_level": 0})
     check_envs(ocfg)
