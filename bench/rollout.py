@@ -65,7 +65,8 @@ async def drive(args: argparse.Namespace) -> None:
     plus the client that runs episodes through them against ``args.base_url``."""
     from jaxrl.endpoint import ModelEndpoint
     from jaxrl.orchestrator.config import EnvConfig
-    from jaxrl.orchestrator.env_server import start_env_servers, task_data
+    from jaxrl.orchestrator.env_server import start_env_servers
+    from jaxrl.orchestrator.env_tasks import task_data
 
     endpoint = ModelEndpoint(base_url=args.base_url, model="bench", tokenizer_dir=args.tokenizer_dir)
     configs = [EnvConfig(id=e, args={"num_tasks": args.episodes, "seed": 0}) for e in args.envs]

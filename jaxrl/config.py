@@ -381,7 +381,8 @@ def parse_args(
         parser.add_argument(
             "--overwrite", action="store_true", help="delete what output_dir holds (an earlier run) and start over"
         )
-    flags, rest = parser.parse_known_args(_at_files(list(sys.argv[1:] if argv is None else argv)))
+    args = prime_rl_flags(_at_files(list(sys.argv[1:] if argv is None else argv)))
+    flags, rest = parser.parse_known_args(args)
     if flags.help:
         print(parser.format_help())
         CliSettingsSource(_cli_model(fields), cli_prog_name=prog, cli_parse_args=["--help"])()  # exits 0
@@ -399,6 +400,42 @@ def _at_files(argv: list[str]) -> list[str]:
             out += ["--config", a[1:]]
         else:
             out.append(a)
+    return out
+
+
+_OWN_FLAGS = {"dry_run": "dry-run"}  # the entry points' own flags keep their argparse spelling
+_ALIASES = {"ckpt.resume": "resume"}  # prime-rl's spelling of an entry-point flag
+
+
+def prime_rl_flags(argv: list[str]) -> list[str]:
+    """prime-rl's flag habits in jaxrl's spelling: kebab-case keys (``--inference.max-model-len``
+    is ``--inference.max_model_len``), a bare boolean field (``--log.tensorboard`` alone means
+    true, as pydantic-settings' implicit flags do in prime-rl) and ``--ckpt.resume`` (``--resume``).
+    Only flag names are rewritten, never values."""
+    bools = bool_paths()
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if not arg.startswith("--") or arg == "--":
+            out.append(arg)
+            continue
+        key, eq, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        key = _ALIASES.get(key, _OWN_FLAGS.get(key, key))
+        out.append(f"--{key}{eq}{value}")
+        bare = not eq and (i + 1 == len(argv) or argv[i + 1].startswith("--"))
+        if bare and key in bools:
+            out.append("true")
+    return out
+
+
+def bool_paths(model: type[BaseModel] | None = None, prefix: str = "") -> set[str]:
+    """Dotted paths of every boolean field (the flags that may stand alone)."""
+    out: set[str] = set()
+    for name, info in (model or RunConfig).model_fields.items():
+        if info.annotation is bool or (get_origin(info.annotation) is not None and set(get_args(info.annotation)) == {bool, type(None)}):
+            out.add(prefix + name)
+        for sub in _submodels(info.annotation):
+            out |= bool_paths(sub, f"{prefix}{name}.")
     return out
 
 

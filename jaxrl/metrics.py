@@ -11,14 +11,18 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
+    Task,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.text import Text
 
 from jaxrl.parallel.distributed import is_main_process
 
@@ -144,6 +148,43 @@ def plot_metrics(
     return Path(out)
 
 
+_BAR_WIDTH = 20
+
+
+class _Fields(ProgressColumn):
+    """The headline metrics, cut to the width the step count, bar and times leave: on a narrow
+    terminal rich would otherwise shrink every column, and the step count and ETA go first."""
+
+    def __init__(self, reserved: int) -> None:
+        super().__init__()
+        self.reserved = reserved
+        self.console: Console | None = None
+
+    def render(self, task: Task) -> Text:
+        width = (self.console.width if self.console is not None else 80) - self.reserved
+        text = Text(task.description, no_wrap=True, overflow="ellipsis")
+        text.truncate(max(width, 0), overflow="ellipsis")
+        return text
+
+
+def progress_bar(total_steps: int, console: Console | None = None) -> Progress:
+    """The live progress line: ``step N/M``, a bar, elapsed, ETA, then as many headline metrics
+    as fit on one line of the terminal (the first four always fit; the metrics never do at 80
+    columns)."""
+    fields = _Fields(reserved=len("step") + 2 * len(str(total_steps)) + 1 + _BAR_WIDTH + 2 * len("0:00:00") + 5)
+    bar = Progress(
+        TextColumn("[bold]step"),
+        MofNCompleteColumn(),
+        BarColumn(bar_width=_BAR_WIDTH),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        fields,
+        console=console,
+    )
+    fields.console = bar.console
+    return bar
+
+
 def _clock(seconds: float) -> str:
     """``H:MM:SS``."""
     s = int(round(seconds))
@@ -180,14 +221,7 @@ class MetricsLogger:
         if start_step == 0:
             self.path.write_text("")
         if progress and sys.stdout.isatty():  # elsewhere a redrawn bar is one unreadable line
-            self._progress = Progress(
-                TextColumn("[bold]step"),
-                MofNCompleteColumn(),
-                BarColumn(),
-                TimeElapsedColumn(),
-                TimeRemainingColumn(),
-                TextColumn("{task.description}"),
-            )
+            self._progress = progress_bar(total_steps)
             self._progress.start()
             self._task = self._progress.add_task("", total=total_steps, completed=start_step)
         self._wandb_samples = wandb.samples if wandb else 0

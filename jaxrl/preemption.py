@@ -1,5 +1,7 @@
 """SIGTERM / SIGINT (a preempted TPU VM, a Ctrl-C) become a flag the training loop polls:
-it stops dispatching work, writes a checkpoint and exits 0, and ``--resume`` continues."""
+it stops dispatching work and writes a checkpoint; the entry point says "interrupted at step N —
+rerun with --resume" and exits 130 after a Ctrl-C, 0 after SIGTERM (a preemption the job's
+supervisor restarts), and ``--resume`` continues."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from typing import Any
 RUN = {
     "max_steps": "trainer.steps",
     "seq_len": "trainer.seq_len",
+    "monitors": "[log.wandb] (W&B: project, entity, name, tags, mode) and `log.tensorboard`",
 }
 ORCHESTRATOR = {
     "sampling": "[orchestrator.train.sampling]",
@@ -28,7 +29,8 @@ ORCHESTRATOR = {
     "output_dir": "output_dir (top level)",
 }
 TRAIN_SPLIT = {
-    "source": "[[orchestrator.train.env]]",
+    "source": "[[orchestrator.train.env]] (one entry per env: `id`, `args` for its taskset, `ratio` for its "
+    "share of each batch; its algorithm and sampling in that entry's `algo` / `sampling` tables)",
 }
 EVAL = {
     "source": "[[orchestrator.eval.env]]",
@@ -46,10 +48,16 @@ ENV = {
 }
 
 
+def _renamed_to(old: str, new: str) -> str:
+    """The line for one renamed key; a note after the new name stays outside its backticks."""
+    name, sep, note = new.partition(" (")
+    return f"`{old}` was renamed to `{name}`" + (f" ({note}" if sep else "")
+
+
 def reject_renamed(data: Any, renamed: Mapping[str, str]) -> Any:
     """`data` unchanged, or a ValueError naming each prime-rl key in it and its jaxrl name."""
     if isinstance(data, Mapping):
-        found = [f"`{old}` was renamed to `{new}`" for old, new in renamed.items() if old in data]
+        found = [_renamed_to(old, new) for old, new in renamed.items() if old in data]
         if found:
             raise ValueError("prime-rl key(s): " + "; ".join(found))
     return data
@@ -82,7 +90,7 @@ def find_renamed(run: Any) -> list[str]:
         renames, children = _TREE[path]
         prefix = f"{path}." if path else ""
         found.extend(
-            f"`{prefix}{old}` was renamed to `{new}`" for old, new in renames.items() if old in table
+            _renamed_to(f"{prefix}{old}", new) for old, new in renames.items() if old in table
         )
         for child in children:
             where = f"{prefix}{child}"
@@ -92,13 +100,13 @@ def find_renamed(run: Any) -> list[str]:
                 else:
                     leaf = _LEAVES[child]
                     found.extend(
-                        f"`{where}{suffix}.{old}` was renamed to `{new}`"
+                        _renamed_to(f"{where}{suffix}.{old}", new)
                         for old, new in leaf.items()
                         if old in sub
                     )
                     for suffix2, nested in _entries(sub.get("sampling")) if child != "sampling" else []:
                         found.extend(
-                            f"`{where}{suffix}.sampling{suffix2}.{old}` was renamed to `{new}`"
+                            _renamed_to(f"{where}{suffix}.sampling{suffix2}.{old}", new)
                             for old, new in SAMPLING.items()
                             if old in nested
                         )

@@ -27,7 +27,7 @@ from jaxrl.config import ConfigError, RunConfig, check_multihost_rl
 from jaxrl.inference.http_thread import check_port_free
 from jaxrl.metrics import MetricsLogger
 from jaxrl.orchestrator.batch import BatchFailed, collect_batch
-from jaxrl.orchestrator.env_server import EnvServerDead
+from jaxrl.orchestrator.env_process import EnvServerDead
 from jaxrl.orchestrator.orchestrator import Orchestrator, check_envs
 from jaxrl.parallel.distributed import broadcast_from_main, initialize, is_main_process
 from jaxrl.preemption import RunAborted
@@ -86,13 +86,16 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     run = TrainingRun(cfg, plot_keys=PLOT_KEYS)
     meta = run.maybe_resume(resume)
     leader = is_main_process()  # runs the orchestrator and env servers; every process trains
+    if leader:  # the engine compiles every program before it serves: say so, or minutes pass silently
+        print(f"[jaxrl] starting the rollout server ({cfg.inference.backend}): compiling its programs ...", flush=True)
+    t0 = time.perf_counter()
     backend = start_rollout_backend(
         run.trainer.model(), run.trainer.params, version=run.trainer.step, hf_config=run.hf_config,
         inference=cfg.inference, model_config=cfg.model, output_dir=run.out,
         tokenizer_dir=run.tokenizer_dir, renderer=run.renderer,
     )  # fmt: skip
     if leader:  # a free port by default: say which
-        print(f"[jaxrl] rollout server at {backend.endpoint.base_url}", flush=True)
+        print(f"[jaxrl] rollout server at {backend.endpoint.base_url} (ready in {time.perf_counter() - t0:.1f} s)", flush=True)
     orch = (
         Orchestrator(ocfg, backend.endpoint, output_dir=run.out, seed=cfg.seed, policy_version=lambda: backend.policy_version)
         if leader

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jaxrl.config import DataConfig, RunConfig
+from jaxrl.config import ConfigError, DataConfig, RunConfig
 from jaxrl.data.conversations import load_conversations
 from jaxrl.data.sft import RenderConversation, reference_conversations, sft_dataset
 from jaxrl.models.chat import RendererSpec
@@ -32,12 +32,17 @@ def run_sft(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
             if n > cfg.trainer.seq_len:
                 raise ValueError(f"{n} tokens rendered, more than trainer.seq_len = {cfg.trainer.seq_len}")
 
-        loaded = load_conversations(
-            data_cfg.path, revision=data_cfg.revision, skip_bad_rows=data_cfg.skip_bad_rows, check=check
-        )  # fmt: skip
-        rows, held = hold_out(loaded.examples, data_cfg.eval_fraction, data_cfg.seed)
-        if data_cfg.eval_path is not None:
-            held = load_conversations(data_cfg.eval_path, skip_bad_rows=data_cfg.skip_bad_rows, check=check).examples
+        try:  # a bad row is the user's to fix: one line, exit 2 (jaxrl.train), not a traceback
+            loaded = load_conversations(
+                data_cfg.path, revision=data_cfg.revision, skip_bad_rows=data_cfg.skip_bad_rows, check=check
+            )  # fmt: skip
+            rows, held = hold_out(loaded.examples, data_cfg.eval_fraction, data_cfg.seed)
+            if data_cfg.eval_path is not None:
+                held = load_conversations(
+                    data_cfg.eval_path, skip_bad_rows=data_cfg.skip_bad_rows, check=check, field="data.eval_path"
+                ).examples
+        except (ValueError, FileNotFoundError, ImportError) as e:
+            raise ConfigError(str(e)) from None
         conversations, skipped = rows[: data_cfg.num_examples], loaded.skipped
         held_out = [render.map(c) for c in held[: data_cfg.eval_examples]] if data_cfg.eval_interval else []
     else:

@@ -100,13 +100,29 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False) -> dic
             )
     check_model(cfg)
     claim_output_dir(cfg, resume=resume, overwrite=overwrite)
-    if cfg.mode == "sft":
-        from jaxrl.sft import run_sft
+    fresh = not resume
+    try:
+        if cfg.mode == "sft":
+            from jaxrl.sft import run_sft
 
-        return run_sft(cfg, resume=resume)
-    from jaxrl.rl import run_rl
+            return run_sft(cfg, resume=resume)
+        from jaxrl.rl import run_rl
 
-    return run_rl(cfg, resume=resume)
+        return run_rl(cfg, resume=resume)
+    except ConfigError:  # found after output_dir was claimed (a bad data row, an env): leave it as it was
+        if fresh and is_main_process():
+            discard_outputs(Path(cfg.output_dir))
+        raise
+
+
+def discard_outputs(out: Path) -> None:
+    """Delete what a fresh run wrote into ``out`` before it refused to start, so the fixed rerun
+    finds no earlier run there (only ``RUN_OUTPUTS``: other files were there before)."""
+    for path in (out / name for name in RUN_OUTPUTS):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,8 +142,28 @@ def main(argv: list[str] | None = None) -> int:
     except RunAborted as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before the loop installed its handler (loading, compiling)
+        print("[jaxrl] interrupted before the first checkpoint: nothing to resume; rerun with --overwrite",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_INTERRUPTED
+    if stopped := result.get("stopped_by"):
+        return interrupted(cfg, result["steps"], stopped)
     print(f"[jaxrl] done: {result.get('steps')} steps; outputs in {cfg.output_dir}")
     return 0
+
+
+EXIT_INTERRUPTED = 130
+"""Exit code of a run stopped by Ctrl-C (128 + SIGINT, the shell's convention), so scripts and
+``&&`` chains see that it did not finish. SIGTERM (preemption) exits 0: the GKE entry point
+(launch/gke/entrypoint.py) reads ``result.json``'s ``stopped_by`` and restarts the job."""
+
+
+def interrupted(cfg: RunConfig, steps: int, signal_name: str) -> int:
+    """Say where a stopped run stands (its checkpoint) and how to continue it; the exit code."""
+    ckpt = cfg.ckpt.dir or Path(cfg.output_dir) / "checkpoints"
+    what = "interrupted" if signal_name == "SIGINT" else f"stopped by {signal_name}"
+    print(f"[jaxrl] {what} at step {steps} (checkpoint in {ckpt}) — rerun with --resume", file=sys.stderr)
+    return EXIT_INTERRUPTED if signal_name == "SIGINT" else 0
 
 
 def cli() -> None:

@@ -168,3 +168,28 @@ def test_metrics_zero_by_construction_are_not_logged() -> None:
     assert unused("grpo") == ("ce_", "ref_kl_", "teacher_kl")
     assert unused("grpo", "echo") == ("ref_kl_", "teacher_kl") and unused("opd") == ("ce_",)
     assert unused("sft", "opd") == ()
+
+
+def test_the_live_progress_line_keeps_step_count_and_eta_at_100_and_200_columns() -> None:
+    """rich shrank every column of a line too wide for the terminal: at 100 columns the step
+    count became "s…" and the ETA vanished. The metrics are cut instead, to one line."""
+    import io
+
+    from rich.console import Console
+
+    from jaxrl.metrics import progress_bar, progress_fields
+
+    fields = progress_fields({
+        "train/reward_mean": 0.59, "train/rl_loss": 0.0123, "train/mismatch_kl": 1.2e-5, "train/grad_norm": 0.43,
+        "train/rollouts_failed": 0, "train/tokens_per_s": 12340.0, "time/rollout_wait_s": 3.2, "time/step_s": 16.2,
+    })  # fmt: skip
+    for width in (100, 200):
+        out = io.StringIO()
+        console = Console(file=out, width=width, color_system=None)
+        bar = progress_bar(40, console=console)
+        bar.update(bar.add_task("", total=40, completed=3), description=fields)
+        console.print(bar.make_tasks_table(bar.tasks))
+        lines = out.getvalue().splitlines()
+        assert len(lines) == 1 and len(lines[0]) <= width, lines
+        assert re.match(r"step\s+3/40 .* \d:\d\d:\d\d [-\d]:[-\d]{2}:[-\d]{2} train/reward_mean=0\.59", lines[0]), lines[0]
+    assert lines[0].endswith("…")  # 200 columns do not hold every metric: cut, not wrapped

@@ -187,3 +187,49 @@ def test_every_rl_recipes_envs_load_before_the_run(recipe, monkeypatch) -> None:
     if cfg.orchestrator is None:
         pytest.skip("not an RL recipe")
     check_envs(cfg.orchestrator)
+
+
+def test_one_bad_sft_row_is_one_line_exit_2_and_the_fixed_rerun_runs(tmp_path, capsys) -> None:
+    """It was a 20-line traceback, exit 1, and an output_dir the fixed rerun refused."""
+    import json
+
+    data = tmp_path / "chats.jsonl"
+    good = {"messages": [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "cba"}]}
+    bad = {"messages": [{"role": "user", "content": "abc"}, {"role": "robot", "content": "cba"}]}
+    data.write_text("".join(json.dumps(r) + "\n" for r in (good, good, bad, good)))
+    cfg = tmp_path / "sft.toml"
+    tiny = TINY | {"data": {"path": str(data), "batch_size": 2, "eval_interval": 0}, "output_dir": str(tmp_path / "out")}
+    cfg.write_text(tomli_w.dumps(tiny | {"trainer": TINY["trainer"] | {"steps": 1}}))
+    assert main(["--config", str(cfg)]) == 2
+    err = _error_line(capsys)
+    assert f"data.path: bad row at {data}:3: messages.1.role: " in err and "fix that row" in err, err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    data.write_text("".join(json.dumps(r) + "\n" for r in (good, good, good, good)))
+    assert main(["--config", str(cfg)]) == 0  # no --overwrite needed: the failed start left nothing
+
+
+@pytest.mark.slow
+def test_ctrl_c_exits_130_with_a_checkpoint_and_resume_finishes(tmp_path) -> None:
+    """Ctrl-C (SIGINT) used to exit 0 printing "done: 7 steps"."""
+    import signal
+    import time
+
+    cfg = tmp_path / "sft.toml"
+    cfg.write_text(tomli_w.dumps(TINY | {"output_dir": str(tmp_path / "out"), "trainer": TINY["trainer"] | {"steps": 400},
+                                         "ckpt": {"interval": 0}}))  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "jaxrl.train", "--config", str(cfg)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and proc.poll() is None:
+        assert time.monotonic() < deadline, "no step in 300 s"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-2000:]
+    line = next(x for x in err.splitlines() if "interrupted at step" in x)
+    step = int(line.split("interrupted at step ")[1].split()[0])
+    assert 2 <= step < 400 and line.endswith("rerun with --resume"), line
+    assert (tmp_path / "out" / "checkpoints" / str(step)).is_dir()
+    cfg.write_text(cfg.read_text().replace("steps = 400", f"steps = {step + 1}"))
+    assert main(["--config", str(cfg), "--resume"]) == 0

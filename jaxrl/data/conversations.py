@@ -7,6 +7,10 @@ or a Hugging Face dataset id (``org/name``, fetched with ``huggingface_hub`` int
     {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": ..., "tool_calls": [...]}, ...],
      "tools": [{"type": "function", "function": {"name": ..., "parameters": {...}}}, ...]}
 
+or TRL's prompt-completion shape, ``{"prompt": ..., "completion": ...}``, each side a list of
+messages (conversational) or a string (a user turn and the assistant's reply), so a dataset made
+for TRL's SFTTrainer trains as it is.
+
 Every row is checked here, before training starts: a bad row fails the run with its file and
 line (row) number, or, with ``data.skip_bad_rows``, is skipped and counted (the count and the
 first few reasons are logged and returned).
@@ -72,6 +76,20 @@ class Row(BaseModel):
     messages: list[_Message] = Field(min_length=1)
     tools: list[_Tool] = []
 
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt_completion(cls, data: Any) -> Any:
+        """TRL's ``prompt`` / ``completion`` row as ``messages`` (prompt first)."""
+        if not isinstance(data, dict) or "messages" in data:
+            return data
+        if "prompt" not in data or "completion" not in data:
+            raise ValueError(
+                "a row needs `messages` (OpenAI chat shape) or `prompt` and `completion` (TRL's shape); "
+                f"this one has {sorted(data) or 'no keys'}"
+            )
+        rest = {k: v for k, v in data.items() if k not in ("prompt", "completion")}
+        return rest | {"messages": _turns(data["prompt"], "user") + _turns(data["completion"], "assistant")}
+
     @model_validator(mode="after")
     def _trains_something(self) -> Row:
         if not any(m.role == "assistant" for m in self.messages):
@@ -83,6 +101,11 @@ class Row(BaseModel):
         for m in messages:
             m.setdefault("content", "")
         return messages, [t.model_dump() for t in self.tools]
+
+
+def _turns(side: Any, role: str) -> Any:
+    """One side of a prompt-completion row as messages: a string is one ``role`` message."""
+    return [{"role": role, "content": side}] if isinstance(side, str) else side
 
 
 @dataclass
@@ -100,9 +123,10 @@ def load_conversations(
     revision: str | None = None,
     skip_bad_rows: bool = False,
     check: Callable[[Example], Any] | None = None,
+    field: str = "data.path",
 ) -> Loaded:
     """Every valid row of ``path`` (see the module docstring); raises ValueError on the first bad row
-    unless ``skip_bad_rows``. ``check`` (e.g. rendering the row with the run's renderer) runs on
+    unless ``skip_bad_rows``; errors name the config ``field`` that set ``path``. ``check`` (e.g. rendering the row with the run's renderer) runs on
     every row that validates; whatever it raises makes the row bad, with its file and line."""
     out = Loaded([], [])
     for source, raw in _rows(_local(path, revision)):
@@ -115,7 +139,9 @@ def load_conversations(
         except Exception as e:  # noqa: BLE001 - any failure of a row is that row's error, with its place
             reason = f"{source}: {_reason(e)}"
             if not skip_bad_rows:
-                raise ValueError(f"data.path: bad row at {reason} (set data.skip_bad_rows = true to skip such rows)") from None
+                raise ValueError(
+                    f"{field}: bad row at {reason}; fix that row, or set data.skip_bad_rows = true to skip such rows"
+                ) from None
             out.skipped += 1
             if len(out.reasons) < 5:
                 out.reasons.append(reason)
@@ -125,7 +151,7 @@ def load_conversations(
     if out.skipped:
         logger.warning("data.path: skipped %d bad rows, e.g. %s", out.skipped, "; ".join(out.reasons))
     if not out.examples:
-        raise ValueError(f"data.path = {path!r}: no usable conversations ({out.skipped} bad rows)")
+        raise ValueError(f"{field} = {path!r}: no usable conversations ({out.skipped} bad rows)")
     return out
 
 

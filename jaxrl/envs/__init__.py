@@ -37,14 +37,21 @@ taskset ships none and whose config names none (verifiers' own default, `bash`, 
 program over the network at run time; this one runs offline, in the env-server process)."""
 
 
+def builtin_name(env_id: str) -> str | None:
+    """The built-in env an id names, in jaxrl's spelling or the hub's (`reverse-text` is
+    `reverse_text`, as prime-rl users write env ids), else None."""
+    name = env_id.replace("-", "_")
+    return name if name in BUILTIN_ENVS else None
+
+
 def plugin_id(env_id: str) -> tuple[str, str | None]:
     """The verifiers taskset id for a configured env id, and the module to alias under it.
 
     A built-in name maps to its module; a dotted path (`my_pkg.my_env`) is a module that
     exports a Taskset; anything else is an installed verifiers taskset id, used as is.
     """
-    if env_id in BUILTIN_ENVS:
-        return f"jaxrl_{env_id}", BUILTIN_ENVS[env_id]
+    if (builtin := builtin_name(env_id)) is not None:
+        return f"jaxrl_{builtin}", BUILTIN_ENVS[builtin]
     if "." in env_id:
         return "jaxrl_" + env_id.replace(".", "_").lower(), env_id
     return env_id, None
@@ -55,7 +62,7 @@ def check_env_id(env_id: str) -> None:
 
     Cheap: finds the module without importing it (only a dotted path's parents import).
     """
-    if env_id in BUILTIN_ENVS:
+    if builtin_name(env_id) is not None:
         return
     name = env_id if "." in env_id else env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
     found = False

@@ -1,5 +1,5 @@
 """The env server process jaxrl spawns (`python -m jaxrl.orchestrator.env_child`, started by
-`env_server.EnvServer.launch`): reads its spec (one JSON line) from stdin, runs verifiers'
+`env_process.EnvProcess.launch`): reads its spec (one JSON line) from stdin, runs verifiers'
 `serve_env` (one `EnvServer`, or an `EnvServerPool` of worker processes) on a free port of
 127.0.0.1, reports the bound address on the fd it was given, and exits when asked (SIGTERM,
 handled gracefully by verifiers) or when the orchestrator dies (its stdin closes).

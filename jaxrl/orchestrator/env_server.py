@@ -1,12 +1,9 @@
-"""Env servers: spawn (or attach to) verifiers v1 env servers and run rollouts through them.
+"""Env servers: the rollout client of one env's verifiers v1 server, spawned (`env_process`) or
+attached to (an entry's `address`), restarted when it dies (up to `max_restarts`).
 
-One env server process per configured env (`[[orchestrator.train.env]]` / eval entries, their
-schema `config.EnvConfig`): `python -m jaxrl.orchestrator.env_child` runs verifiers' own
-`serve_env` — a single `EnvServer`, or an `EnvServerPool` of `pool_size` worker processes —
-bound by ZeroMQ to a free port on 127.0.0.1, with its logs in
-`<output_dir>/logs/envs/{train,eval}/<name>.log`. It exits when asked (SIGTERM, handled
-gracefully by verifiers) or when the orchestrator dies (its stdin closes). Or an entry names
-the `address` of a server someone else runs.
+The env layer, one job per module: `env_config` (what an entry means to verifiers),
+`env_tasks` (its tasks, loaded on this side), `env_process` (the spawned server process),
+and this module (rollouts through it).
 
 Rollouts go through verifiers' `EnvClient.run(client_config, model, sampling, task_data)`:
 the env server renders prompts with the model's tokenizer, calls the engine's
@@ -22,23 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import os
-import select
-import signal
 import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 from jaxrl.endpoint import ModelEndpoint
-from jaxrl.envs import LOCAL_HARNESS, plugin_id, register_plugin
 from jaxrl.orchestrator.config import EnvConfig
-from jaxrl.orchestrator.traces import Rollout, episode_error
+from jaxrl.orchestrator.env_config import verifiers_env_config
+from jaxrl.orchestrator.env_process import EnvProcess, EnvServerDead, EnvServerError
+from jaxrl.orchestrator.env_tasks import load_taskset
+from jaxrl.orchestrator.traces import Rollout, episode_error, episode_traceback
 
 if TYPE_CHECKING:
     import verifiers.v1 as vf
@@ -46,45 +39,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ENV_LOG_DIR = Path("logs") / "envs"
-
-
-def verifiers_env_config(config: EnvConfig) -> vf.EnvConfig:
-    """The verifiers env config an entry describes, validated (clear errors before any spawn)."""
-    from pydantic import ValidationError
-    from verifiers.v1 import AgentConfig
-    from verifiers.v1.utils.loaders import default_harness_id, env_config_type, resolve_env_config
-
-    taskset_id, module = plugin_id(config.id)
-    try:
-        if module is not None:
-            register_plugin(taskset_id, module)
-        register_plugin(*LOCAL_HARNESS)
-        own_harness = default_harness_id(taskset_id) == taskset_id  # the taskset module exports one
-        data: dict[str, Any] = {**config.env_args, "taskset": {**config.args, "id": taskset_id}}
-        for name, info in env_config_type(taskset_id, data.get("id", "")).model_fields.items():
-            if isinstance(info.default, AgentConfig):
-                seat = dict(data.get(name) or {})
-                seat.setdefault("runtime", {"type": "subprocess"})
-                if not own_harness and seat.get("harness") is None and info.default.harness is None:
-                    seat["harness"] = {"id": LOCAL_HARNESS[0]}  # offline, not verifiers' networked `bash`
-                data[name] = seat
-        return resolve_env_config(data)
-    except (ValidationError, ImportError, TypeError, ValueError, AttributeError) as e:
-        # Imported here, not at the top: jaxrl.config is the whole run config (it imports
-        # jaxrl.inference.config), and the orchestrator must not import jaxrl.inference
-        # (tests/test_seams.py). one_line needs the run config for its did-you-mean hints.
-        from jaxrl.config import one_line
-
-        detail = one_line(e) if isinstance(e, ValidationError) else e
-        raise ValueError(f"env {config.name!r} (id {config.id!r}): {detail}") from e
-
-
-class EnvServerError(RuntimeError):
-    """A spawned env server failed to start or died."""
-
-
-class EnvServerDead(EnvServerError):
-    """A spawned env server died more often than ``max_restarts`` allows: the run must stop."""
 
 
 class EnvServer:
@@ -98,8 +52,7 @@ class EnvServer:
         self.vf_config = verifiers_env_config(config)
         self.log_path = Path(output_dir) / ENV_LOG_DIR / kind / f"{config.name}.log"
         self.address: str | None = config.address
-        self._proc: subprocess.Popen | None = None
-        self._address_fd: int | None = None
+        self.process = EnvProcess(config, self.vf_config, self.log_path)
         self._client: Any = None
         self._dead: asyncio.Event | None = None
         self._watcher: asyncio.Task | None = None
@@ -110,69 +63,14 @@ class EnvServer:
 
     def launch(self) -> None:
         """Start the server process (no-op when attaching); `wait_address` finishes start-up."""
-        if self.config.address is not None or self._proc is not None:
-            return
-        taskset_id, module = plugin_id(self.config.id)
-        from verifiers.v1.serve import env_config_data
-
-        spec = {
-            "config": env_config_data(self.vf_config),
-            "aliases": ({taskset_id: module} if module else {}) | {LOCAL_HARNESS[0]: LOCAL_HARNESS[1]},
-            "pool_size": self.config.pool_size,
-            "elastic": self.config.elastic,
-            "worker_capacity": self.config.worker_capacity,
-            "max_concurrent": self.config.max_concurrent,
-        }
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        read_fd, write_fd = os.pipe()
-        with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "jaxrl.orchestrator.env_child", "--address-fd", str(write_fd)],
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                pass_fds=(write_fd,),
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        os.close(write_fd)
-        self._address_fd = read_fd
-        assert self._proc.stdin is not None
-        self._proc.stdin.write((json.dumps(spec) + "\n").encode())
-        self._proc.stdin.flush()  # stdin stays open: its EOF tells the server we are gone
+        if self.config.address is None:
+            self.process.launch()
 
     def wait_address(self) -> str:
         """Block until the spawned server reports its bound address."""
-        if self.address is not None:
-            return self.address
-        assert self._proc is not None and self._address_fd is not None, "launch() first"
-        deadline = time.monotonic() + self.config.startup_timeout
-        line = b""
-        try:
-            while not line.endswith(b"\n"):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise EnvServerError(
-                        f"env server {self.name!r} did not come up in {self.config.startup_timeout:g}s "
-                        f"(startup_timeout); see {self.log_path}:\n{self.log_tail()}"
-                    )
-                ready, _, _ = select.select([self._address_fd], [], [], min(left, 1.0))
-                if ready:
-                    chunk = os.read(self._address_fd, 256)
-                    if not chunk:
-                        self._proc.wait(timeout=10)
-                        raise EnvServerError(
-                            f"env server {self.name!r} exited with code {self._proc.returncode} during "
-                            f"start-up; see {self.log_path}:\n{self.log_tail()}"
-                        )
-                    line += chunk
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            os.close(self._address_fd)
-            self._address_fd = None
-        self.address = line.decode().strip()
-        logger.info("env server %s up at %s (log %s)", self.name, self.address, self.log_path)
+        if self.address is None:
+            self.address = self.process.wait_address()
+            logger.info("env server %s up at %s (log %s)", self.name, self.address, self.log_path)
         return self.address
 
     async def wait_healthy(self) -> None:
@@ -191,20 +89,8 @@ class EnvServer:
         return self
 
     def close(self) -> None:
-        """Stop a spawned server: SIGTERM (verifiers tears down gracefully), then SIGKILL."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        with contextlib.suppress(OSError):
-            assert proc.stdin is not None
-            proc.stdin.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        """Stop a spawned server (SIGTERM, then SIGKILL)."""
+        self.process.close()
 
     async def aclose(self) -> None:
         """Close the client, then the server."""
@@ -223,17 +109,13 @@ class EnvServer:
         await self.aclose()
 
     def log_tail(self, limit: int = 4000) -> str:
-        with contextlib.suppress(OSError):
-            return self.log_path.read_bytes()[-limit:].decode(errors="replace")
-        return ""
+        return self.process.log_tail(limit)
 
     # --- tasks ------------------------------------------------------------------------
 
     def taskset(self) -> vf.Taskset:
         """The env's taskset, loaded here (iterate it, or `select`/`shuffle`/`take` views)."""
-        from verifiers.v1 import load_taskset
-
-        return load_taskset(self.vf_config.taskset)
+        return load_taskset(self.vf_config)
 
     # --- rollouts ---------------------------------------------------------------------
 
@@ -245,21 +127,21 @@ class EnvServer:
 
             self._client = EnvClient(self.address)
             self._dead = asyncio.Event()
-            if self._proc is not None:
-                self._watcher = asyncio.create_task(self._watch(self._proc, self._dead))
+            if self.process.proc is not None:
+                self._watcher = asyncio.create_task(self._watch(self.process.proc, self._dead))
         return self._client
 
     async def revive(self) -> None:
         """Restart the spawned server if it died (at most ``max_restarts`` times in a run);
         beyond that raise ``EnvServerDead`` naming the env and its log."""
-        if self._proc is None or self._proc.poll() is None:
+        if self.process.proc is None or self.process.proc.poll() is None:
             return
         if self._revive_lock is None:
             self._revive_lock = asyncio.Lock()
         async with self._revive_lock:
-            if self._proc is None or self._proc.poll() is None:  # revived by a concurrent rollout
+            if self.process.proc is None or self.process.proc.poll() is None:  # revived by a concurrent rollout
                 return
-            code = self._proc.returncode
+            code = self.process.proc.returncode
             if self.restarts >= self.config.max_restarts:
                 raise EnvServerDead(
                     f"env server {self.name!r} died (exit code {code}) after {self.restarts} restarts "
@@ -306,7 +188,7 @@ class EnvServer:
         if work in done:
             return work.result()
         if died in done:
-            code = self._proc.returncode if self._proc is not None else None
+            code = self.process.proc.returncode if self.process.proc is not None else None
             raise EnvServerError(f"env server {self.name!r} died (exit code {code}); see {self.log_path}")
         raise TimeoutError(f"rollout on env {self.name!r} exceeded {timeout:g}s (rollout_timeout)")
 
@@ -346,7 +228,17 @@ class EnvServer:
             rollout.error = f"{type(e).__name__}: {e}"
         if rollout.error is not None:  # the RL loop logs one line per step with the first error
             logger.debug("rollout on env %s failed: %s", self.name, rollout.error)
+            self._log_failure(rollout)
         return rollout
+
+    def _log_failure(self, rollout: Rollout) -> None:
+        """A failed rollout's error, with the traceback verifiers kept (a reward that raised),
+        appended to this env's log: the log the run's error line points to."""
+        tb = episode_traceback(rollout.episode)
+        if tb is None or self.process.proc is None:  # an attached server's log is its owner's
+            return
+        with open(self.log_path, "a", encoding="utf-8") as log:
+            log.write(f"[jaxrl] rollout {rollout.group_id} failed: {rollout.error}\n{tb.rstrip()}\n")
 
     async def run_group(
         self,
@@ -373,11 +265,6 @@ class EnvServer:
                 )
             )
         )
-
-
-def task_data(task: vf.Task) -> dict:
-    """A task's wire data, as an env server rebuilds the task from it."""
-    return task.data.model_dump(mode="json")
 
 
 async def start_env_servers(

@@ -36,7 +36,10 @@ from typing import Any
 from jaxrl.endpoint import ModelEndpoint
 from jaxrl.orchestrator.algo import Algorithm, make_algorithm
 from jaxrl.orchestrator.config import EnvConfig, EvalConfig, OrchestratorConfig, SamplingConfig
-from jaxrl.orchestrator.env_server import EnvServer, EnvServerDead, start_env_servers, task_data, verifiers_env_config
+from jaxrl.orchestrator.env_config import verifiers_env_config
+from jaxrl.orchestrator.env_process import EnvServerDead
+from jaxrl.orchestrator.env_server import EnvServer, start_env_servers
+from jaxrl.orchestrator.env_tasks import task_data
 from jaxrl.orchestrator.tasks import TaskSampler
 from jaxrl.orchestrator.traces import Rollout
 from jaxrl.sampling_ranges import JSON_INT64_MAX
@@ -174,6 +177,14 @@ class Orchestrator:
         self._next_step = first_step
         self._producer = asyncio.run_coroutine_threadsafe(self._produce(), self._loop)
 
+    def start_eval_only(self) -> None:
+        """Only the eval envs' servers and tasks, no train producer (``python -m jaxrl.eval``)."""
+        assert self.cfg.eval is not None
+        self._thread.start()
+        configs, _ = eval_env_configs(self.cfg)
+        self.eval_servers = self._run(start_env_servers(configs, output_dir=self.output_dir, kind="eval"))
+        self._load_eval_tasks(self.cfg.eval, configs)
+
     def _start_eval(self, cfg: EvalConfig) -> None:
         configs, separate = eval_env_configs(self.cfg)
         if separate:
@@ -181,6 +192,9 @@ class Orchestrator:
         else:  # same env, eval split: the train servers run any task of their taskset
             by_name = {s.name: s for s in self.train_servers}
             self.eval_servers = [by_name[c.name] for c in configs]
+        self._load_eval_tasks(cfg, configs)
+
+    def _load_eval_tasks(self, cfg: EvalConfig, configs: list[EnvConfig]) -> None:
         for server, config in zip(self.eval_servers, configs):
             loader = EnvServer(config, output_dir=self.output_dir, kind="eval")  # loads tasks; spawns nothing
             self.eval_tasks[server.name] = [task_data(t) for t in loader.taskset()][: cfg.num_tasks]

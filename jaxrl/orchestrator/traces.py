@@ -216,6 +216,16 @@ def episode_error(episode: Mapping[str, Any]) -> str | None:
     return None
 
 
+def episode_traceback(episode: Mapping[str, Any] | None) -> str | None:
+    """The traceback verifiers recorded with an episode's first failure (a reward, tool or
+    harness that raised), where it kept one; None otherwise."""
+    if not episode:
+        return None
+    failed = (t.get("errors") or [] for t in episode.get("traces") or [] if not t.get("ok", False))
+    errors = episode.get("errors") or next(failed, [])  # the error episode_error names
+    return errors[-1].get("traceback") if errors else None
+
+
 @dataclass
 class Rollout:
     """One run of one task on an env server: its episode, or the error that replaced it.
@@ -280,6 +290,7 @@ class Rollout:
             "reward": self.reward,
             "seed": self.seed,
             "error": self.error,
+            **({"traceback": tb} if self.error and (tb := episode_traceback(self.episode)) else {}),
             "group_id": self.group_id,
             "policy_version": self.policy_version,
             "temperature": self.temperature,

@@ -1,7 +1,7 @@
 """AOT compiles for TPU on this CPU host (libtpu's compile-only client): the whole train step
 and engine of a small TPU-aligned model on a (fsdp, tensor) mesh, per generation; the exit
 status and error of the command when a program does not fit; and the real-size recipes'
-resolution (their whole-step compiles take minutes: ``python -m jaxrl.aot`` / bench/tpu_fit.py).
+resolution (their whole-step compiles take minutes: ``python -m jaxrl.aot`` / studies/tpu_fit/tpu_fit.py).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ RECIPES = {
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_recipe_resolves_and_its_resident_state_fits(recipe: str) -> None:
     """Cheap check (no compile): config, architecture, meshes and per-chip state. The whole-step
-    compiles of these recipes are bench/tpu_fit.py's (minutes each on 2 cores)."""
+    compiles of these recipes are studies/tpu_fit/tpu_fit.py's (minutes each on 2 cores)."""
     from jaxrl.aot import run_shapes
 
     cfg = build_config(read_toml(ROOT / recipe), [])

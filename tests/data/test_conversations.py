@@ -160,3 +160,21 @@ def test_sft_on_your_own_data_holds_out_an_eval_split(tmp_path) -> None:
         assert [r["step"] for r in evals] == [1, 2] and evals[0]["eval/ce_tokens"] > 0
     with pytest.raises(ValueError, match="eval_fraction"):
         build_config({"data": {"taskset": "lookup", "eval_fraction": 0.1}}, [])
+
+
+def test_trl_prompt_completion_rows_train_as_messages(tmp_path) -> None:
+    """TRL's SFTTrainer shapes (conversational and plain text) load as user/assistant turns."""
+    f = tmp_path / "trl.jsonl"
+    rows = [
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+         "completion": [{"role": "assistant", "content": "4"}]},
+        {"prompt": "Capital of France?", "completion": "Paris"},
+    ]  # fmt: skip
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loaded = load_conversations(str(f))
+    assert [m["role"] for m in loaded.examples[0][0]] == ["system", "user", "assistant"]
+    assert loaded.examples[1][0] == [{"role": "user", "content": "Capital of France?"},
+                                     {"role": "assistant", "content": "Paris"}]  # fmt: skip
+    f.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    with pytest.raises(ValueError, match=rf"bad row at {f}:1: .*`prompt` and `completion`.*\['answer', 'question'\]"):
+        load_conversations(str(f))

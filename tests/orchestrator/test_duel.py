@@ -10,7 +10,8 @@ from scripted import SAMPLING, gather
 from jaxrl.envs.common import similarity
 from jaxrl.orchestrator.algo import GRPOConfig, make_algorithm
 from jaxrl.orchestrator.config import EnvConfig
-from jaxrl.orchestrator.env_server import start_env_servers, task_data
+from jaxrl.orchestrator.env_server import start_env_servers
+from jaxrl.orchestrator.env_tasks import task_data
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,8 @@ from scripted import SAMPLING, gather
 from jaxrl.envs import alphabet_sort
 from jaxrl.orchestrator.algo import EchoConfig, make_algorithm
 from jaxrl.orchestrator.config import EnvConfig
-from jaxrl.orchestrator.env_server import EnvServer, task_data
+from jaxrl.orchestrator.env_server import EnvServer
+from jaxrl.orchestrator.env_tasks import task_data
 from jaxrl.orchestrator.traces import trace_branches
 
 pytestmark = pytest.mark.slow
@@ -51,7 +52,7 @@ def test_scripted_user_turns_extend_one_branch(loop, server, endpoint, tokenizer
 
 
 def test_pool_shuts_down_with_its_workers(loop, server, output_dir):
-    proc = server._proc
+    proc = server.process.proc
     loop.run_until_complete(server.aclose())
     assert proc.poll() == 0
     log = (output_dir / "logs" / "envs" / "eval" / "sort.log").read_text()

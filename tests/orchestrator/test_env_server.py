@@ -19,7 +19,9 @@ from scripted import SAMPLING, gather
 from jaxrl.envs import lookup, reverse_text
 from jaxrl.orchestrator.algo import EchoConfig, GRPOConfig, SFTConfig, make_algorithm
 from jaxrl.orchestrator.config import EnvConfig
-from jaxrl.orchestrator.env_server import EnvServer, EnvServerDead, start_env_servers, task_data
+from jaxrl.orchestrator.env_process import EnvServerDead
+from jaxrl.orchestrator.env_server import EnvServer, start_env_servers
+from jaxrl.orchestrator.env_tasks import task_data
 
 pytestmark = pytest.mark.slow
 
@@ -120,7 +122,7 @@ def test_attach_to_a_running_server(loop, servers, endpoint):
     finally:
         loop.run_until_complete(attached.aclose())
     assert rollout.error is None and rollout.reward == 1.0
-    assert servers["reverse_text"]._proc is not None and servers["reverse_text"]._proc.poll() is None
+    assert servers["reverse_text"].process.proc is not None and servers["reverse_text"].process.proc.poll() is None
 
 
 def test_bad_configs_fail_before_anything_runs(loop, tmp_path):
@@ -147,25 +149,25 @@ def test_dead_server_is_a_failed_record_and_shutdown_is_clean(loop, servers, end
     for name in ("reverse_text", "lookup"):
         assert (output_dir / "logs" / "envs" / "train" / f"{name}.log").stat().st_size > 0
     victim = servers["lookup"]
-    os.kill(victim._proc.pid, signal.SIGKILL)
+    os.kill(victim.process.proc.pid, signal.SIGKILL)
     task = task_data(next(iter(victim.taskset())))
     rollout = loop.run_until_complete(victim.run(task, endpoint, SAMPLING))
     assert rollout.error.startswith("EnvServerError: env server 'lookup' died (exit code -9)")
 
     # The next rollout restarts it (logged, counted) and runs; past max_restarts the run must stop.
-    first = victim._proc
+    first = victim.process.proc
     rollout = loop.run_until_complete(victim.run(task, endpoint, SAMPLING))
-    assert victim.restarts == 1 and victim._proc is not first and victim._proc.poll() is None
+    assert victim.restarts == 1 and victim.process.proc is not first and victim.process.proc.poll() is None
     assert rollout.error is None, rollout.error
     victim.config = victim.config.model_copy(update={"max_restarts": 1})
-    os.kill(victim._proc.pid, signal.SIGKILL)
-    victim._proc.wait()
+    os.kill(victim.process.proc.pid, signal.SIGKILL)
+    victim.process.proc.wait()
     with pytest.raises(
         EnvServerDead, match=f"(?s)env server 'lookup' died.*max_restarts = 1.*{victim.log_path}"
     ):
         loop.run_until_complete(victim.run(task, endpoint, SAMPLING))
 
-    procs = [s._proc for s in servers.values()]
+    procs = [s.process.proc for s in servers.values()]
     loop.run_until_complete(gather(*(s.aclose() for s in servers.values())))
     assert all(p.poll() is not None for p in procs)
     assert "EnvServer down" in (output_dir / "logs" / "envs" / "train" / "reverse_text.log").read_text()

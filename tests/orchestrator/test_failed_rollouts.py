@@ -95,7 +95,7 @@ def test_a_dead_env_server_is_restarted_and_its_failed_rollouts_counted(tokenize
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             server = orch.train_servers[0]
-            server._proc.send_signal(signal.SIGKILL)
+            server.process.proc.send_signal(signal.SIGKILL)
             batch = _collect(orch, 1, written)
             assert server.restarts == 1
         finally:

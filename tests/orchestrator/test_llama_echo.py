@@ -25,7 +25,8 @@ from jaxrl.envs import lookup
 from jaxrl.models.chat import resolve_renderer
 from jaxrl.orchestrator.algo import EchoConfig, make_algorithm
 from jaxrl.orchestrator.config import EnvConfig
-from jaxrl.orchestrator.env_server import start_env_servers, task_data
+from jaxrl.orchestrator.env_server import start_env_servers
+from jaxrl.orchestrator.env_tasks import task_data
 
 pytestmark = pytest.mark.slow
 

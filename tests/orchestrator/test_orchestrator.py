@@ -68,7 +68,7 @@ def test_env_server_dying_past_max_restarts_stops_next_batch(endpoint, output_di
 
     import pytest
 
-    from jaxrl.orchestrator.env_server import EnvServerDead
+    from jaxrl.orchestrator.env_process import EnvServerDead
 
     env = {"id": "reverse_text", "max_restarts": 0}
     cfg = OrchestratorConfig(batch_size=2, group_size=2, max_async_level=0, train={"env": [env]})
@@ -78,8 +78,8 @@ def test_env_server_dying_past_max_restarts_stops_next_batch(endpoint, output_di
         orch.start()
         orch.next_batch(1, timeout=120)
         (server,) = orch.train_servers
-        os.kill(server._proc.pid, signal.SIGKILL)
-        server._proc.wait()
+        os.kill(server.process.proc.pid, signal.SIGKILL)
+        server.process.proc.wait()
         version[0] = 1  # on-policy: step 2's rollouts start only now, against the dead server
         with pytest.raises(EnvServerDead, match=f"(?s)'reverse_text' died.*{server.log_path}"):
             orch.next_batch(2, timeout=120)

@@ -85,3 +85,52 @@ def test_eval_on_an_env_without_splits_and_a_broken_env_fail_before_any_spawn(my
     with pytest.raises(ValueError, match=r"env 'my_words_env' \(id 'my_words_env'\): my data file is missing"):
         check_envs(broken)
     assert time.perf_counter() - t0 < 30
+
+
+def test_an_env_whose_own_import_fails_names_the_missing_module(tmp_path, monkeypatch) -> None:
+    """It said "taskset 'my_broken_env' not found", hiding the ModuleNotFoundError inside."""
+    site = tmp_path / "site"
+    (site / "my_broken_env").mkdir(parents=True)
+    (site / "my_broken_env" / "__init__.py").write_text("import a_package_nobody_installed\n")
+    monkeypatch.syspath_prepend(str(site))
+    cfg = OrchestratorConfig(batch_size=4, group_size=2, train={"env": [{"id": "my_broken_env"}]}, eval={"interval": 0})
+    try:
+        with pytest.raises(ValueError) as e:
+            check_envs(cfg)
+    finally:
+        sys.modules.pop("my_broken_env", None)
+    assert str(e.value).startswith("env 'my_broken_env' (id 'my_broken_env'): "
+                                   "ModuleNotFoundError: No module named 'a_package_nobody_installed'"), e.value
+
+
+RAISING = MODULE.replace(
+    "return float(trace.last_reply.strip() == self.data.answer)",
+    'raise ValueError(f"my reward broke on {self.data.answer!r}")',
+).replace("my_words_env", "my_raising_env")
+
+
+def test_a_reward_that_raises_is_logged_with_its_traceback(tmp_path, monkeypatch, endpoint) -> None:
+    """The message reached the record but no traceback went anywhere, and the env log it pointed
+    to held only shutdown noise."""
+    site = tmp_path / "site"
+    (site / "my_raising_env").mkdir(parents=True)
+    (site / "my_raising_env" / "__init__.py").write_text(RAISING)
+    monkeypatch.syspath_prepend(str(site))
+    import os
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    cfg = OrchestratorConfig(batch_size=4, group_size=2, max_async_level=0,
+                             train={"env": [{"id": "my_raising_env"}]}, eval={"interval": 0})  # fmt: skip
+    orch = Orchestrator(cfg, endpoint, output_dir=tmp_path / "run", seed=0, policy_version=lambda: 0)
+    try:
+        orch.start()
+        log = orch.train_servers[0].log_path
+        records = [r.to_record() for g in orch.next_batch(1, timeout=120) for r in g.rollouts]
+    finally:
+        orch.close()
+        sys.modules.pop("my_raising_env", None)
+    assert records and all("my reward broke on" in r["error"] for r in records), records[0]["error"]
+    tb = records[0]["traceback"]
+    assert tb.startswith("Traceback") and 'raise ValueError(f"my reward broke' in tb, tb
+    text = log.read_text()
+    assert "failed: " in text and 'raise ValueError(f"my reward broke' in text, text[-2000:]

@@ -1,4 +1,4 @@
-"""bench/eval_curves.py pairs eval samples by (prompt, sampling seed): gains over step 0 and over a
+"""studies/learning/eval_curves.py pairs eval samples by (prompt, sampling seed): gains over step 0 and over a
 base run are taken sample by sample, and unpaired evals are refused instead of compared."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))  # as `python bench/eval_curves.py` has it
+sys.path.insert(0, str(ROOT / "studies" / "learning"))  # as `python studies/learning/eval_curves.py` has it
 
 from eval_curves import curve, eval_rewards, paired
 
@@ -60,7 +60,7 @@ def test_unpaired_evals_are_refused(tmp_path: Path) -> None:
 def test_cli_prints_rows_and_writes_png(tmp_path: Path) -> None:
     run = write_run(tmp_path / "a", {0: [0.1, 0.5, 0.9], 10: [0.2, 0.7, 0.9]})
     png = tmp_path / "c.png"
-    out = subprocess.run([sys.executable, "bench/eval_curves.py", f"{run}=mine", "--png", str(png), "--y", "gain"],
+    out = subprocess.run([sys.executable, "studies/learning/eval_curves.py", f"{run}=mine", "--png", str(png), "--y", "gain"],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     rows = [json.loads(x) for x in out.splitlines()]
     assert [(r["run"], r["step"]) for r in rows] == [("mine", 0), ("mine", 10)]

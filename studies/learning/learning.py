@@ -1,8 +1,8 @@
 """Learning evidence for the algorithms beyond GRPO, on CPU-sized runs of the shipped recipes.
 
-    python bench/learning.py [--scale small|medium|curve|smoke] [--lookup-seeds 0 1 2] [--reverse-seeds 0 1]
-    python bench/learning.py --scale curve --only lookup --png bench/lookup_echo_vs_grpo.png   # bench/LEARNING.md
-    python bench/learning.py --report-only      # re-read finished runs, print the tables
+    python studies/learning/learning.py [--scale small|medium|curve|smoke] [--lookup-seeds 0 1 2] [--reverse-seeds 0 1]
+    python studies/learning/learning.py --scale curve --only lookup --png docs/img/lookup_echo_vs_grpo.png   # docs/learning.md
+    python studies/learning/learning.py --report-only      # re-read finished runs, print the tables
 
 Each run is ``python -m jaxrl.train`` on a recipe in ``configs/`` with a smaller budget merged
 over it (steps, batch, eval size: ``BUDGETS``), its merged config written beside its outputs.
@@ -25,7 +25,7 @@ run seed two algorithms start from identical rollouts and are evaluated on ident
    its 300-step schedule (``sft.toml`` stops at 200 on purpose), produced here first; its
    held-out reward on the same eval samples is measured too.
 
-Prints one JSON line per run and per comparison, then a markdown table (bench/LEARNING.md).
+Prints one JSON line per run and per comparison, then a markdown table (docs/learning.md).
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
-from eval_curves import eval_rewards, paired  # bench/ is on sys.path when run as a script
+from eval_curves import eval_rewards, paired  # studies/learning/ is on sys.path when run as a script
 
 from jaxrl.config import deep_merge, resolve_recipe_paths
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # studies/learning/ -> the repository root
 QUIET = {"log": {"progress": False}, "ckpt": {"interval": 0}}
 
 # Budgets merged over the recipes. "small" fits ~70 min of 2 shared CPU cores; "smoke" checks
@@ -203,7 +203,7 @@ def lookup_runs(root: Path, budget: dict[str, Any], sft_budget: dict[str, Any], 
 def lookup_report(root: Path, runs: dict[str, Path]) -> list[dict[str, Any]]:
     """Per run seed: both learning curves (held-out reward at every eval step), steps to reach
     ``HALF``, echo - GRPO paired at every eval step, and the tool-output NLLs; then all seeds."""
-    from tool_nll import tool_output_nll  # bench/ is on sys.path when run as a script
+    from tool_nll import tool_output_nll  # studies/learning/ is on sys.path when run as a script
 
     rows = []
     seeds = sorted({int(k.split("/s")[1]) for k in runs})

@@ -13,7 +13,7 @@ length for attention):
 * ``compile_s``: wall seconds of ``.lower().compile()`` (machine-dependent);
 * ``blocks``: the tiles chosen for the chip.
 
-    python bench/tpu_kernels.py [--topologies v5e:2x2 v6e:2x2 v5p:2x2x2] [--kernels logprobs
+    python studies/tpu_fit/tpu_kernels.py [--topologies v5e:2x2 v6e:2x2 v5p:2x2x2] [--kernels logprobs
         attention decode] [--sizes 0.6B 8B 32B]
 
 Shapes: log-probs over 8192 tokens per chip (vocabulary 151936); attention over one row of 4096
@@ -123,7 +123,7 @@ def main() -> None:
     p.add_argument("--seqs", nargs="+", type=int, default=[4096, 32768])
     a = p.parse_args()
     if importlib.util.find_spec("libtpu") is None:
-        sys.exit("bench/tpu_kernels.py needs libtpu: pip install -e '.[tpu]'")
+        sys.exit("studies/tpu_fit/tpu_kernels.py needs libtpu: pip install -e '.[tpu]'")
     for topology in a.topologies:
         device = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
         mesh = Mesh(np.array([device]), ("x",))

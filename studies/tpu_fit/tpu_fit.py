@@ -10,8 +10,8 @@ compiling. Prints one JSON object per line; ``--table`` prints the README's mark
 XLA's cost-model figures (``estimated_flops``, ``estimated_bytes_accessed``) are estimates:
 its cost model does not see into Pallas custom calls and counts a scanned layer body once.
 
-    python bench/tpu_fit.py --models Qwen3-0.6B --slices v6e:2x4 --seqs 4096 > fit.jsonl
-    python bench/tpu_fit.py --table < fit.jsonl
+    python studies/tpu_fit/tpu_fit.py --models Qwen3-0.6B --slices v6e:2x4 --seqs 4096 > fit.jsonl
+    python studies/tpu_fit/tpu_fit.py --table < fit.jsonl
 """
 
 from __future__ import annotations

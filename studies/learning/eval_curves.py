@@ -1,14 +1,14 @@
 """Held-out eval curves of finished RL runs, paired sample by sample, as JSON lines and a PNG.
 
-    python bench/eval_curves.py RUN_DIR[=LABEL] ... [--base RUN_DIR] [--png curves.png] [--y reward|gain]
+    python studies/learning/eval_curves.py RUN_DIR[=LABEL] ... [--base RUN_DIR] [--png curves.png] [--y reward|gain]
 
 For every run: the eval reward at each eval step and its gain over the run's own step-0 eval,
 taken sample by sample over the same (task, sampling seed) pairs (the orchestrator reuses eval
 seeds, so every eval of a run, and of every run with the same run seed and eval size, scores the
 same samples) with its paired standard error. ``--base``: also each run minus the base run at
 the same step, paired the same way. The PNG plots reward against step with ±1 paired-SE bars.
-Used for the reverse_text recipe study in bench/LEARNING.md; it only reads ``rollouts.jsonl``.
-``bench/learning.py`` pairs its tables with the same two functions.
+Used for the reverse_text recipe study in docs/learning.md; it only reads ``rollouts.jsonl``.
+``studies/learning/learning.py`` pairs its tables with the same two functions.
 """
 
 from __future__ import annotations
