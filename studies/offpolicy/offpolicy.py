@@ -7,7 +7,7 @@ the env's temperature: a controlled trainer/sampler mismatch (``logp`` and ``log
 different distributions), the cheapest on CPU. Held-out reward (same eval seeds before and after,
 ``[orchestrator.eval]``) and the step's ratio metrics are printed per run:
 
-    python bench/offpolicy.py --steps 10 --seeds 0 1 --methods dppo gspo tis mis
+    python studies/offpolicy/offpolicy.py --steps 10 --seeds 0 1 --methods dppo gspo tis mis
 
 The jitter is injected here, in the benchmark, by wrapping the sample builder the GRPO family
 uses; nothing in jaxrl carries such a knob.
