@@ -179,13 +179,13 @@ def _hf_generate(dev: Device, shapes: Shapes, dtype: str, prompts: np.ndarray) -
 
 
 def decode(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
-    """Greedy decode throughput of the engine (``jaxrl.inference.engine.Engine``, random weights
+    """Greedy decode throughput of the engine (``jaxrl.engine.engine.Engine``, random weights
     of the decode model) at each batch size, vs transformers ``generate`` on the same device.
     Times include prefill; ``decode_new`` tokens per sequence, no stop token."""
-    from jaxrl.inference.config import InferenceConfig
-    from jaxrl.inference.engine import Engine
-    from jaxrl.inference.sampling import SamplingParams
-    from jaxrl.inference.scheduler import Request
+    from jaxrl.engine.config import InferenceConfig
+    from jaxrl.engine.engine import Engine
+    from jaxrl.engine.sampling import SamplingParams
+    from jaxrl.engine.scheduler import Request
 
     dtype = _dtype(dev)
     vocab = shapes.decode["vocab_size"]

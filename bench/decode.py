@@ -46,10 +46,10 @@ def make_model(out: Path, args: argparse.Namespace) -> int:
 
 
 def bench_engine(model_dir: Path, prompts: np.ndarray, args: argparse.Namespace) -> tuple[float, float]:
-    from jaxrl.inference.config import InferenceConfig
-    from jaxrl.inference.engine import Engine
-    from jaxrl.inference.sampling import SamplingParams
-    from jaxrl.inference.scheduler import Request
+    from jaxrl.engine.config import InferenceConfig
+    from jaxrl.engine.engine import Engine
+    from jaxrl.engine.sampling import SamplingParams
+    from jaxrl.engine.scheduler import Request
 
     batch = len(prompts)
     cfg = InferenceConfig(
@@ -106,7 +106,7 @@ class VLLMPeer:
     """A vLLM server on the benchmark's model (jaxrl's vLLM backend launches it)."""
 
     def __init__(self, model_dir: Path, tmp: Path, args: argparse.Namespace):
-        from jaxrl.inference.config import InferenceConfig
+        from jaxrl.engine.config import InferenceConfig
         from jaxrl.models.hf_io import load_decoder
         from jaxrl.models.tokenizer import build_tokenizer
         from jaxrl.rollout.vllm import VLLMBackend

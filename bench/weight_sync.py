@@ -47,8 +47,8 @@ def main() -> None:
 
     import jax
 
-    from jaxrl.inference.config import InferenceConfig
-    from jaxrl.inference.engine import Engine
+    from jaxrl.engine.config import InferenceConfig
+    from jaxrl.engine.engine import Engine
     from jaxrl.models.hf_io import export_hf, load_decoder
     from jaxrl.parallel.mesh import MeshConfig, make_mesh
     from jaxrl.samples import TrainingSample

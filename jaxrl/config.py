@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict, SettingsError
 
 from jaxrl import renamed
-from jaxrl.inference.config import InferenceConfig
+from jaxrl.engine.config import InferenceConfig
 from jaxrl.orchestrator.config import OrchestratorConfig
 from jaxrl.parallel.distributed import DistributedConfig
 from jaxrl.trainer.checkpoint import CkptConfig

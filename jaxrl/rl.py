@@ -24,7 +24,6 @@ from typing import Any
 import jax
 
 from jaxrl.config import ConfigError, RunConfig, check_multihost_rl
-from jaxrl.inference.http_thread import check_port_free
 from jaxrl.metrics import MetricsLogger
 from jaxrl.orchestrator.algo import OPDConfig
 from jaxrl.orchestrator.batch import BatchFailed, collect_batch
@@ -35,6 +34,7 @@ from jaxrl.preemption import RunAborted
 from jaxrl.rollout.base import RolloutBackend, RolloutServerDead
 from jaxrl.rollout.factory import start_rollout_backend
 from jaxrl.run_common import TrainingRun
+from jaxrl.serving.http_thread import check_port_free
 from jaxrl.trainer.teacher import Teacher
 
 PLOT_KEYS = ("train/reward_mean", "train/rl_loss", "train/mismatch_kl", "train/entropy", "time/step_s")  # eval shares reward's panel

@@ -1,5 +1,5 @@
 """Ranges of the sampling values a request or a config can carry (vLLM's meanings), in the
-types the device arrays hold: shared by the HTTP API (``jaxrl.inference.api``, a bad value is a
+types the device arrays hold: shared by the HTTP API (``jaxrl.serving.protocol``, a bad value is a
 400 naming the field) and the config layer (``[orchestrator.*.sampling]``), so a run cannot
 configure what the server would refuse. A ``top_k`` of 2**31 once overflowed an int32 array on
 the engine thread.

@@ -25,11 +25,11 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
     """The engine and its (not yet started) HTTP server for ``cfg``."""
     from transformers import AutoTokenizer
 
-    from jaxrl.inference.engine import Engine
-    from jaxrl.inference.http_thread import check_port_free
-    from jaxrl.inference.serving import build_engine_server
+    from jaxrl.engine.engine import Engine
     from jaxrl.models.chat import model_renderer
     from jaxrl.models.hub import resolve_model_dir
+    from jaxrl.serving.http_thread import check_port_free
+    from jaxrl.serving.server import build_engine_server
 
     if cfg.model.name is None:
         raise ValueError("model.name: set --model.name (or [model] name) to a Hugging Face model directory or hub id")

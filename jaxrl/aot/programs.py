@@ -159,7 +159,7 @@ class EngineShapes:
     mesh: Mesh
     graphdef: Any
     weights: Any  # sharded ShapeDtypeStructs
-    layout: Any  # jaxrl.inference.engine.EngineLayout
+    layout: Any  # jaxrl.engine.engine.EngineLayout
     kernels: Any
 
 
@@ -212,8 +212,8 @@ def run_shapes(cfg: RunConfig, topo: Topology, *, engine: bool | None = None) ->
 
 
 def _engine_shapes(cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo: Topology) -> EngineShapes:
-    from jaxrl.inference import weights as W
-    from jaxrl.inference.engine import EngineLayout
+    from jaxrl.engine import weights as W
+    from jaxrl.engine.programs import EngineLayout
     from jaxrl.kernel_dispatch import Kernels
 
     icfg = cfg.inference.with_model_len(arch.max_position_embeddings)  # unset: the model's own context
@@ -271,7 +271,7 @@ def plan(cfg: RunConfig, topo: Topology, *, engine: bool | None = None, trainer:
 
 def _engine_fits(cfg: RunConfig, eng: EngineShapes, topo: Topology) -> list[ProgramFit]:
     """The engine's largest decode and prefill programs, compiled (not yet ``_finish``ed)."""
-    from jaxrl.inference.engine import engine_programs
+    from jaxrl.engine.programs import engine_programs
 
     icfg, layout = eng.config, eng.layout
     programs = engine_programs(eng.graphdef, layout, eng.kernels)

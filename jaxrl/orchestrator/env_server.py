@@ -71,7 +71,7 @@ def verifiers_env_config(config: EnvConfig) -> vf.EnvConfig:
         return resolve_env_config(data)
     except (ValidationError, ImportError, TypeError, ValueError, AttributeError) as e:
         # Imported here, not at the top: jaxrl.config is the whole run config (it imports
-        # jaxrl.inference.config), and the orchestrator must not import jaxrl.inference
+        # jaxrl.engine.config), and the orchestrator must not import jaxrl.engine
         # (tests/test_seams.py). one_line needs the run config for its did-you-mean hints.
         from jaxrl.config import one_line
 

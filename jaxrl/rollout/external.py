@@ -40,7 +40,7 @@ import jax
 from flax import nnx
 
 from jaxrl.endpoint import ModelEndpoint
-from jaxrl.inference.config import InferenceConfig
+from jaxrl.engine.config import InferenceConfig
 from jaxrl.models.decoder import Decoder
 from jaxrl.parallel.distributed import broadcast_from_main
 from jaxrl.rollout.base import RolloutServerDead

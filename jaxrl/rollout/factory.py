@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from flax import nnx
 
-from jaxrl.inference.config import InferenceConfig
+from jaxrl.engine.config import InferenceConfig
 from jaxrl.rollout.base import RolloutBackend
 
 if TYPE_CHECKING:
@@ -55,10 +55,10 @@ def start_rollout_backend(
             model, hf_config, inference, output_dir=output_dir, tokenizer_dir=tokenizer_dir, renderer=renderer
         )
     else:
-        from jaxrl.inference.engine import Engine
-        from jaxrl.inference.serving import build_engine_server
+        from jaxrl.engine.engine import Engine
         from jaxrl.models.hub import resolve_model_dir
         from jaxrl.rollout.embedded import EmbeddedBackend
+        from jaxrl.serving.server import build_engine_server
 
         engine = Engine(model, inference)
         model_dir = resolve_model_dir(model_config.name, model_config.revision) if model_config.name else None

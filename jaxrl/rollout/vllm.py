@@ -38,7 +38,7 @@ from flax import nnx
 from transformers import AutoTokenizer
 
 from jaxrl.endpoint import ModelEndpoint
-from jaxrl.inference.config import InferenceConfig
+from jaxrl.engine.config import InferenceConfig
 from jaxrl.models.decoder import Decoder
 from jaxrl.rollout.proxy import ProxyServer
 from jaxrl.rollout.weight_files import WeightFiles, reload_vllm_weights

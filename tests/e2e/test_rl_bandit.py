@@ -8,10 +8,10 @@ import numpy as np
 from flax import nnx
 from helpers import tiny_model
 
-from jaxrl.inference.config import InferenceConfig
-from jaxrl.inference.engine import Engine
-from jaxrl.inference.sampling import SamplingParams
-from jaxrl.inference.scheduler import Request
+from jaxrl.engine.config import InferenceConfig
+from jaxrl.engine.engine import Engine
+from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.scheduler import Request
 from jaxrl.parallel.mesh import MeshConfig, make_mesh
 from jaxrl.samples import TrainingSample
 from jaxrl.trainer.config import TrainerConfig

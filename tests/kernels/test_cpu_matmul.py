@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import tiny_model
-
-from jaxrl.inference.config import InferenceConfig
-from jaxrl.inference.engine import Engine
-from jaxrl.inference.sampling import SamplingParams
-from jaxrl.inference.scheduler import Request
 from jaxrl_kernels import cpu_matmul
 from jaxrl_kernels.cpu_build import default_compiler
 from jaxrl_kernels.cpu_matmul import X_BLOCK_FLOATS, PackedWeight
+
+from jaxrl.engine.config import InferenceConfig
+from jaxrl.engine.engine import Engine
+from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.scheduler import Request
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -16,10 +16,10 @@ from flax import nnx
 from helpers import random_samples, tiny_model
 from jax import export
 
-from jaxrl.inference.config import InferenceConfig
-from jaxrl.inference.engine import Engine
-from jaxrl.inference.sampling import SamplingParams
-from jaxrl.inference.scheduler import Request
+from jaxrl.engine.config import InferenceConfig
+from jaxrl.engine.engine import Engine
+from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.scheduler import Request
 from jaxrl.kernel_dispatch import Kernels, resolve
 from jaxrl.models.decoder import KVCache
 from jaxrl.models.sharding import shard_params

@@ -14,13 +14,13 @@ from renderers import Qwen3RendererConfig, create_renderer
 from renderers.client import generate
 from transformers import AutoTokenizer
 
-from jaxrl.inference import api
-from jaxrl.inference.chat_serving import parse_tool_calls, renderer_tool_calls
-from jaxrl.inference.engine import Engine
-from jaxrl.inference.sampling import SamplingParams
-from jaxrl.inference.scheduler import Request as EngineRequest
-from jaxrl.inference.server import EngineServer
+from jaxrl.engine.engine import Engine
+from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.scheduler import Request as EngineRequest
 from jaxrl.models.hf_io import load_decoder
+from jaxrl.serving import protocol
+from jaxrl.serving.chat import parse_tool_calls, renderer_tool_calls
+from jaxrl.serving.server import EngineServer
 
 MAX_LEN = 1024
 
@@ -153,7 +153,7 @@ def test_openai_chat_completions_and_models(server, tokenizer) -> None:
         tools=tools,
         extra_body={"return_token_ids": True, "top_k": 50, "cache_salt": "ignored"},
     )
-    api.ChatCompletionResponse.model_validate(raw.http_response.json())
+    protocol.ChatCompletionResponse.model_validate(raw.http_response.json())
     chat = raw.parse()
     assert len(chat.choices) == 2
     for choice in chat.choices:
@@ -191,7 +191,7 @@ def test_openai_completions_with_stop_string(server, tokenizer) -> None:
         logprobs=0,
         extra_body={"ignore_eos": True},
     )
-    api.CompletionResponse.model_validate(raw.http_response.json())
+    protocol.CompletionResponse.model_validate(raw.http_response.json())
     choice = raw.parse().choices[0]
     assert choice.finish_reason == "stop" and choice.text == tokenizer.decode(ids[:k])
     assert len(choice.logprobs.token_logprobs) == k + 1  # generation stopped at the token completing it
@@ -357,7 +357,7 @@ def test_unknown_fields_are_ignored_and_server_stays_healthy(server) -> None:
     r = httpx.post(server.url + "/inference/v1/generate", json=body, timeout=60)
     assert r.status_code == 200
     out = r.json()
-    api.GenerateResponse.model_validate(out)
+    protocol.GenerateResponse.model_validate(out)
     assert out["prompt_token_ids"] == [1, 2] and out["usage"]["completion_tokens"] == 2
     assert out["choices"][0]["logprobs"] is None and out["choices"][0]["finish_reason"] == "length"
     assert httpx.get(server.url + "/nope").status_code == 404
@@ -475,7 +475,7 @@ def test_update_weights_over_http_loses_no_request(server, other_model_dir) -> N
     versions = []
     for r in results:
         assert r.status_code == 200
-        api.GenerateResponse.model_validate(r.json())
+        protocol.GenerateResponse.model_validate(r.json())
         choice = r.json()["choices"][0]
         assert len(choice["token_ids"]) == len(choice["logprobs"]["content"]) == 60
         assert choice["policy_version"] == choice["policy_version_final"]

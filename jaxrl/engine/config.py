@@ -46,7 +46,7 @@ class ServerConfig(BaseModel):
     """Accept a chat template in a chat request (``chat_template``, or in
     ``chat_template_kwargs``), as vLLM's ``--trust-request-chat-template``. Off by default: a
     template is code. When on, each renders in a separate process within
-    ``request_template_timeout_s`` and a memory cap (``jaxrl.inference.template_sandbox``)."""
+    ``request_template_timeout_s`` and a memory cap (``jaxrl.serving.template_sandbox``)."""
 
     request_template_timeout_s: float = Field(2.0, gt=0, le=60)
     """Wall-clock budget of rendering one request-supplied chat template."""

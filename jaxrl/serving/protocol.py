@@ -3,7 +3,7 @@
 Requests accept and ignore unknown fields: real clients send extras (``cache_salt``,
 ``priority``, ``skip_special_tokens``, ``routed_experts_prompt_start``, ...). Every sampling field
 a request names is honoured or refused, never ignored: those of
-``jaxrl.inference.sampling.SamplingParams`` (penalties included, with vLLM's semantics and
+``jaxrl.engine.sampling.SamplingParams`` (penalties included, with vLLM's semantics and
 ranges) plus ``n`` (choice i uses seed + i when a seed is given), ``stop`` strings,
 ``ignore_eos`` (drop the tokenizer's EOS from the stop tokens) and ``logprobs``; ``min_p`` and
 ``min_tokens`` are not implemented and accept only their neutral value 0 (the schema says so).
@@ -34,8 +34,8 @@ from pydantic import (
     StrictStr,
 )
 
-# The range types live beside the config layer's users, outside jaxrl.inference (the orchestrator
-# validates its sampling settings with them and must not import the engine side).
+# The range types live beside the config layer's users, outside jaxrl.engine and jaxrl.serving
+# (the orchestrator validates its sampling settings with them and must not import the engine side).
 from jaxrl.sampling_ranges import (
     JSON_INT64_MAX,
     MAX_STOP_STRINGS,

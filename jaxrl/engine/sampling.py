@@ -276,7 +276,7 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> tuple[jax.Array, jax.Arra
         )
         return _inverse_cdf(probs, u)
 
-    zeros = lambda: jnp.zeros(greedy.shape, jnp.int32)  # noqa: E731
+    zeros = lambda: jnp.zeros(greedy.shape, jnp.int32)
     drawn = jax.lax.cond(jnp.all(greedy), zeros, draw)
     best = jax.lax.cond(jnp.any(greedy), lambda: argmax_first(logits), zeros)
     tokens = jnp.where(greedy, best, drawn).astype(jnp.int32)

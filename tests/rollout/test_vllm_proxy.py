@@ -23,7 +23,7 @@ from renderers import Qwen3RendererConfig, create_renderer
 from renderers.client import MalformedGenerateResponseError, generate
 from transformers import AutoTokenizer
 
-from jaxrl.inference.config import InferenceConfig, VLLMConfig
+from jaxrl.engine.config import InferenceConfig, VLLMConfig
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.rollout.proxy import ProxyServer, rewrite_generate_response
 from jaxrl.rollout.vllm import VLLMBackend

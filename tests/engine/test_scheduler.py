@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxrl.inference.config import InferenceConfig
-from jaxrl.inference.sampling import SamplingParams
-from jaxrl.inference.scheduler import Request, Scheduler, Sequence
+from jaxrl.engine.config import InferenceConfig
+from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.scheduler import Request, Scheduler, Sequence
 
 STOP = 99
 CFG = InferenceConfig(
