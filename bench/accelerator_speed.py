@@ -182,7 +182,7 @@ def decode(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
     """Greedy decode throughput of the engine (``jaxrl.engine.engine.Engine``, random weights
     of the decode model) at each batch size, vs transformers ``generate`` on the same device.
     Times include prefill; ``decode_new`` tokens per sequence, no stop token."""
-    from jaxrl.engine.config import InferenceConfig
+    from jaxrl.engine.config import EngineConfig
     from jaxrl.engine.engine import Engine
     from jaxrl.engine.sampling import SamplingParams
     from jaxrl.engine.scheduler import Request
@@ -202,7 +202,7 @@ def decode(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
             hf[b] = f"error {type(e).__name__}: {str(e)[:200]}"
 
     top = max(shapes.decode_batches)
-    cfg = InferenceConfig(
+    cfg = EngineConfig(
         max_model_len=shapes.decode_prompt + shapes.decode_new + 8, max_seqs=top,
         max_batched_tokens=top * shapes.decode_prompt, decode_steps=4, decode_steps_idle=shapes.decode_steps_idle,
         decode_batch_buckets=list(shapes.decode_batches), prefill_len_buckets=[shapes.decode_prompt],

@@ -105,12 +105,12 @@ def run_driver(backend: str, base_url: str, tok_dir: Path, out: Path, args: argp
 def start_engine(model_dir: Path, tokenizer_dir: Path, args: argparse.Namespace) -> tuple[Any, Any]:
     from transformers import AutoTokenizer
 
-    from jaxrl.engine.config import InferenceConfig
+    from jaxrl.engine.config import EngineConfig
     from jaxrl.engine.engine import Engine
     from jaxrl.serving.server import EngineServer
 
-    cfg = InferenceConfig(max_model_len=args.max_model_len, max_seqs=args.concurrency,
-                          decode_batch_buckets=args.decode_buckets)
+    cfg = EngineConfig(max_model_len=args.max_model_len, max_seqs=args.concurrency,
+                       decode_batch_buckets=args.decode_buckets)
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(model_dir, cfg)
     server = EngineServer(engine, AutoTokenizer.from_pretrained(tokenizer_dir), model_name="bench")
@@ -173,8 +173,8 @@ def main() -> None:
 def bench_vllm(model_dir: Path, tok_dir: Path, args: argparse.Namespace, tmp: Path,
                model_core: int | None, env_core: int | None) -> None:
     """The same env servers against a vLLM server (jaxrl's vLLM backend: loopback proxy in front)."""
-    from jaxrl.engine.config import InferenceConfig
     from jaxrl.models.hf_io import load_decoder
+    from jaxrl.rollout.config import InferenceConfig
     from jaxrl.rollout.vllm import VLLMBackend
 
     cfg = InferenceConfig(backend="vllm", max_model_len=args.max_model_len, max_seqs=args.concurrency,

@@ -23,9 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict, SettingsError
 
 from jaxrl import renamed
-from jaxrl.engine.config import InferenceConfig
 from jaxrl.orchestrator.config import OrchestratorConfig
 from jaxrl.parallel.distributed import DistributedConfig
+from jaxrl.rollout.config import InferenceConfig, backend_flags, backend_table
 from jaxrl.trainer.checkpoint import CkptConfig
 from jaxrl.trainer.config import TrainerConfig
 
@@ -249,7 +249,7 @@ class RunConfig(BaseModel):
         if self.data is not None and self.orchestrator is not None:
             raise ValueError("set only one of `[data]` (SFT) and `[orchestrator]` (RL)")
         if self.orchestrator is not None and (self.distributed.num_processes or 1) > 1:
-            check_multihost_rl(self.inference.backend)
+            check_multihost_rl(self.inference.backend.type)
         if self.inference.max_model_len is None:
             return self  # an SFT run whose model is not there yet: nothing below applies
         if self.orchestrator is not None and self.trainer.seq_len < self.inference.max_model_len:
@@ -454,8 +454,14 @@ def one_line(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def _backend_as_table(config: dict[str, Any]) -> dict[str, Any]:
+    inference = config.get("inference")
+    return config | {"inference": backend_table(inference)} if isinstance(inference, dict) else config
+
+
 def build_config(toml: dict[str, Any], overrides: list[str], fields: Sequence[str] | None = None) -> RunConfig:
     """TOML dict + CLI override strings -> validated RunConfig (raises ValueError with the field)."""
+    overrides = backend_flags(overrides)
     try:
         cli = CliSettingsSource(_cli_model(fields), cli_parse_args=overrides, cli_exit_on_error=False)()
     except SettingsError as e:
@@ -464,6 +470,7 @@ def build_config(toml: dict[str, Any], overrides: list[str], fields: Sequence[st
         if not flags:
             raise ValueError(str(e).replace("\n", " ")) from None
         raise ValueError("; ".join(_unknown_flag(f) for f in flags)) from None
+    toml, cli = _backend_as_table(toml), _backend_as_table(cli)
     try:
         return RunConfig.model_validate(deep_merge(toml, cli))
     except ValidationError as e:

@@ -77,7 +77,7 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     ocfg = cfg.orchestrator
     initialize(cfg.distributed)
     if jax.process_count() > 1:  # a TPU slice knows its process count only now
-        check_multihost_rl(cfg.inference.backend)
+        check_multihost_rl(cfg.inference.backend.type)
     if is_main_process():  # the engine's server, vLLM's proxy or the external balancer listens here
         check_port_free(cfg.inference.server.host, cfg.inference.server.port)  # before the model loads
         try:

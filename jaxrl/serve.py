@@ -33,9 +33,9 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
 
     if cfg.model.name is None:
         raise ValueError("model.name: set --model.name (or [model] name) to a Hugging Face model directory or hub id")
-    if cfg.inference.backend != "embedded":
+    if cfg.inference.backend.type != "embedded":
         raise ValueError(
-            f'inference.backend = "{cfg.inference.backend}": jaxrl.serve runs the embedded engine; that backend '
+            f'inference.backend = "{cfg.inference.backend.type}": jaxrl.serve runs the embedded engine; that backend '
             "names a server that runs elsewhere"
         )
     check_port_free(cfg.inference.server.host, cfg.inference.server.port)  # before the model loads
@@ -45,7 +45,7 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
     engine = Engine.from_pretrained(model_dir, cfg.inference, dtype=cfg.model.dtype)
     renderer = model_renderer(cfg.model, hf_config, AutoTokenizer.from_pretrained(tokenizer_dir))
     return build_engine_server(
-        engine, cfg.inference, tokenizer_dir=tokenizer_dir, model_dir=model_dir, model_name=cfg.model.name,
+        engine, cfg.inference.server, tokenizer_dir=tokenizer_dir, model_dir=model_dir, model_name=cfg.model.name,
         renderer=renderer,
     )  # fmt: skip
 

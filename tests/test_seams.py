@@ -133,7 +133,9 @@ def test_the_engine_knows_nothing_of_its_http_face() -> None:
 
 
 BACKENDS = ("jaxrl.rollout.embedded", "jaxrl.rollout.vllm", "jaxrl.rollout.external")
-SHARED = ("jaxrl.rollout.base", "jaxrl.rollout.proxy", "jaxrl.rollout.weight_files")  # protocol + helpers
+SHARED = (  # protocol, settings, helpers
+    "jaxrl.rollout.base", "jaxrl.rollout.config", "jaxrl.rollout.proxy", "jaxrl.rollout.weight_files",
+)
 
 
 def test_each_rollout_backend_imports_only_the_protocol_and_shared_helpers() -> None:

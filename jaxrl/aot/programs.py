@@ -206,7 +206,7 @@ def run_shapes(cfg: RunConfig, topo: Topology, *, engine: bool | None = None) ->
         frozen = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, state_shardings(state, mesh))
         state = jax.eval_shape(lambda: lora.init_adapters(frozen, lora_cfg, mesh))
     params, opt = programs.abstract_state(state)
-    with_engine = (cfg.mode == "rl" and cfg.inference.backend == "embedded") if engine is None else engine
+    with_engine = (cfg.mode == "rl" and cfg.inference.backend.type == "embedded") if engine is None else engine
     eng = _engine_shapes(cfg, arch, model, topo) if with_engine else None
     return RunShapes(topo, arch, mesh, model, programs, params, opt, eng, frozen)
 

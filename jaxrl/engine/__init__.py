@@ -1,7 +1,7 @@
 """jaxrl.engine: the embedded JAX rollout engine (its HTTP face is ``jaxrl.serving``).
 
-    config.py        InferenceConfig / ServerConfig (the ``[inference]`` section, which also
-                     picks the rollout backend and holds the vLLM / external-server settings)
+    config.py        EngineConfig: the sizes of ``[inference]`` (the section itself, with the
+                     rollout backend and the HTTP server: ``jaxrl.rollout.config``)
     sampling.py      SamplingParams; on-device sampling and the log-prob reported per token
     scheduler.py     Request / Completion; continuous batching, KV cache rows, prefix reuse
     programs.py      the model runner side: jitted prefill / decode programs and the cache layout

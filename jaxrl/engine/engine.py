@@ -41,7 +41,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.engine import weights as W
-from jaxrl.engine.config import InferenceConfig
+from jaxrl.engine.config import EngineConfig
 from jaxrl.engine.metrics import EngineMetrics, RateWindow
 from jaxrl.engine.programs import DTYPES, EngineLayout, engine_programs
 from jaxrl.engine.recovery import Recovery
@@ -71,7 +71,7 @@ class Engine(WeightSwaps, Recovery):
     ``update_weights_from_state``.
     """
 
-    def __init__(self, model: Decoder, config: InferenceConfig, *, mesh: Mesh | None = None):
+    def __init__(self, model: Decoder, config: EngineConfig, *, mesh: Mesh | None = None):
         arch = model.arch
         config = config.with_model_len(arch.max_position_embeddings)
         if config.max_model_len > arch.max_position_embeddings:
@@ -126,7 +126,7 @@ class Engine(WeightSwaps, Recovery):
     def from_pretrained(
         cls,
         model_dir: str | Path,
-        config: InferenceConfig,
+        config: EngineConfig,
         *,
         dtype: str = "float32",
         mesh: Mesh | None = None,

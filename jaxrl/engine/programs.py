@@ -6,7 +6,7 @@ host-fed inputs live (no weights needed, so ``jaxrl.aot`` describes the programs
 (as vLLM's model runner owns the compiled forward and the cache, apart from the engine core's
 loop in ``jaxrl.engine.engine``).
 
-Device programs are compiled per shape bucket (``InferenceConfig.program_bound``): batch and
+Device programs are compiled per shape bucket (``EngineConfig.program_bound``): batch and
 prompt-chunk sizes, never cache lengths. Decode reads and writes the KV cache in place
 (donated): the reference attention (``jaxrl.models.decoder.cached_attention``) reads each block
 of rows up to its furthest position, the decode kernel (TPU) each row's live blocks; nothing is
@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.engine import weights as W
-from jaxrl.engine.config import InferenceConfig
+from jaxrl.engine.config import EngineConfig
 from jaxrl.engine.sampling import SamplingBatch, TokenCounts, penalize, sample
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.decoder import KVCache
@@ -117,7 +117,7 @@ class EngineLayout:
     key: tuple  # every shape the programs compile for (keys the program cache)
 
     @classmethod
-    def create(cls, arch: Any, config: InferenceConfig, compute_dtype: Any, mesh: Mesh | None) -> EngineLayout:
+    def create(cls, arch: Any, config: EngineConfig, compute_dtype: Any, mesh: Mesh | None) -> EngineLayout:
         cache_dtype = compute_dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
         shape = KVCache.shape(arch, config.max_seqs, config.max_model_len)
         key = (shape, str(jnp.dtype(cache_dtype)), tuple(config.decode_buckets()))

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxrl.engine.config import InferenceConfig
+from jaxrl.engine.config import EngineConfig
 from jaxrl.engine.sampling import SamplingBatch, SamplingParams
 
 
@@ -252,7 +252,7 @@ class SchedulerStats:
 class Scheduler:
     """Admission, prefix reuse and batch planning over ``max_seqs`` KV cache rows."""
 
-    def __init__(self, config: InferenceConfig):
+    def __init__(self, config: EngineConfig):
         self.cfg = config
         self.rows = RowTable(config.max_seqs)
         self.waiting: deque[Sequence] = deque()

@@ -46,7 +46,7 @@ class WeightSwaps:
         """Hand new weights (the trainer's params pytree, any sharding) to the engine.
 
         The copy to the engine's shardings happens in the calling thread; the swap happens
-        between engine steps (see ``InferenceConfig.weight_update``). Returns the policy version
+        between engine steps (see ``EngineConfig.weight_update``). Returns the policy version
         served after the swap when ``wait``, else the version the update will have.
         """
         placed = W.place_state(state, self._stacked, self._param_shardings)

@@ -1,6 +1,7 @@
 """jaxrl.rollout: the servers the RL loop samples rollouts from, behind one protocol.
 
     base.py          RolloutBackend (the protocol the RL loop drives) and RolloutServerDead
+    config.py        InferenceConfig (``[inference]``) and the backends' settings, a union on ``type``
     embedded.py      EmbeddedBackend: jaxrl's engine in this process (``jaxrl.engine`` behind
                      ``jaxrl.serving``)
     vllm.py          VLLMBackend: a vLLM server launched beside the run, or attached to

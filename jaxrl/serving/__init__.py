@@ -3,6 +3,7 @@ OpenAI entrypoints: thin routes, one serving class per endpoint family, bodies i
 
     server.py            EngineServer (routes, start / stop / serve_forever) and
                          build_engine_server (one engine behind its server: jaxrl.serve, RL loop)
+    config.py            ServerConfig (``[inference.server]``)
     protocol.py          request / response bodies and the schema the server publishes
     completions.py       /inference/v1/generate and /v1/completions
     chat.py              /v1/chat/completions (rendering, tool calls)

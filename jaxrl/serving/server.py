@@ -34,13 +34,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxrl.engine.config import InferenceConfig, ServerConfig
 from jaxrl.engine.engine import Engine
 from jaxrl.engine.weight_swap import StaleVersion
 from jaxrl.models.hf_io import copy_model_dir
 from jaxrl.serving import auth, errors, protocol
 from jaxrl.serving.chat import ChatServing
 from jaxrl.serving.completions import CompletionServing
+from jaxrl.serving.config import ServerConfig
 from jaxrl.serving.errors import BadRequest, Unavailable
 from jaxrl.serving.http_thread import BackgroundServer
 
@@ -263,21 +263,22 @@ def eos_token_ids(model_dir: str | Path | None, tokenizer: Any) -> list[int]:
 
 def build_engine_server(
     engine: Engine,
-    config: InferenceConfig,
+    config: ServerConfig,
     *,
     tokenizer_dir: str | Path,
     model_dir: str | Path | None,
     model_name: str,
     renderer: Mapping[str, Any] | None,
 ) -> EngineServer:
-    """``engine``'s (not yet started) HTTP server; ``model_dir`` is where generation_config.json may be."""
+    """``engine``'s (not yet started) HTTP server as ``config`` (``[inference.server]``) says;
+    ``model_dir`` is where generation_config.json may be."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     return EngineServer.from_config(
         engine,
         tokenizer,
-        config.server,
+        config,
         model_name=model_name,
         stop_token_ids=eos_token_ids(model_dir, tokenizer),
         renderer=renderer,

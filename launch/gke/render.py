@@ -322,11 +322,11 @@ def render(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
         overrides = [
             "--inference.backend", "external",
             "--inference.base_url", urls[0] if len(urls) == 1 else json.dumps(urls),  # every server
-            "--inference.external.server", "vllm",
+            "--inference.backend.server", "vllm",
             # On the bucket mount, which the servers read at the same path.
-            "--inference.external.weights_dir", f"{DATA}/{args.name}/rollout_weights",
+            "--inference.backend.weights_dir", f"{DATA}/{args.name}/rollout_weights",
             # The servers start after the warm start's export exists, then load and compile it.
-            "--inference.external.startup_timeout_s", "3600",
+            "--inference.backend.startup_timeout_s", "3600",
             *overrides,
         ]  # fmt: skip
         tp = rollout_tensor_parallel(args, recipe, roll)

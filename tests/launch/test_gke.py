@@ -10,8 +10,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import tomllib
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -179,10 +179,10 @@ def test_disaggregated_jobset(tmp_path) -> None:
     assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in c["env"]
     assert [r["action"] for r in roll["template"]["spec"]["podFailurePolicy"]["rules"]] == ["FailJob"]  # evictions
     cfg, _ = load_config(train_args(jobs(m)["trainer"]))
-    assert cfg.inference.backend == "external" and cfg.inference.external.server == "vllm"
+    assert cfg.inference.backend.type == "external" and cfg.inference.backend.server == "vllm"
     # Every server, by the DNS name JobSet gives pod 0 of rollout Job i.
     assert cfg.inference.base_url == [f"http://rt-rollout-{i}-0.rt:8000/v1" for i in range(3)]
-    assert cfg.inference.external.weights_dir == "/data/rt/rollout_weights"  # the servers' mount too
+    assert cfg.inference.backend.weights_dir == "/data/rt/rollout_weights"  # the servers' mount too
     assert cfg.distributed.enabled
 
 
