@@ -17,6 +17,8 @@ from jaxrl.config import RunConfig, load_config, to_toml
 
 SERVE_FIELDS = ("model", "inference")
 """The config sections jaxrl.serve reads (its --help and overrides are limited to them)."""
+SERVE_HIDDEN = {"model.scratch": "jaxrl.serve serves a model directory or hub id (--model.name), not a scratch model"}
+"""Fields of those sections jaxrl.serve refuses: not in its --help; an override names the reason."""
 SERVE_PORT = 8000
 """jaxrl.serve's port unless [inference.server] port is set (training runs default to a free port)."""
 
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     1 when the engine failed beyond recovery (a supervisor should restart the process)."""
     try:
         cfg, flags = load_config(
-            argv, prog="python -m jaxrl.serve", fields=SERVE_FIELDS,
+            argv, prog="python -m jaxrl.serve", fields=SERVE_FIELDS, hidden=SERVE_HIDDEN,
             defaults={"inference": {"server": {"port": SERVE_PORT}}},  # a server people point clients at
         )  # fmt: skip
         if flags.dry_run:

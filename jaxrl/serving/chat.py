@@ -123,6 +123,15 @@ class ChatServing:
 
     # -- rendering -----------------------------------------------------------------------------
 
+    def template_kwarg_names(self) -> frozenset[str] | None:
+        """The ``chat_template_kwargs`` keys this server renders with: the run's renderer's template
+        fields, or None (any) with the tokenizer's own template or request templates allowed."""
+        if self.renderer is None or self.allow_request_chat_template:
+            return None
+        from jaxrl.models.chat import template_kwarg_names
+
+        return template_kwarg_names(self.renderer)
+
     async def render(self, body: protocol.ChatCompletionRequest) -> tuple[list[int], Any]:
         """Prompt token ids of a chat request (and the renderer that parses its answer, if any),
         rendered off the event loop: with the run's renderer (``[model] renderer``) or the server's
@@ -217,12 +226,18 @@ class ChatServing:
         the run's renderer, else Qwen/Hermes blocks when the request offers tools), log-probs."""
         ids, text = self.completion.visible(c, stops)
         reasoning = None
+        no_calls = body.tool_choice == "none"  # a call the model writes stays in the content as text
+        tools = None if no_calls else body.tools
         if renderer is not None:
-            parsed = renderer.parse_response(ids, tools=body.tools, prompt_ids=prompt)
+            parsed = renderer.parse_response(ids, tools=tools, prompt_ids=prompt)
             reasoning = parsed.reasoning_content
-            content, tool_calls = renderer_tool_calls(parsed)
+            if no_calls:
+                content = "\n".join(p for p in (parsed.content, *(tc.raw for tc in parsed.tool_calls)) if p)
+                tool_calls = []
+            else:
+                content, tool_calls = renderer_tool_calls(parsed)
         else:
-            content, tool_calls = parse_tool_calls(text) if body.tools else (text, [])
+            content, tool_calls = parse_tool_calls(text) if tools else (text, [])
         message: dict[str, Any] = {"role": "assistant", "content": _CONTROL.sub("", content) or None}
         if reasoning:
             message["reasoning_content"] = reasoning

@@ -31,13 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxrl.engine.engine import Engine
 from jaxrl.engine.weight_swap import StaleVersion
 from jaxrl.models.hf_io import copy_model_dir
-from jaxrl.serving import auth, errors, protocol
+from jaxrl.serving import auth, errors, protocol, streaming
 from jaxrl.serving.chat import ChatServing
 from jaxrl.serving.completions import CompletionServing
 from jaxrl.serving.config import ServerConfig
@@ -181,6 +182,7 @@ class EngineServer:
             vocab_size=self.engine.vocab_size,
             max_model_len=self.engine.max_model_len,
             allow_request_chat_template=self.chat.allow_request_chat_template,
+            template_kwargs=self.chat.template_kwarg_names(),
         )
         errors.install(app, narrow)
 
@@ -204,17 +206,25 @@ class EngineServer:
             )
             return protocol.ModelList(data=[card]).model_dump()
 
-        @app.post("/inference/v1/generate")
+        # The handlers build plain dicts (no per-request model validation on the hot path); the
+        # response models document them in the schema, and the tests check answers against them.
+        def answers(model: type[BaseModel], stream: bool = False) -> dict[int | str, dict[str, Any]]:
+            content = {"application/json": {}} | ({"text/event-stream": {}} if stream else {})
+            return {200: {"model": model, "content": content}}
+
+        @app.post("/inference/v1/generate", responses=answers(protocol.GenerateResponse))
         async def generate(body: protocol.GenerateRequest, request: Request) -> JSONResponse:
             return JSONResponse(await self.completion.generate(body, session(request)))
 
-        @app.post("/v1/chat/completions")
-        async def chat(body: protocol.ChatCompletionRequest, request: Request) -> JSONResponse:
-            return JSONResponse(await self.chat.chat(body, session(request)))
+        @app.post("/v1/chat/completions", responses=answers(protocol.ChatCompletionResponse, stream=True))
+        async def chat(body: protocol.ChatCompletionRequest, request: Request) -> Response:
+            out = await self.chat.chat(body, session(request))
+            return streaming.sse(streaming.chat_chunks(out, body)) if body.stream else JSONResponse(out)
 
-        @app.post("/v1/completions")
-        async def completions(body: protocol.CompletionRequest, request: Request) -> JSONResponse:
-            return JSONResponse(await self.completion.completions(body, session(request)))
+        @app.post("/v1/completions", responses=answers(protocol.CompletionResponse, stream=True))
+        async def completions(body: protocol.CompletionRequest, request: Request) -> Response:
+            out = await self.completion.completions(body, session(request))
+            return streaming.sse(streaming.completion_chunks(out, body)) if body.stream else JSONResponse(out)
 
         error_body = {"model": protocol.ErrorResponse}
 

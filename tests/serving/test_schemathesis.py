@@ -67,9 +67,10 @@ def test_no_generated_request_gets_a_server_error(case, live_server) -> None:
 # everything else the server refuses, its schema (``protocol.server_schema``) refuses too (ST202).
 BEYOND_THE_SCHEMA = {
     "/inference/v1/generate": ("maximum context length",),  # prompt + max_tokens
-    "/v1/completions": ("maximum context length", "max_model_len"),  # ... and a text prompt's tokens
+    "/v1/completions": ("maximum context length", "max_model_len", "stream_options: only with stream"),
     "/v1/chat/completions": (
         "maximum context length",
+        "stream_options: only with stream",
         "max_model_len",
         "the chat template failed",  # the template's own rules on the messages
         "the rendered prompt has over",
