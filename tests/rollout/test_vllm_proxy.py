@@ -1,4 +1,4 @@
-"""The vLLM proxy and ``[inference.vllm]`` config, without vLLM: a small upstream app on
+"""The vLLM proxy and vLLM backend's config, without vLLM: a small upstream app on
 127.0.0.1 answers the way a vLLM 0.32 server does, and real clients (renderers' generate,
 httpx) go through the real proxy."""
 
