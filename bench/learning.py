@@ -46,7 +46,7 @@ from typing import Any
 import tomli_w
 from eval_curves import eval_rewards, paired  # bench/ is on sys.path when run as a script
 
-from jaxrl.config import deep_merge
+from jaxrl.config import deep_merge, resolve_recipe_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = {"log": {"progress": False}, "ckpt": {"interval": 0}}
@@ -95,7 +95,8 @@ def train(config: str, out: Path, over: dict[str, Any], *, resume: bool = False)
     if (out / "result.json").exists() and json.loads((out / "result.json").read_text()).get("stopped_by") is None:
         return out
     out.mkdir(parents=True, exist_ok=True)
-    merged = deep_merge(deep_merge(tomllib.loads((ROOT / config).read_text()), QUIET), over)
+    recipe = resolve_recipe_paths(tomllib.loads((ROOT / config).read_text()), (ROOT / config).parent)  # copied elsewhere
+    merged = deep_merge(deep_merge(recipe, QUIET), over)
     merged["output_dir"] = str(out)
     cfg_file = out / "bench_config.toml"
     cfg_file.write_text(tomli_w.dumps(merged))
@@ -103,7 +104,7 @@ def train(config: str, out: Path, over: dict[str, Any], *, resume: bool = False)
     log(f"run {out.name}: {config}")
     t0 = time.monotonic()
     with (out / "train.log").open("w") as f:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(cmd, check=False, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         raise RuntimeError(f"{config} -> {out} failed (exit {rc}); see {out / 'train.log'}")
     log(f"done {out.name} in {time.monotonic() - t0:.0f} s")

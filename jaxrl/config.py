@@ -248,7 +248,7 @@ class RunConfig(BaseModel):
             )
         if self.data is not None and self.orchestrator is not None:
             raise ValueError("set only one of `[data]` (SFT) and `[orchestrator]` (RL)")
-        if self.orchestrator is not None and (self.distributed.num_processes or 1) > 1:
+        if self.orchestrator is not None and self.distributed.expected_processes() > 1:
             check_multihost_rl(self.inference.backend.type)
         if self.inference.max_model_len is None:
             return self  # an SFT run whose model is not there yet: nothing below applies
@@ -515,8 +515,17 @@ def load_config(
     flags, rest = parse_args(argv, prog, fields, hidden)
     toml: dict[str, Any] = dict(defaults or {})
     for path in flags.config:
-        toml = deep_merge(toml, read_toml(path))
+        toml = deep_merge(toml, resolve_recipe_paths(read_toml(path), Path(path).parent))
     return build_config(toml, rest, fields, hidden), flags
+
+
+def resolve_recipe_paths(data: dict[str, Any], recipe_dir: Path) -> dict[str, Any]:
+    """A recipe's relative ``[warmstart] config`` names a file beside the recipe, so a recipe
+    runs from any working directory (outputs, like ``output_dir``, stay relative to it)."""
+    warm = data.get("warmstart")
+    if isinstance(warm, dict) and isinstance(warm.get("config"), str) and not Path(warm["config"]).is_absolute():
+        data = {**data, "warmstart": {**warm, "config": str((recipe_dir / warm["config"]).resolve())}}
+    return data
 
 
 def to_toml(cfg: BaseModel, include: set[str] | None = None) -> str:

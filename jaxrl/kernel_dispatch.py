@@ -40,6 +40,19 @@ heads divide by it (so each shard keeps whole grouped-query groups); the vocabul
 (the log-prob needs the full softmax), so ``lm_head`` is gathered into the kernel as the
 reference's matmul gathers it. Axes that do not divide stay unsplit, as ``logical_to_spec``
 decides everywhere else.
+
+Context parallelism (a "context" mesh axis > 1: each row's sequence split over it) wraps the
+training attention in Ulysses all-to-alls (DeepSpeed-Ulysses, arXiv 2309.14509): each device
+trades its sequence chunk of every head for the whole sequence of 1/context of the heads, runs
+the same square attention kernel as without context parallelism (Pallas, cuDNN or the reference,
+segment ids all-gathered), and trades back. Why Ulysses and not ring attention: every kernel we
+have runs unchanged on whole sequences with packed segment ids (a ring needs a kernel variant
+with a query offset and an online-softmax merge across steps), and its traffic per device falls
+with the context size (all-to-alls of q, k, v, out) where a ring's does not. Its limit is heads:
+the query heads of a tensor shard must divide by the context size (checked at build,
+``jaxrl.trainer.step.check_context_parallel``); KV heads that do not divide are repeated up to a
+multiple that does (grouped-query attention keeps each query head on its own KV head), at the
+cost of that repeat in the all-to-all.
 """
 
 from __future__ import annotations
@@ -48,6 +61,7 @@ import functools
 import importlib
 import importlib.util
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -59,9 +73,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxrl.parallel.rules import logical_to_spec
+from jaxrl.parallel.rules import SEQ_AXIS, logical_to_spec
 from jaxrl_kernels import cudnn_attention, select
-from jaxrl_kernels.attention import segment_attention, tpu_segment_attention
+from jaxrl_kernels.attention import blocked_segment_attention_reference, segment_attention, tpu_segment_attention
 from jaxrl_kernels.decode_attention import decode_attention
 from jaxrl_kernels.logprobs import logprobs as pallas_logprobs
 
@@ -219,7 +233,7 @@ class Kernels:
             del block_size
             fn = partial(pallas_logprobs, interpret=self._interpret)
             if self.mesh is not None:
-                rows = self._axes("batch", hidden.shape[0])
+                rows = self._axes("tokens", hidden.shape[0])
                 specs = (PartitionSpec(rows, None), PartitionSpec(), PartitionSpec(rows), PartitionSpec(rows))
                 fn = self._per_shard(fn, specs, (PartitionSpec(rows), PartitionSpec(rows)))
             return fn(hidden, lm_head, targets, temperature)
@@ -231,25 +245,32 @@ class Kernels:
         queries like ``query`` [B, T, heads, head_dim]; None means the decoder's own (reference)
         attention: for the references, and on GPU for what cuDNN does not take (float32, see
         ``cudnn_attention.unsupported``; logged once per reason)."""
+        context = self.mesh.shape.get(SEQ_AXIS, 1) if self.mesh is not None else 1
+        inner: Callable[..., jax.Array] | None
         if self.impl == "cudnn":
             reason = cudnn_attention.unsupported(query)
             if reason is not None:
                 _log_once(f"training attention: the XLA reference ({reason})")
-                return None
-            inner = cudnn_attention.cudnn_segment_attention
+            inner = cudnn_attention.cudnn_segment_attention if reason is None else None
         elif self.reference:
-            return None
+            inner = None
         else:
             inner = tpu_segment_attention if self.impl == "pallas" else partial(segment_attention, interpret=True)
+        if inner is None:
+            if context == 1:
+                return None
+            inner = blocked_segment_attention_reference  # the decoder's semantics, on whole sequences
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             if self.mesh is None:
                 return inner(q, k, v, segment_ids)
             rows = self._axes("batch", q.shape[0])
             heads = self._axes("q_heads", q.shape[2], k.shape[2])
-            qkv = PartitionSpec(rows, None, heads, None)
-            specs = (qkv, qkv, qkv, PartitionSpec(rows, None))
-            return self._per_shard(inner, specs, qkv)(q, k, v, segment_ids)
+            seq = SEQ_AXIS if context > 1 else None
+            qkv = PartitionSpec(rows, seq, heads, None)
+            specs = (qkv, qkv, qkv, PartitionSpec(rows, seq))
+            fn = inner if context == 1 else partial(_ulysses, inner, context=context)
+            return self._per_shard(fn, specs, qkv)(q, k, v, segment_ids)
 
         return attend
 
@@ -316,3 +337,20 @@ class Kernels:
         decoder's own ``logits_f32``."""
         weights = self._weights()
         return weights.logits if weights is not None else None
+
+
+def _ulysses(inner: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, *, context: int) -> jax.Array:
+    """Per shard: q [B, T/c, H, D], k/v [B, T/c, K, D], seg [B, T/c] (this device's sequence
+    chunk) -> ``inner`` on [B, T, H/c, D] (whole sequences, 1/c of the heads) -> back to chunks.
+    KV heads are first repeated up to a multiple of c (each copy next to its original, so query
+    head j still meets KV head j // group)."""
+    kv = k.shape[2]
+    repeat = math.lcm(kv, context) // kv
+    if repeat > 1:
+        k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
+
+    def to_heads(x: jax.Array) -> jax.Array:
+        return jax.lax.all_to_all(x, SEQ_AXIS, split_axis=2, concat_axis=1, tiled=True)
+
+    out = inner(to_heads(q), to_heads(k), to_heads(v), jax.lax.all_gather(seg, SEQ_AXIS, axis=1, tiled=True))
+    return jax.lax.all_to_all(out, SEQ_AXIS, split_axis=1, concat_axis=2, tiled=True)

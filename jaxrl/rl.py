@@ -25,7 +25,6 @@ import jax
 
 from jaxrl.config import ConfigError, RunConfig, check_multihost_rl
 from jaxrl.metrics import MetricsLogger
-from jaxrl.orchestrator.algo import OPDConfig
 from jaxrl.orchestrator.batch import BatchFailed, collect_batch
 from jaxrl.orchestrator.env_server import EnvServerDead
 from jaxrl.orchestrator.orchestrator import Orchestrator, check_envs
@@ -144,14 +143,14 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
 
 def unused_metrics(ocfg: Any) -> tuple[str, ...]:
     """Prefixes of the trainer's metrics that are zero by construction in this run: the CE
-    component's without an env that selects CE tokens (echo, sft), ref-KL's without a teacher."""
-    types = {e.algo.type for e in ocfg.train.env}
-    return (() if types & {"echo", "sft"} else ("ce_",)) + (() if "opd" in types else ("ref_kl_", "teacher_kl"))
+    component's when no env's algorithm declares it (echo, sft do), ref-KL's likewise (opd)."""
+    used = frozenset().union(*(e.algo.loss_components for e in ocfg.train.env))
+    return (() if "ce" in used else ("ce_",)) + (() if "ref_kl" in used else ("ref_kl_", "teacher_kl"))
 
 
 def load_teachers(ocfg: Any, trainer: Any) -> dict[str, Teacher]:
     """The OPD teachers the train envs name, each loaded once on the trainer's mesh."""
-    configs = {e.algo.teacher.name: e.algo.teacher for e in ocfg.train.env if isinstance(e.algo, OPDConfig)}
+    configs = {t.name: t for e in ocfg.train.env if (t := e.algo.teacher_config()) is not None}
     return {name: Teacher.load(name, trainer, c.dtype) for name, c in configs.items()}
 
 
@@ -230,14 +229,15 @@ class _Stepper:
         assert self.orch is not None
         orch = self.orch
         batch = collect_batch(
-            lambda: self._next_batch(step), lambda: orch.request_more(step), orch.algorithms, step,
-            max_resample=self.max_resample, write=self.rollouts.write, env_logs=orch.env_logs(),
+            lambda n=None: self._next_batch(step, n), lambda n=None: orch.request_more(step, n), orch.algorithms,
+            step, max_resample=self.max_resample, write=self.rollouts.write, env_logs=orch.env_logs(),
+            dynamic=orch.cfg.dynamic_sampling,
         )  # fmt: skip
         return {"kind": "batch", "samples": batch.samples, "records": batch.records, "metrics": batch.metrics}
 
-    def _next_batch(self, step: int) -> list[Any]:
+    def _next_batch(self, step: int, n: int | None = None) -> list[Any]:
         assert self.orch is not None
-        groups = self.orch.next_batch(step)
+        groups = self.orch.next_batch(step, n=n)
         self.backend.check()  # rollouts a server failed must not be trained on
         return groups
 

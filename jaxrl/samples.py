@@ -34,6 +34,9 @@ class TrainingSample:
     logr: np.ndarray | None = None
     """float32[L]: the reference (teacher) log-prob of each token at the sample's temperature,
     0 where ref_kl_w is 0; None until a teacher scored the sample."""
+    token_versions: np.ndarray | None = None
+    """int32[L]: the policy version that sampled each token, where the engine swapped weights
+    mid-sequence; None: ``policy_version`` on every token."""
 
     def __post_init__(self) -> None:
         self.token_ids = np.asarray(self.token_ids, dtype=np.int32)
@@ -45,13 +48,22 @@ class TrainingSample:
         self.ref_kl_w = np.zeros(n, np.float32) if self.ref_kl_w is None else np.asarray(self.ref_kl_w, np.float32)
         if self.logr is not None:
             self.logr = np.asarray(self.logr, dtype=np.float32)
-        for name in ("sampled_mask", "logprobs", "rl_w", "ce_w", "ref_kl_w", *(("logr",) if self.logr is not None else ())):
+        if self.token_versions is not None:
+            self.token_versions = np.asarray(self.token_versions, dtype=np.int32)
+        optional = tuple(k for k in ("logr", "token_versions") if getattr(self, k) is not None)
+        for name in ("sampled_mask", "logprobs", "rl_w", "ce_w", "ref_kl_w", *optional):
             arr = getattr(self, name)
             if arr.shape != (n,):
                 raise ValueError(f"TrainingSample.{name} has shape {arr.shape}; expected ({n},) like token_ids")
         if n < 2:
             raise ValueError("TrainingSample needs at least 2 tokens (the first is never predicted)")
         check_trainable_temperature(self.temperature, "TrainingSample.temperature")
+
+    def versions(self) -> np.ndarray:
+        """int32[L]: the sampling policy version of every token."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return np.full(len(self), self.policy_version, np.int32)
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])

@@ -73,6 +73,31 @@ def segment_attention_reference(
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
+def blocked_segment_attention_reference(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, block: int = 512
+) -> jax.Array:
+    """``segment_attention_reference``'s result, for long sequences where no kernel runs (the
+    context-parallel path on CPU): queries in blocks of ``block`` rows, each against the keys up to
+    its last row only, so the scores above the causal diagonal (about half) are never computed
+    or kept for the backward pass, and no [T, T] mask exists."""
+    _check_shapes(q, k, v, segment_ids)
+    b, t, h, d = q.shape
+    kv_heads = k.shape[2]
+    qg = q.reshape(b, t, kv_heads, h // kv_heads, d)
+    outs = []
+    for start in range(0, t, block):
+        end = min(start + block, t)
+        rows, cols = jnp.arange(start, end), jnp.arange(end)
+        mask = (cols[None, :] <= rows[:, None])[None] & (
+            segment_ids[:, start:end, None] == segment_ids[:, None, :end]
+        )
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg[:, start:end], k[:, :end], preferred_element_type=jnp.float32)
+        scores = jnp.where(mask[:, None, None], scores * (d**-0.5), jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        outs.append(jnp.einsum("bkgts,bskd->btkgd", probs, v[:, :end], preferred_element_type=jnp.float32))
+    return jnp.concatenate(outs, axis=1).reshape(b, t, h, d).astype(q.dtype)
+
+
 def segment_attention(
     q: jax.Array,
     k: jax.Array,

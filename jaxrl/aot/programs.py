@@ -36,8 +36,7 @@ from jaxrl.models.decoder import Decoder
 from jaxrl.models.presets import PRESETS, preset_hf_config
 from jaxrl.models.setup import DTYPES, padded_vocab, scratch_hf_config
 from jaxrl.parallel.mesh import make_mesh, replicated
-from jaxrl.trainer import loss as L
-from jaxrl.trainer.step import TrainPrograms, micro_batch_shapes
+from jaxrl.trainer.step import STEP_CONSTANTS, TrainPrograms, micro_batch_shapes
 
 TRAINER_KNOBS = (
     "trainer.mesh (fsdp/tensor shard parameters, optimizer state and activations)",
@@ -249,7 +248,7 @@ def plan(cfg: RunConfig, topo: Topology, *, engine: bool | None = None, trainer:
     engine_fits = _engine_fits(cfg, run.engine, topo) if run.engine is not None else []
 
     fits: list[ProgramFit] = []
-    counts = {c: jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated(mesh)) for c in L.COMPONENTS}
+    counts = {c: jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated(mesh)) for c in STEP_CONSTANTS}
     sums: Any = None
     for bucket in (tcfg.seq_len_buckets or [tcfg.seq_len]) if trainer else []:
         mb = micro_batch_shapes(mesh, tcfg.micro_batch_rows, bucket)

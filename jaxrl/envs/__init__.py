@@ -5,6 +5,7 @@
 - `lookup`: multi-turn with a local tool whose output is a learnable function of its input
   (`shifts > 1`: a hidden per-task shift, so the answer needs what the tool returned).
 - `reverse_duel`: two seats of one policy play reverse_text zero-sum (multi-agent credit).
+- `needle`: long context, find one fact buried in a document of `context_words` words.
 
 Each is a verifiers plugin module (`__all__` exports its `Taskset`, the in-process
 `LocalChatHarness` and, where it has one, its `Env`). verifiers resolves a plugin id by
@@ -26,6 +27,7 @@ BUILTIN_ENVS = {
     "alphabet_sort": "jaxrl.envs.alphabet_sort",
     "lookup": "jaxrl.envs.lookup",
     "reverse_duel": "jaxrl.envs.reverse_duel",
+    "needle": "jaxrl.envs.needle",
 }
 """Built-in env name -> the module that implements it."""
 

@@ -3,6 +3,12 @@
 One frozen description covers the three families we serve: Qwen3 (q/k RMSNorm), Llama 3
 (RoPE frequency scaling) and Qwen2.5 (bias on q/k/v). Everything is read from the config;
 family defaults are never assumed (transformers 5 keeps RoPE settings in ``rope_parameters``).
+
+RoPE scalings: the ones these families' checkpoints ship with — "default", "linear", "llama3"
+(Llama 3.1+) and "yarn" (Qwen3 / Qwen2.5 beyond 32k) — computed as transformers'
+``modeling_rope_utils`` does. "dynamic" (NTK) is refused: its frequencies change with the batch's
+length, so one compiled program cannot serve every length; "longrope" and "proportional" belong to
+other families.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ class ModelArch:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: tuple[tuple[str, Any], ...] | None  # llama3-style scaling, as sorted items
+    rope_scaling: tuple[tuple[str, Any], ...] | None  # rope_type + its parameters, as sorted items
     qk_norm: bool
     qkv_bias: bool
     tie_word_embeddings: bool
@@ -62,11 +68,15 @@ class ModelArch:
         return 6.0 * matmul_params + 3.0 * attn
 
     def inv_freq(self) -> np.ndarray:
-        """RoPE inverse frequencies, with Llama-3 frequency scaling when configured."""
+        """RoPE inverse frequencies, with the configured scaling ("linear", "llama3", "yarn")."""
         inv = 1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
         if self.rope_scaling is None:
             return inv.astype(np.float32)
         sc = dict(self.rope_scaling)
+        if sc["rope_type"] == "linear":
+            return (inv / float(sc["factor"])).astype(np.float32)
+        if sc["rope_type"] == "yarn":
+            return _yarn_inv_freq(inv, self.head_dim, self.rope_theta, sc).astype(np.float32)
         factor = float(sc["factor"])
         low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
         old_len = float(sc["original_max_position_embeddings"])
@@ -78,24 +88,90 @@ class ModelArch:
         is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
+    def rope_attention_scale(self) -> float:
+        """The factor YaRN multiplies cos/sin by (its attention temperature); 1 for the rest."""
+        if self.rope_scaling is None or dict(self.rope_scaling)["rope_type"] != "yarn":
+            return 1.0
+        sc = dict(self.rope_scaling)
+        if sc.get("attention_factor") is not None:
+            return float(sc["attention_factor"])
+        factor, mscale, mscale_all_dim = float(sc["factor"]), sc.get("mscale"), sc.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+        return _yarn_mscale(factor)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(inv: np.ndarray, dim: int, base: float, sc: dict[str, Any]) -> np.ndarray:
+    """YaRN (arXiv 2309.00071): interpolate the low frequencies by ``factor``, keep the high ones,
+    with a linear ramp between the dimensions that turn ``beta_slow`` and ``beta_fast`` times over
+    the original context (transformers' ``_compute_yarn_parameters``)."""
+    factor, old_len = float(sc["factor"]), float(sc["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(sc.get("beta_fast") or 32), float(sc.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if sc.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolate = 1 - ramp
+    return (inv / factor) * (1 - extrapolate) + inv * extrapolate
+
+
+# Per scaling: (required, optional) parameter names, as transformers spells them.
+_ROPE_PARAMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "linear": (("factor",), ()),
+    "llama3": (("factor", "original_max_position_embeddings"), ("low_freq_factor", "high_freq_factor")),
+    "yarn": (
+        ("factor", "original_max_position_embeddings"),
+        ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+    ),
+}
+
+
 def _rope_settings(cfg: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
-    params = cfg.get("rope_parameters") or {}
-    legacy = cfg.get("rope_scaling") or {}
+    """``rope_theta`` and the scaling from ``rope_parameters`` (transformers 5) or the legacy
+    ``rope_scaling`` / top-level fields (older checkpoints' config.json), checked here at load."""
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = dict(cfg.get("rope_scaling") or {})
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
     if rope_type == "default":
         return float(theta), None
-    if rope_type != "llama3":
+    if rope_type not in _ROPE_PARAMS:
+        why = " (NTK-dynamic changes frequencies with each batch's length; use 'yarn')" if rope_type == "dynamic" else ""
         raise ValueError(
-            f"config.json rope type {rope_type!r} is not supported; supported: 'default', 'llama3'"
+            f"config.json rope_parameters.rope_type {rope_type!r} is not supported{why}; "
+            f"supported: 'default', {', '.join(repr(t) for t in _ROPE_PARAMS)}"
         )
+    if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ValueError("config.json partial_rotary_factor != 1 is not supported (Qwen3 / Llama 3 / Qwen2.5 rotate whole heads)")
     src = params if "factor" in params else legacy
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    return float(theta), tuple(sorted((k, src[k]) for k in keys if k in src))
+    src = {**src, **({"original_max_position_embeddings": cfg["original_max_position_embeddings"]}
+                     if "original_max_position_embeddings" in cfg else {})}  # fmt: skip
+    required, optional = _ROPE_PARAMS[rope_type]
+    if rope_type == "yarn":  # transformers' defaults: the model's length is the original one
+        src.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+        if src.get("factor") is None and src.get("original_max_position_embeddings"):
+            src["factor"] = float(cfg["max_position_embeddings"]) / float(src["original_max_position_embeddings"])
+    missing = [k for k in required if src.get(k) is None]
+    if missing:
+        raise ValueError(f"config.json rope_parameters: rope_type {rope_type!r} needs {', '.join(missing)}")
+    if float(src["factor"]) <= 0:
+        raise ValueError(f"config.json rope_parameters.factor must be > 0, got {src['factor']!r}")
+    items = [("rope_type", rope_type)] + [(k, src[k]) for k in (*required, *optional) if src.get(k) is not None]
+    return float(theta), tuple(sorted(items))
 
 
 def arch_from_hf_config(cfg: dict[str, Any] | Any) -> ModelArch:

@@ -106,11 +106,14 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (y * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos/sin of shape [B, T, head_dim] in Hugging Face's rotate-half layout."""
+def rope_tables(positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """cos/sin of shape [B, T, head_dim] in Hugging Face's rotate-half layout, times ``scale``
+    (YaRN's attention factor; 1 otherwise)."""
     angles = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles), jnp.sin(angles)
+    if scale == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -411,7 +414,7 @@ class Decoder(nnx.Module):
         arch = self.arch
         lookup = kernels.embedding() if kernels is not None else None
         x = lookup(tokens).astype(self.dtype) if lookup is not None else self.embed[...].astype(self.dtype)[tokens]
-        cos, sin = rope_tables(positions, jnp.asarray(arch.inv_freq()))
+        cos, sin = rope_tables(positions, jnp.asarray(arch.inv_freq()), arch.rope_attention_scale())
         weights = self._layer_weights()
         if cache is None:
             seg = jnp.ones_like(tokens) if segment_ids is None else segment_ids

@@ -5,7 +5,9 @@ never rewritten: ``trained``, ``failed`` (its error is on the record) or ``no_si
 group carried no learning signal). Records of a batch that had no signal at all and was
 replaced by a resample also carry ``resampled: true``. Nothing is dropped silently.
 
-``collect_batch`` gets a step its batch with learning signal, resampling up to
+With ``[orchestrator.dynamic_sampling]`` (DAPO) a group whose rewards are all equal is dropped
+from its batch (records ``dropped: true``) and replaced by new groups, up to ``max_refills``
+rounds. ``collect_batch`` gets a step its batch with learning signal, resampling up to
 ``orchestrator.max_resample`` times; failed rollouts of every try count in that step's
 ``train/rollouts_failed`` and are reported in one line per step (with the first error).
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxrl.orchestrator.algo import Algorithm
+from jaxrl.orchestrator.config import DynamicSamplingConfig
 from jaxrl.orchestrator.orchestrator import Group
 from jaxrl.samples import TrainingSample
 
@@ -88,25 +91,81 @@ def build_batch(groups: list[Group], algorithms: dict[str, Algorithm], step: int
     return Batch(samples, records, metrics, errors)
 
 
+EQUAL_REWARDS = 1e-8
+"""Rewards of one group within this of each other count as equal (float noise)."""
+
+
+def all_equal_rewards(group: Group) -> bool:
+    """Whether the group's successful rollouts all scored the same (no group-relative signal).
+    A group with no successful rollout is not: its failures are reported as such."""
+    rewards = [r.reward for r in group.rollouts if r.ok]
+    return bool(rewards) and max(rewards) - min(rewards) <= EQUAL_REWARDS
+
+
+def dynamic_batch(
+    groups: list[Group],
+    next_groups: Callable[[int], list[Group]],
+    request_more: Callable[[int], None],
+    algorithms: dict[str, Algorithm],
+    step: int,
+    cfg: DynamicSamplingConfig,
+) -> Batch:
+    """DAPO's dynamic sampling over one batch's ``groups``: all-equal groups are dropped and as
+    many new groups requested, for at most ``cfg.max_refills`` rounds. The batch trains the kept
+    groups; the dropped ones' records (``dropped: true``) and failures are part of it."""
+    kept = [g for g in groups if not all_equal_rewards(g)]
+    dropped = [g for g in groups if all_equal_rewards(g)]
+    missing, refills = len(dropped), 0
+    while missing and refills < cfg.max_refills:
+        request_more(missing)
+        refills += 1
+        new = next_groups(missing)
+        kept += [g for g in new if not all_equal_rewards(g)]
+        dropped += (more := [g for g in new if all_equal_rewards(g)])
+        missing = len(more)
+    batch = build_batch(kept, algorithms, step)
+    gone = build_batch(dropped, algorithms, step)
+    for r in gone.records:
+        r["dropped"] = True
+        if r["fate"] != "failed":
+            r["fate"] = "no_signal"
+    batch.records += gone.records
+    batch.errors += gone.errors
+    batch.metrics |= {"dynamic_dropped_groups": float(len(dropped)), "dynamic_refills": float(refills),
+                      "dynamic_missing_groups": float(missing)}  # fmt: skip
+    return batch
+
+
 def collect_batch(
-    next_groups: Callable[[], list[Group]],
-    request_more: Callable[[], None],
+    next_groups: Callable[..., list[Group]],
+    request_more: Callable[..., None],
     algorithms: dict[str, Algorithm],
     step: int,
     *,
     max_resample: int,
     write: Callable[[list[dict]], None],
     env_logs: Mapping[str, Path] = {},
+    dynamic: DynamicSamplingConfig | None = None,
 ) -> Batch:
     """A batch with learning signal for ``step``: a batch without any is written to the rollout
     log (``resampled: true``) and replaced, up to ``max_resample`` times. Its metrics count the
-    failed rollouts of every try; raises ``BatchFailed`` when no try had signal."""
-    tries = [build_batch(next_groups(), algorithms, step)]
+    failed rollouts of every try; raises ``BatchFailed`` when no try had signal.
+
+    ``next_groups(n=None)`` returns ``n`` finished groups (default: a full batch) once
+    ``request_more(n=None)`` dispatched them; ``dynamic`` turns on dynamic sampling."""
+
+    def one_try() -> Batch:
+        groups = next_groups()
+        if dynamic is None:
+            return build_batch(groups, algorithms, step)
+        return dynamic_batch(groups, next_groups, request_more, algorithms, step, dynamic)
+
+    tries = [one_try()]
     while not tries[-1].has_signal and len(tries) <= max_resample:
         tries[-1].mark_resampled()
         write(tries[-1].records)
         request_more()
-        tries.append(build_batch(next_groups(), algorithms, step))
+        tries.append(one_try())
     batch = tries[-1]
     errors = [e for t in tries for e in t.errors]
     total = sum(len(t.records) for t in tries)

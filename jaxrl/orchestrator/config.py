@@ -90,6 +90,18 @@ class EnvConfig(BaseModel):
         return self
 
 
+class DynamicSamplingConfig(BaseModel):
+    """``[orchestrator.dynamic_sampling]``: DAPO's dynamic sampling. Groups whose successful
+    rollouts all scored the same reward carry no group-relative signal: they are dropped from
+    the step (their records stay in rollouts.jsonl, ``fate = "no_signal"``, ``dropped: true``)
+    and as many new groups are sampled in their place, at most ``max_refills`` rounds per step;
+    what is still missing then is trained short (``train/dynamic_missing_groups``)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    max_refills: int = Field(4, ge=0, le=1000)
+    """Refill rounds per step (each samples as many groups as the previous round dropped)."""
+
+
 class SamplingConfig(BaseModel):
     """Sampling parameters sent with every rollout request of a split."""
 
@@ -161,6 +173,9 @@ class OrchestratorConfig(BaseModel):
     """Rollouts per task; advantages are relative within a group."""
     max_async_level: int = Field(1, ge=0)
     """Rollouts used at step n were sampled by policy version >= n - max_async_level."""
+    dynamic_sampling: DynamicSamplingConfig | None = None
+    """`[orchestrator.dynamic_sampling]`: drop all-equal-reward groups and refill the batch
+    (DAPO); None: off (a batch is resampled only when it has no signal at all)."""
     max_resample: int = Field(3, ge=0)
     """A batch with no learning signal (every group's advantages zero) is re-sampled this many
     times before the run stops with an error."""

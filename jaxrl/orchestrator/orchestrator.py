@@ -251,17 +251,20 @@ class Orchestrator:
             self._queues[step].groups.append(group)
             self._cond.notify_all()
 
-    def request_more(self, step: int) -> None:
-        """Dispatch another full batch of groups for ``step`` (a resample)."""
+    def request_more(self, step: int, n: int | None = None) -> None:
+        """Dispatch ``n`` more groups for ``step`` (default: a full batch, a resample; fewer: a
+        dynamic-sampling refill)."""
         with self._cond:
-            self._queues[step].dispatched -= self.groups_per_step
+            self._queues[step].dispatched -= self.groups_per_step if n is None else n
             self._next_step = min(self._next_step, step)
 
-    def next_batch(self, step: int, timeout: float | None = None) -> list[Group]:
-        """Block until ``groups_per_step`` groups for ``step`` are done; returns and removes them."""
+    def next_batch(self, step: int, timeout: float | None = None, *, n: int | None = None) -> list[Group]:
+        """Block until ``n`` (default ``groups_per_step``) groups for ``step`` are done; returns
+        and removes them."""
+        want = self.groups_per_step if n is None else n
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while len(self._queues[step].groups) < self.groups_per_step:
+            while len(self._queues[step].groups) < want:
                 if self._fatal is not None:
                     raise self._fatal
                 if self._producer is not None and self._producer.done() and not self._producer.cancelled():
@@ -271,7 +274,7 @@ class Orchestrator:
                     raise TimeoutError(f"no batch for step {step} after {timeout}s")
                 self._cond.wait(timeout=1.0 if left is None else min(left, 1.0))
             queue = self._queues[step]
-            groups, queue.groups = queue.groups[: self.groups_per_step], queue.groups[self.groups_per_step :]
+            groups, queue.groups = queue.groups[:want], queue.groups[want:]
             return groups
 
     def env_logs(self) -> dict[str, Path]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any
 
@@ -21,15 +22,48 @@ class DistributedConfig(BaseModel):
     process_id: int | None = None
     local_device_ids: list[int] | None = Field(None, description="Devices this process owns (CPU tests).")
 
+    def expected_processes(self) -> int:
+        """How many processes the run will have, known before JAX starts: ``num_processes``, or
+        the hosts GKE lists in ``TPU_WORKER_HOSTNAMES`` (a JobSet pod on a TPU slice), else 1.
+        Lets config checks refuse a multi-host layout before any work (a warm start included)."""
+        if not self.enabled:
+            return 1
+        if self.num_processes is not None:
+            return self.num_processes
+        return len(gke_worker_hostnames()) or 1
+
+
+def gke_slice_layout() -> tuple[str, int, int] | None:
+    """(coordinator, process count, process id) of a single-slice GKE JobSet pod, read from the
+    variables GKE injects, as JAX's own TPU detection computes them (first host, port 8476 or
+    ``JAX_COORDINATOR_PORT``). JAX does this by itself only on a TPU VM; reading them here makes
+    the same pod environment start CPU processes too (``launch/gke/local.py``). None elsewhere,
+    and on multislice (``MEGASCALE_*``), which JAX's detection handles."""
+    hosts = gke_worker_hostnames()
+    worker = os.environ.get("TPU_WORKER_ID")
+    if not hosts or worker is None or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
+        return None
+    port = os.environ.get("JAX_COORDINATOR_PORT", "8476")
+    return f"{hosts[0].rsplit(':', 1)[0]}:{port}", len(hosts), int(worker)
+
+
+def gke_worker_hostnames() -> list[str]:
+    """The slice's hosts as GKE injects them into JobSet pods that request TPUs (empty elsewhere)."""
+    hosts = os.environ.get("TPU_PROCESS_ADDRESSES") or os.environ.get("TPU_WORKER_HOSTNAMES") or ""
+    return [h for h in hosts.split(",") if h]
+
 
 def initialize(cfg: DistributedConfig) -> None:
     """Start the runtime once; a no-op when disabled or already running."""
     if not cfg.enabled or jax.distributed.is_initialized():
         return
+    coordinator, num_processes, process_id = cfg.coordinator_address, cfg.num_processes, cfg.process_id
+    if coordinator is None and num_processes is None and process_id is None and (gke := gke_slice_layout()):
+        coordinator, num_processes, process_id = gke
     jax.distributed.initialize(
-        coordinator_address=cfg.coordinator_address,
-        num_processes=cfg.num_processes,
-        process_id=cfg.process_id,
+        coordinator_address=coordinator,
+        num_processes=num_processes,
+        process_id=process_id,
         local_device_ids=cfg.local_device_ids,
     )
 

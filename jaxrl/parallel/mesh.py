@@ -1,4 +1,4 @@
-"""The training device mesh (data, fsdp, tensor) and the shardings of its host-fed inputs.
+"""The training device mesh (data, fsdp, context, tensor) and the shardings of its host-fed inputs.
 
 Where each logical axis lives on it is ``jaxrl.parallel.rules`` (shared with the serving mesh).
 """
@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxrl.parallel.rules import BATCH_AXES, MESH_AXES
+from jaxrl.parallel.rules import BATCH_AXES, MESH_AXES, SEQ_AXIS
 
 
 class MeshConfig(BaseModel):
@@ -22,13 +22,21 @@ class MeshConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     data: int = Field(1, description="Pure data-parallel replicas.")
     fsdp: int = Field(-1, description="Fully-sharded data parallel (parameters sharded on embed).")
+    context: int = Field(
+        1,
+        ge=1,
+        description="Context parallel: each sequence split over this many devices (Ulysses attention: "
+        "an all-to-all from sequence to heads around each attention call). Needs trainer.seq_len and "
+        "its buckets, and the query heads per tensor shard, to divide by it.",
+    )
     tensor: int = Field(1, description="Tensor parallel (heads, mlp, vocab).")
     num_devices: int | None = Field(
         None, ge=1, description="Use only the first N devices (default: all), e.g. to leave some to the engine."
     )
 
-    def resolve(self, num_devices: int) -> tuple[int, int, int]:
-        sizes = [self.data, self.fsdp, self.tensor]
+    def resolve(self, num_devices: int) -> tuple[int, int, int, int]:
+        """(data, fsdp, context, tensor) sizes for ``num_devices`` devices."""
+        sizes = [self.data, self.fsdp, self.context, self.tensor]
         if sum(s == -1 for s in sizes) > 1:
             raise ValueError("trainer.mesh: at most one of data/fsdp/tensor may be -1")
         if any(s == 0 or s < -1 for s in sizes):
@@ -40,10 +48,10 @@ class MeshConfig(BaseModel):
             sizes[sizes.index(-1)] = num_devices // known
         if math.prod(sizes) != num_devices:
             raise ValueError(
-                f"trainer.mesh: data*fsdp*tensor = {math.prod(sizes)} but {num_devices} devices are "
+                f"trainer.mesh: data*fsdp*context*tensor = {math.prod(sizes)} but {num_devices} devices are "
                 "visible; set one axis to -1 or make the product match"
             )
-        return sizes[0], sizes[1], sizes[2]
+        return sizes[0], sizes[1], sizes[2], sizes[3]
 
 
 def make_mesh(cfg: MeshConfig, devices: list[Any] | None = None) -> Mesh:
@@ -54,12 +62,13 @@ def make_mesh(cfg: MeshConfig, devices: list[Any] | None = None) -> Mesh:
         devices = devices[: cfg.num_devices]
     shape = cfg.resolve(len(devices))
     grid = np.asarray(devices).reshape(shape)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Rows over (data, fsdp), everything else replicated."""
-    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
+    """Rows over (data, fsdp), the sequence (dimension 1) over context, the rest replicated."""
+    seq = [SEQ_AXIS if mesh.shape.get(SEQ_AXIS, 1) > 1 else None][: max(ndim - 1, 0)]
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *seq, *([None] * (ndim - 1 - len(seq)))))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -2,7 +2,7 @@
 
 Layers and caches name their axes (``jaxrl.models.decoder.PARAM_LOGICAL_AXES``,
 ``CACHE_LOGICAL_AXES``); this module alone decides where those names live, as MaxText and
-Levanter do. The training mesh has axes (data, fsdp, tensor), the serving mesh only "tensor":
+Levanter do. The training mesh has axes (data, fsdp, context, tensor), the serving mesh only "tensor":
 a rule's mesh axes that a mesh lacks (or has at size 1) are skipped, so the same table shards
 parameters FSDP + tensor-parallel for training and tensor-parallel for serving. A dimension
 whose size does not divide by its mesh axes is replicated instead (e.g. 2 KV heads on a tensor
@@ -20,14 +20,18 @@ from typing import Any
 
 from jax.sharding import Mesh, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+# "context" sits next to "tensor" (the fastest links): it carries all-to-alls every layer.
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")
+SEQ_AXIS = "context"
 
-# Logical axis -> mesh axes. Parameters are sharded FSDP-style on ``embed`` and
-# Megatron-style on heads / mlp / vocab; activations' batch and KV cache rows go over data and fsdp.
+# Logical axis -> mesh axes. Parameters are sharded FSDP-style on ``embed`` (over fsdp and
+# context: a context-parallel group holds one copy of the weights between its devices, as
+# MaxText's does) and Megatron-style on heads / mlp / vocab; activations' batch and KV cache
+# rows go over data and fsdp, their sequence over context; "tokens" is a flattened [rows * seq].
 LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "vocab": ("tensor",),
-    "embed": ("fsdp",),
+    "embed": ("fsdp", "context"),
     "q_heads": ("tensor",),
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),
@@ -35,6 +39,8 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "layers": (),
     "norm": (),
     "batch": BATCH_AXES,
+    "seq": (SEQ_AXIS,),
+    "tokens": (*BATCH_AXES, SEQ_AXIS),
     "cache_rows": BATCH_AXES,
     "cache_len": (),
 }

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from jaxrl.samples import TrainingSample
-from jaxrl.trainer.loss import loss_counts
+from jaxrl.trainer.loss import LossConfig, loss_counts
 
 
 @dataclass
@@ -33,6 +33,7 @@ class PackedBatch:
     ce_w: np.ndarray  # float32
     ref_kl_w: np.ndarray  # float32
     logr: np.ndarray  # float32 reference (teacher) logprobs, 0 where unscored
+    policy_version: np.ndarray  # int32 version of the policy that sampled each token (0 on padding)
 
     @property
     def num_rows(self) -> int:
@@ -97,6 +98,7 @@ def pack(samples: Sequence[TrainingSample], seq_len: int, rows_multiple: int = 1
         ce_w=np.zeros(shape, np.float32),
         ref_kl_w=np.zeros(shape, np.float32),
         logr=np.zeros(shape, np.float32),
+        policy_version=np.zeros(shape, np.int32),
     )
     for r, members in enumerate(rows):
         offset = 0
@@ -116,14 +118,25 @@ def pack(samples: Sequence[TrainingSample], seq_len: int, rows_multiple: int = 1
             out.ref_kl_w[r, sl] = s.ref_kl_w
             if s.logr is not None:
                 out.logr[r, sl] = s.logr
+            out.policy_version[r, sl] = s.versions()
             offset += n
     return out
 
 
-def component_counts(batch: PackedBatch) -> dict[str, float]:
+def component_counts(
+    batch: PackedBatch, cfg: LossConfig | None = None, trainer_version: int | None = None
+) -> dict[str, float]:
     """Global token counts per loss component of a whole optimizer step's batch (they do not
     depend on parameters, so the host computes them once before any micro-batch runs), by
     the loss's own definition (`loss.loss_counts`: the one place a component's tokens are
-    defined)."""
-    counts = loss_counts(batch.rl_w, batch.ce_w, batch.loss_mask, batch.ref_kl_w)
-    return {k: float(v) for k, v in counts.items()}
+    defined). With ``cfg``: after its staleness rule, plus ``rl_norm`` (the RL denominator) and
+    ``trainer_version`` (the version being trained, which the loss compares token versions to)."""
+    if cfg is None:
+        counts = loss_counts(batch.rl_w, batch.ce_w, batch.loss_mask, batch.ref_kl_w)
+        return {k: float(v) for k, v in counts.items()}
+    version = 0 if trainer_version is None else trainer_version
+    counts = loss_counts(
+        batch.rl_w, batch.ce_w, batch.loss_mask, batch.ref_kl_w, cfg=cfg, segment_ids=batch.segment_ids,
+        policy_version=batch.policy_version, trainer_version=version,
+    )  # fmt: skip
+    return {k: float(v) for k, v in counts.items()} | {"trainer_version": float(version)}

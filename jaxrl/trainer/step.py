@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.kernel_dispatch import Kernels
+from jaxrl.models.arch import ModelArch
 from jaxrl.models.decoder import Decoder, LayerAdapters
 from jaxrl.models.sharding import state_shardings
 from jaxrl.parallel.mesh import batch_sharding, replicated
@@ -47,8 +48,12 @@ _MB_DTYPES = {
     "ce_w": jnp.float32,
     "ref_kl_w": jnp.float32,
     "logr": jnp.float32,
+    "policy_version": jnp.int32,
 }
 _MB_FIELDS = tuple(_MB_DTYPES)
+STEP_CONSTANTS = (*L.COMPONENTS, "rl_norm", "trainer_version")
+"""What the host computes once per optimizer step and every micro-step reads (``component_counts``
+with the loss config): the global component counts, the RL denominator, the trained version."""
 
 
 def packed_logprobs(
@@ -62,14 +67,17 @@ def packed_logprobs(
     entry t - 1 is token t predicted from position t - 1 (column 0 has no prediction)."""
     hidden, _ = model(mb["tokens"], mb["positions"], mb["segment_ids"], kernels=kernels, lora=lora)
     b, t, d = hidden.shape
+    # Every position is scored against the next token (the last against the row's first, then
+    # dropped): slicing ``hidden[:, :-1]`` instead would make a context-parallel sequence shard
+    # uneven and cost a reshard of the hidden states; a roll of the int targets is a cheap shift.
     logp, entropy = (kernels.token_logprobs() or token_logprobs)(
-        hidden[:, :-1].reshape(-1, d),
+        hidden.reshape(-1, d),
         model.lm_head_weight(),
-        mb["tokens"][:, 1:].reshape(-1),
-        mb["temperature"][:, 1:].reshape(-1),
+        jnp.roll(mb["tokens"], -1, axis=1).reshape(-1),
+        jnp.roll(mb["temperature"], -1, axis=1).reshape(-1),
         block_size=vocab_block,
     )
-    return logp.reshape(b, t - 1), entropy.reshape(b, t - 1)
+    return logp.reshape(b, t)[:, :-1], entropy.reshape(b, t)[:, :-1]
 
 
 def micro_batch_loss(
@@ -83,6 +91,7 @@ def micro_batch_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Loss of one micro-batch, normalised by the step's global counts, and its sums.
 
+    ``counts``: the step's constants (``STEP_CONSTANTS``; at least the component counts).
     ``params``: the trained state - the model's parameters, or with ``[trainer.lora]`` the
     adapters, merged here into the ``frozen`` base weights (so gradients reach only them).
     ``kernels``: log-prob and attention implementations (default: ``cfg.kernels`` resolved for
@@ -95,6 +104,7 @@ def micro_batch_loss(
         assert cfg.lora is not None
         params, adapters = frozen, LayerAdapters(params, cfg.lora.scale)
     logp, entropy = packed_logprobs(nnx.merge(graphdef, params), mb, kernels, cfg.vocab_block, adapters)
+    version = counts.get("trainer_version")
     sums = L.loss_sums(
         logp,
         mb["logq"][:, 1:],
@@ -106,6 +116,10 @@ def micro_batch_loss(
         entropy=entropy,
         ref_kl_w=mb["ref_kl_w"][:, 1:],
         logr=mb["logr"][:, 1:],
+        segment_ids=mb["segment_ids"][:, 1:],
+        positions=mb["positions"][:, 1:],
+        policy_version=mb["policy_version"][:, 1:] if "policy_version" in mb else None,
+        trainer_version=None if version is None else version.astype(jnp.int32),
     )
     return L.normalized_loss(sums, counts), sums
 
@@ -132,6 +146,29 @@ def micro_batch_shapes(mesh: Mesh, rows: int, seq_len: int) -> dict[str, jax.Sha
     return {
         k: jax.ShapeDtypeStruct((rows, seq_len), _MB_DTYPES[k], sharding=sharding) for k in _MB_FIELDS
     }
+
+
+def check_context_parallel(arch: ModelArch, cfg: TrainerConfig, mesh: Mesh) -> None:
+    """Context parallelism's shape rules, as one line naming trainer.mesh.context: every bucket
+    splits evenly over the context axis, and Ulysses attention hands each context device whole
+    query heads of its tensor shard (KV heads are repeated up to a multiple where they do not
+    divide; see ``jaxrl.kernel_dispatch``)."""
+    c = mesh.shape.get("context", 1)
+    if c == 1:
+        return
+    uneven = [b for b in cfg.seq_len_buckets or [cfg.seq_len] if b % c]
+    if uneven:
+        raise ValueError(
+            f"trainer.mesh.context = {c}: trainer.seq_len_buckets {uneven} do not divide by it; "
+            "use lengths that are multiples of the context size"
+        )
+    tensor = mesh.shape.get("tensor", 1)
+    heads = arch.num_heads // tensor if arch.num_heads % tensor == 0 and arch.num_kv_heads % tensor == 0 else arch.num_heads
+    if heads % c:
+        raise ValueError(
+            f"trainer.mesh.context = {c}: the model's {heads} query heads per tensor shard do not divide by it "
+            "(Ulysses attention splits heads over the context axis); pick a context size that divides them"
+        )
 
 
 @dataclass(frozen=True)
@@ -165,6 +202,7 @@ class TrainPrograms:
                 f"trainer.micro_batch_rows = {cfg.micro_batch_rows} must be a multiple of "
                 f"data*fsdp = {dp} (each data-parallel shard gets whole rows)"
             )
+        check_context_parallel(model.arch, cfg, mesh)
         platform = mesh.devices.flat[0].platform
         model.remat = cfg.remat_policy(platform)
         kernels = Kernels.create(cfg.kernels, field="trainer.kernels", mesh=mesh)
@@ -205,7 +243,7 @@ class TrainPrograms:
         self, params: Any, mb: dict[str, Any], cfg: TrainerConfig, frozen: Any = None
     ) -> dict[str, jax.ShapeDtypeStruct]:
         """Shapes of the micro-step's loss-sum accumulator (traced, not run)."""
-        counts = {c: jax.ShapeDtypeStruct((), jnp.float32) for c in L.COMPONENTS}
+        counts = {c: jax.ShapeDtypeStruct((), jnp.float32) for c in STEP_CONSTANTS}
         return jax.eval_shape(
             lambda p, m, c, f: micro_batch_loss(p, self.graphdef, m, c, cfg, self.kernels, f)[1], params, mb, counts, frozen
         )
@@ -251,13 +289,19 @@ class Trainer:
         bucket = choose_bucket(samples, self.cfg.seq_len_buckets or [self.cfg.seq_len], self.cfg.micro_batch_rows)
         return pack(samples, bucket, rows_multiple=self.cfg.micro_batch_rows)
 
+    def _step_constants(self, batch: PackedBatch) -> dict[str, jax.Array]:
+        """``STEP_CONSTANTS`` of ``batch``, replicated: counts after the staleness rule, the RL
+        denominator, and the version being trained (the parameters' step count)."""
+        constants = component_counts(batch, self.cfg.loss, trainer_version=self.step)
+        return jax.device_put({k: np.float32(constants[k]) for k in STEP_CONSTANTS}, replicated(self.mesh))
+
     def train_step(self, samples: Sequence[TrainingSample]) -> dict[str, float]:
         """One optimizer step over ``samples``; returns this step's metrics (host floats)."""
         t0 = time.perf_counter()
         batch = self.pack(samples)
         if unscored := sum(s.needs_reference for s in samples):
             raise ValueError(f"{unscored} sample(s) train the ref-KL component but carry no teacher log-probs (logr)")
-        counts = jax.device_put({k: np.float32(v) for k, v in component_counts(batch).items()}, replicated(self.mesh))
+        counts = self._step_constants(batch)
         grads, total = self._zeroed_accumulators(batch)
         rows = self.cfg.micro_batch_rows
         for start in range(0, batch.num_rows, rows):
@@ -286,7 +330,7 @@ class Trainer:
         parameters, with no update: packed and split into micro-batches as ``train_step`` does,
         forward only (one extra compile per row-length bucket)."""
         batch = self.pack(samples)
-        counts = jax.device_put({k: np.float32(v) for k, v in component_counts(batch).items()}, replicated(self.mesh))
+        counts = self._step_constants(batch)
         if self._loss_sums is None:
             self._loss_sums = jax.jit(
                 lambda params, mb, counts, frozen: micro_batch_loss(

@@ -2,15 +2,21 @@
 
     python launch/gke/render.py --slice v6e-16 --image IMAGE --bucket BUCKET \\
         --config configs/reverse_text/rl.toml [--rollout-slice v6e-8 --rollout-replicas 2] \\
+        [--model ORG/NAME | gs://...] [--hf-token-secret hf] [--extra-pip SPEC] \\
         [-o jobset.yaml] [-- --trainer.steps 100 ...]
 
 One replicated Job ("trainer") runs ``launch/gke/entrypoint.py`` - i.e. ``python -m
 jaxrl.train --config ... --distributed.enabled true`` - on every host of the slice; JAX finds
 its peers from the TPU_WORKER_* variables GKE injects. With ``--rollout-slice`` a second
-replicated Job ("rollout") runs vllm-tpu servers, one per single-host slice, and the trainer
-spreads its rollouts over all of them as external servers, pushing new weights to each after
-every step (see launch/gke/README.md). Everything a run
-writes lands in the bucket, mounted at /data by the GCS FUSE CSI driver.
+replicated Job ("rollout") runs vllm-tpu (or ``jaxrl.serve``) servers, one per single-host slice,
+and the trainer spreads its rollouts over all of them as external servers, pushing new weights
+to each after every step (see launch/gke/README.md). Everything a run writes lands in the
+bucket, mounted at /data by the GCS FUSE CSI driver.
+
+Only layouts that can run are rendered: RL on a multi-host slice needs ``--rollout-slice``, and
+the starting weights must be readable by every pod (a hub id or ``gs://`` path is fetched once
+per run into the bucket by trainer process 0; everything else waits for it with a deadline).
+``launch/gke/local.py`` runs the rendered manifest on one machine.
 
 Only the standard library and PyYAML: the renderer runs wherever kubectl does.
 """
@@ -20,6 +26,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
+import shlex
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -38,6 +46,8 @@ VLLM_PORT = 8000
 VLLM_TPU_IMAGE = "vllm/vllm-tpu:v0.32.0"
 TRAINER_CONTAINER = "jaxrl"
 EXIT_INTERRUPTED = 75  # launch/gke/entrypoint.py: stopped by SIGTERM after a checkpoint; run again to resume
+FETCHED_MARKER = ".jaxrl-fetched.json"  # launch/gke/entrypoint.py writes it last, once the weights are complete
+WAIT_POLL_S = 5
 
 # GKE node-selector value per TPU generation.
 ACCELERATORS = {"v5e": "tpu-v5-lite-podslice", "v6e": "tpu-v6e-slice", "v5p": "tpu-v5p-slice"}
@@ -168,12 +178,85 @@ def restart_policy(max_restarts: int) -> dict[str, Any]:
 
 
 def read_recipe(config: str) -> dict[str, Any]:
+    """The recipe TOML; a relative ``[warmstart] config`` made absolute against the recipe's own
+    directory, as ``jaxrl.config.load_config`` does."""
     path = Path(config) if Path(config).is_absolute() else REPO / config
     if not path.exists():
         raise FileNotFoundError(
             f"--config {config}: no such recipe (paths are relative to the repository root)"
         )
-    return tomllib.loads(path.read_text())
+    recipe = tomllib.loads(path.read_text())
+    warm = recipe.get("warmstart", {})
+    if isinstance(warm.get("config"), str) and not Path(warm["config"]).is_absolute():
+        recipe["warmstart"] = {**warm, "config": str((path.parent / warm["config"]).resolve())}
+    return recipe
+
+
+def is_hub_id(name: str) -> bool:
+    """``org/name`` (a Hugging Face hub id), as jaxrl's config tells one from a path."""
+    return re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None and not Path(REPO, name).exists()
+
+
+def warmstart_output(recipe: dict[str, Any]) -> str | None:
+    """The warm start recipe's ``output_dir`` when the recipe's ``[model] name`` is its export."""
+    warm = recipe.get("warmstart", {}).get("config")
+    if not warm:
+        return None
+    out = read_recipe(warm).get("output_dir", "outputs/run")
+    return out if recipe.get("model", {}).get("name") == f"{out}/hf" else None
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Where the run's starting weights come from and how every pod knows they are there.
+
+    ``source``: a hub id or ``gs://`` path fetched once into ``path`` on the bucket by trainer
+    process 0 (the others and the rollout servers wait for ``ready`` with a deadline); None
+    when the trainer makes them itself (a ``[warmstart]`` export) or a scratch model is trained."""
+
+    source: str | None
+    path: str | None  # the model directory as every pod sees it (None: a scratch model, no rollout server)
+    ready: str | None  # shell test that is true once the weights are complete
+    what: str  # for the waiting message
+
+
+def run_weights(args: argparse.Namespace, recipe: dict[str, Any]) -> Weights:
+    """The weights the rendered job starts from; refuses a ``[model] name`` no pod could read."""
+    name = recipe.get("model", {}).get("name")
+    source = args.model or (name if name and is_hub_id(name) else None)
+    if source:
+        if warmstart_output(recipe) and args.model:
+            raise ValueError(
+                f"--model {args.model}: the recipe's [model] name is its [warmstart] export; drop --model "
+                "or the recipe's [warmstart]"
+            )
+        if not (source.startswith("gs://") or is_hub_id(source)):
+            raise ValueError(f"--model {source}: expected a Hugging Face hub id (org/name) or a gs:// path")
+        dest = f"{DATA}/{args.name}/model"
+        return Weights(source, dest, f"[ -f {dest}/{FETCHED_MARKER} ]", f"{source} (fetched into {dest} by trainer process 0)")
+    if warm_out := warmstart_output(recipe):
+        model = rollout_model_path(recipe, args.name)
+        result = f"{DATA}/{args.name}/{Path(warm_out).relative_to('outputs')}/result.json"
+        # result.json names the export only once the warm start finished it (an interrupted one has none).
+        return Weights(None, model, f"grep -qs '\"export\"' {result}", f"the warm start's export {model}")
+    if name is None:
+        return Weights(None, None, None, "a scratch model")
+    if Path(name).is_absolute():
+        return Weights(None, name, f"[ -f {name}/config.json ]", name)
+    raise ValueError(
+        f"[model] name = {name!r} is in neither the image nor the bucket; add --model ORG/NAME (a hub id) or "
+        "--model gs://BUCKET/DIR: fetched once into the bucket for every pod"
+    )
+
+
+def wait_script(weights: Weights, timeout_s: int) -> str:
+    """Bash that waits for ``weights`` with a deadline, saying what it waits for."""
+    return (
+        f"deadline=$((SECONDS + {timeout_s})); until {weights.ready}; do "
+        f"if [ $SECONDS -ge $deadline ]; then echo \"error: {weights.what} not there after {timeout_s} s "
+        f"(--wait-timeout-s); see the trainer's log\" >&2; exit 1; fi; "
+        f"echo \"waiting for {weights.what}\"; sleep {WAIT_POLL_S}; done; "
+    )
 
 
 def rollout_model_path(recipe: dict[str, Any], run: str) -> str:
@@ -190,29 +273,51 @@ def rollout_model_path(recipe: dict[str, Any], run: str) -> str:
     return str(Path(DATA, run, *p.parts[1:]))
 
 
-def trainer_container(args: argparse.Namespace, s: Slice, overrides: list[str]) -> dict[str, Any]:
+def compile_cache(args: argparse.Namespace) -> dict[str, str]:
+    """JAX's persistent compilation cache on the bucket: a restarted pod (preemption, failure)
+    loads its programs instead of compiling them again (minutes for an 8B train step)."""
+    return {"name": "JAX_COMPILATION_CACHE_DIR", "value": f"{DATA}/{args.name}/jax_cache"}
+
+
+def trainer_container(args: argparse.Namespace, s: Slice, weights: Weights, overrides: list[str]) -> dict[str, Any]:
     # Multi-host: JAX's multi-controller runtime, its peers read from GKE's TPU_WORKER_* variables.
     dist = ["--distributed.enabled", "true"] if s.hosts > 1 else []
+    fetch = ["--fetch", weights.source, "--fetch-to", weights.path] if weights.source else []
+    if fetch and args.model_revision:
+        fetch += ["--fetch-revision", args.model_revision]
+    model = ["--model.name", weights.path] if weights.source else []
     command = [
         "python",
         f"{APP}/launch/gke/entrypoint.py",
         "--output-root",
         f"{DATA}/{args.name}",
+        *fetch,
+        *[a for spec in args.extra_pip for a in ("--pip", spec)],
+        "--wait-timeout-s",
+        str(args.wait_timeout_s),
         "--config",
         args.config,
         *dist,
+        *model,
         *overrides,
     ]
-    return {
+    container: dict[str, Any] = {
         "name": TRAINER_CONTAINER,
         "image": args.image,
         "workingDir": APP,
         "command": command,
+        "env": [compile_cache(args)],
         "ports": [
             {"containerPort": 8471, "name": "tpu-runtime"},
             {"containerPort": 8476, "name": "jax-coord"},
         ],
     }
+    if args.hf_token_secret:  # a gated or private hub model: the token from a Kubernetes secret
+        secret, _, key = args.hf_token_secret.partition(":")
+        container["env"].append(
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret, "key": key or "token"}}}
+        )
+    return container
 
 
 def _presets() -> Any:
@@ -268,27 +373,44 @@ def rollout_tensor_parallel(args: argparse.Namespace, recipe: dict[str, Any], s:
     tp = tensor_parallel(*heads, s.chips_per_host)
     if tp < s.chips_per_host:
         print(
-            f"note: vLLM tensor parallel {tp} of {s.chips_per_host} chips per server ({heads[0]} heads, "
+            f"note: rollout tensor parallel {tp} of {s.chips_per_host} chips per server ({heads[0]} heads, "
             f"{heads[1]} KV heads); the other chips of each rollout slice stay idle",
             file=sys.stderr,
         )
     return tp
 
 
-def rollout_container(args: argparse.Namespace, model: str, max_len: int, tp: int) -> dict[str, Any]:
-    # --logprobs-mode processed_logprobs: log-probs of logits / temperature, what the trainer's
-    # loss compares against (vLLM's default is the raw distribution's).
-    serve = (
-        f"until [ -f {model}/config.json ]; do echo waiting for {model}; sleep 15; done; "
-        f"exec vllm serve {model} --host 0.0.0.0 --port {VLLM_PORT} --tensor-parallel-size {tp} "
-        f"--max-model-len {max_len} --enable-scale-out --return-tokens-as-token-ids "
-        f"--logprobs-mode processed_logprobs"
-    )
+def rollout_container(
+    args: argparse.Namespace, weights: Weights, max_len: int, tp: int
+) -> dict[str, Any]:
+    """One rollout server: it waits (with a deadline) for the weights it serves, then serves them
+    on port ``VLLM_PORT``: vllm-tpu, or ``python -m jaxrl.serve`` (``--rollout-server jaxrl``)
+    reading the recipe's ``[model]`` / ``[inference]`` sections, as the trainer does."""
+    model = weights.path
+    if args.rollout_server == "jaxrl":
+        serve = shlex.join([
+            "python", "-m", "jaxrl.serve", "--config", args.config, "--model.name", model,
+            "--inference.backend", "embedded", "--inference.max_model_len", str(max_len),
+            "--inference.tensor_parallel", str(tp),
+            "--inference.server.host", "0.0.0.0", "--inference.server.port", str(VLLM_PORT),
+        ])  # fmt: skip
+        image: dict[str, Any] = {"image": args.image, "workingDir": APP}
+        env: list[dict[str, str]] = [compile_cache(args)]
+    else:
+        # --logprobs-mode processed_logprobs: log-probs of logits / temperature, what the trainer's
+        # loss compares against (vLLM's default is the raw distribution's).
+        serve = (
+            f"vllm serve {model} --host 0.0.0.0 --port {VLLM_PORT} --tensor-parallel-size {tp} "
+            f"--max-model-len {max_len} --enable-scale-out --return-tokens-as-token-ids "
+            f"--logprobs-mode processed_logprobs"
+        )
+        image = {"image": args.rollout_image}
+        env = [{"name": "VLLM_SERVER_DEV_MODE", "value": "1"}]
     return {
-        "name": "vllm",
-        "image": args.rollout_image,
-        "command": ["bash", "-c", serve],
-        "env": [{"name": "VLLM_SERVER_DEV_MODE", "value": "1"}],
+        "name": "rollout",
+        **image,
+        "command": ["bash", "-c", wait_script(weights, args.wait_timeout_s) + "exec " + serve],
+        **({"env": env} if env else {}),
         "ports": [{"containerPort": VLLM_PORT, "name": "http"}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": VLLM_PORT}, "periodSeconds": 10},
     }
@@ -299,9 +421,25 @@ def rollout_url(name: str, index: int) -> str:
     return f"http://{name}-rollout-{index}-0.{name}:{VLLM_PORT}/v1"
 
 
+def check_runnable(args: argparse.Namespace, recipe: dict[str, Any], train: Slice) -> None:
+    """Refuse a layout that cannot run, naming the flag that makes it run."""
+    backend = recipe.get("inference", {}).get("backend", "embedded")
+    if "orchestrator" in recipe and train.hosts > 1 and not args.rollout_slice and backend != "external":
+        raise ValueError(
+            f"--slice {train.name} has {train.hosts} hosts, and multi-host RL samples rollouts from servers on "
+            f"their own slices (the {backend} engine runs in one process): add --rollout-slice v6e-8 "
+            "(and --rollout-replicas N), or train on a single-host slice such as v6e-8"
+        )
+    if args.rollout_slice and "orchestrator" not in recipe:
+        raise ValueError(f"--rollout-slice: {args.config} is not an RL recipe (no [orchestrator]); drop --rollout-slice")
+
+
 def render(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     """The JobSet (as a dict) for ``args``; ``overrides`` are extra ``jaxrl.train`` arguments."""
     train = Slice.parse(args.slice)
+    recipe = read_recipe(args.config)
+    check_runnable(args, recipe, train)
+    weights = run_weights(args, recipe)
     jobs = []
     spec: dict[str, Any] = {
         "failurePolicy": restart_policy(args.max_restarts),
@@ -311,10 +449,12 @@ def render(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
         roll = Slice.parse(args.rollout_slice)
         if roll.hosts != 1:
             raise ValueError(
-                f"--rollout-slice {roll.name}: one vLLM server per single-host slice (<= 8 chips)"
+                f"--rollout-slice {roll.name}: one rollout server per single-host slice (<= 8 chips)"
             )
-        recipe = read_recipe(args.config)
-        model = args.rollout_model or rollout_model_path(recipe, args.name)
+        if weights.path is None:
+            raise ValueError("the recipe trains a scratch model: rollout servers need a [model] name or --model")
+        if args.rollout_model:
+            weights = Weights(None, args.rollout_model, f"[ -f {args.rollout_model}/config.json ]", args.rollout_model)
         max_len = args.rollout_max_model_len or recipe.get("inference", {}).get("max_model_len")
         if not max_len:
             raise ValueError("the recipe has no [inference] max_model_len; give --rollout-max-model-len")
@@ -322,19 +462,20 @@ def render(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
         overrides = [
             "--inference.backend", "external",
             "--inference.base_url", urls[0] if len(urls) == 1 else json.dumps(urls),  # every server
-            "--inference.backend.server", "vllm",
+            "--inference.backend.server", args.rollout_server,
             # On the bucket mount, which the servers read at the same path.
             "--inference.backend.weights_dir", f"{DATA}/{args.name}/rollout_weights",
-            # The servers start after the warm start's export exists, then load and compile it.
-            "--inference.backend.startup_timeout_s", "3600",
+            # The servers start after the weights exist, then load and compile them.
+            "--inference.backend.startup_timeout_s", str(args.wait_timeout_s),
             *overrides,
         ]  # fmt: skip
         tp = rollout_tensor_parallel(args, recipe, roll)
-        pod = tpu_pod_spec(roll, rollout_container(args, model, max_len, tp), args.service_account, args.bucket)
+        pod = tpu_pod_spec(roll, rollout_container(args, weights, max_len, tp), args.service_account, args.bucket)
         jobs.append(replicated_job("rollout", roll, pod, replicas=args.rollout_replicas))
         # The run is over when the trainer is; the servers are then torn down with the JobSet.
         spec["successPolicy"] = {"operator": "All", "targetReplicatedJobs": ["trainer"]}
-    pod = tpu_pod_spec(train, trainer_container(args, train, overrides), args.service_account, args.bucket)
+    pod = tpu_pod_spec(train, trainer_container(args, train, run_weights(args, recipe), overrides),
+                       args.service_account, args.bucket)  # fmt: skip
     jobs.insert(0, replicated_job("trainer", train, pod))
     spec["replicatedJobs"] = jobs
     return {
@@ -379,6 +520,29 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--rollout-max-model-len", type=int, default=None, help="default: [inference] max_model_len"
     )
+    p.add_argument(
+        "--model", default=None,
+        help="starting weights: a hub id (org/name) or gs:// path, fetched once per run into the bucket "
+        "(default: the recipe's [model] name when it is a hub id)",
+    )  # fmt: skip
+    p.add_argument("--model-revision", default=None, help="hub revision (branch, tag or commit) of --model")
+    p.add_argument(
+        "--hf-token-secret", default=None,
+        help="Kubernetes secret holding a Hugging Face token (NAME or NAME:KEY, key default 'token'), for gated models",
+    )  # fmt: skip
+    p.add_argument(
+        "--extra-pip", action="append", default=[],
+        help="pip requirement installed in every trainer pod at start (your env package, e.g. "
+        "/data/wheels/my_env-0.1-py3-none-any.whl); repeatable",
+    )  # fmt: skip
+    p.add_argument(
+        "--rollout-server", choices=("vllm", "jaxrl"), default="vllm",
+        help="rollout server: vllm-tpu (--rollout-image) or python -m jaxrl.serve (the jaxrl image)",
+    )  # fmt: skip
+    p.add_argument(
+        "--wait-timeout-s", type=int, default=3600,
+        help="deadline of every wait (weights fetched or exported, rollout servers healthy)",
+    )
     p.add_argument("-o", "--output", default="-", help="output file (default: stdout)")
     return p
 
@@ -387,6 +551,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)
     args = parser().parse_args(argv[:cut])
+    for flag, value, low in (("--max-restarts", args.max_restarts, 0), ("--rollout-replicas", args.rollout_replicas, 1),
+                             ("--wait-timeout-s", args.wait_timeout_s, 1)):  # fmt: skip
+        if value < low:
+            print(f"error: {flag} {value}: must be >= {low}", file=sys.stderr)
+            return 2
     try:
         manifest = render(args, argv[cut + 1 :])
     except (ValueError, FileNotFoundError) as e:

@@ -214,3 +214,33 @@ def test_both_seats_of_a_duel_train(warm_start, tmp_path) -> None:
 def _steps_done(out: Path) -> int:
     path = out / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.slow
+def test_off_policy_losses_run_async_with_their_metrics(warm_start, tmp_path) -> None:
+    """GSPO with a geometric MIS mask, per-token staleness down-weighting and dynamic sampling,
+    at max_async_level 2: the whole path (versions through packing, sequence normalisation, the
+    refill loop) runs, and the off-policy metrics describe the batch. (A rollout's version is
+    the one it was dispatched under, so with the trainer faster than rollouts most tokens lag
+    by 2 here: ``mode = "drop"`` with ``max_lag = 1`` would drop whole batches.)"""
+    out = tmp_path / "gspo"
+    loss = {"type": "gspo", "mis": {"level": "geometric", "low": 0.5, "high": 2.0},
+            "staleness": {"max_lag": 1, "mode": "downweight", "decay": 0.5}}  # fmt: skip
+    cfg = rl_config(warm_start, out, trainer={"steps": 4, "loss": loss}, orchestrator={
+        "max_async_level": 2, "dynamic_sampling": {"max_refills": 2}})  # fmt: skip
+    del cfg["orchestrator"]["eval"]
+    run_rl(build_config(cfg, []))
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        hist = [r[f"train/stale_lag{b}_frac"] for b in ("0", "1", "2", "3p")]
+        assert sum(hist) == pytest.approx(1.0, abs=1e-5) and hist[3] == 0.0, r  # lag <= max_async_level
+        assert r["train/policy_lag_max"] <= 2 and r["train/stale_dropped_frac"] == 0.0  # down-weighted, kept
+        assert 0 < r["train/rl_seqs"] <= r["train/samples"], r
+        assert r["train/seq_ratio_min"] <= r["train/seq_ratio_mean"] <= r["train/seq_ratio_max"]
+        assert r["train/ratio_min"] <= r["train/ratio_mean"] <= r["train/ratio_max"]
+        assert 0 <= r["train/mis_rejected_frac"] <= 1 and math.isfinite(r["train/rl_loss"])
+        assert r["train/dynamic_refills"] <= 2
+    # step 1 trains on version-0 rollouts with version-0 weights: the ratio is 1 to fp32 precision
+    assert rows[0]["train/stale_lag0_frac"] == 1.0
+    assert abs(rows[0]["train/ratio_mean"] - 1.0) < 1e-3 and rows[0]["train/grad_norm"] > 0

@@ -11,12 +11,14 @@ from verifiers.v1.trace import AgentInfo, TraceTask
 from jaxrl.envs.alphabet_sort import AlphabetSortConfig, AlphabetSortTaskset, parse_names
 from jaxrl.envs.common import draw_split, similarity, split_of
 from jaxrl.envs.lookup import LookupConfig, LookupTaskset, code, lookup, reference_conversation
+from jaxrl.envs.needle import NeedleConfig, NeedleTaskset
 from jaxrl.envs.reverse_text import ReverseTextConfig, ReverseTextTaskset
 
 TASKSETS = {
     "reverse_text": (ReverseTextTaskset, ReverseTextConfig),
     "alphabet_sort": (AlphabetSortTaskset, AlphabetSortConfig),
     "lookup": (LookupTaskset, LookupConfig),
+    "needle": (NeedleTaskset, NeedleConfig),
 }
 
 
@@ -98,6 +100,23 @@ def test_reverse_text_reward():
     assert score(task, ("q", "")).reward == 0.0
     partial = score(task, ("q", task.data.answer[:-1])).reward
     assert partial == pytest.approx(similarity(task.data.answer[:-1], task.data.answer)) and 0 < partial < 1
+
+
+def test_needle_buries_one_fact_at_a_seeded_depth_and_rewards_the_code():
+    tasks = load("needle", num_tasks=30, context_words=200, seed=1)
+    depths = set()
+    for task in tasks:
+        document, question = task.data.prompt.split("\n\n")
+        key = question.removeprefix("What is the code for ").removesuffix("?")
+        needle = f"The code for {key} is {task.data.answer}."
+        assert document.count("The code for") == 1 and needle in document
+        assert len(document.split()) == 200 + len(needle.split())
+        depths.add(document.split().index("The"))
+    assert len(depths) > 10  # the needle moves through the document
+    task = tasks[0]
+    assert score(task, ("q", task.data.answer)).reward == 1.0
+    assert score(task, ("q", f" {task.data.answer}\n")).reward == 1.0
+    assert score(task, ("q", "")).reward == 0.0
 
 
 def test_alphabet_sort_rewards_every_turn():

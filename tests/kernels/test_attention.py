@@ -12,6 +12,7 @@ import pytest
 
 from jaxrl.models.decoder import attention, packed_causal_mask
 from jaxrl_kernels.attention import (
+    blocked_segment_attention_reference,
     segment_attention,
     segment_attention_reference,
     select_attention,
@@ -59,6 +60,15 @@ def test_reference_matches_decoder_attention():
     seg = jnp.asarray(SEGMENTS_13)
     expected = jax.jit(attention)(q, k, v, packed_causal_mask(seg))
     np.testing.assert_allclose(segment_attention_reference(q, k, v, seg), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("block", [4, 5, 13, 64])
+def test_blocked_reference_matches_dense_reference(block):
+    """Query blocks that split segments, a last partial block, one block for all: same output and
+    gradients as the dense reference."""
+    q, k, v, cot = _qkv(2, 13, 4, 2, 8, seed=3)
+    blocked = lambda q, k, v, seg: blocked_segment_attention_reference(q, k, v, seg, block=block)  # noqa: E731
+    _assert_matches_reference(blocked, q, k, v, jnp.asarray(SEGMENTS_13), cot)
 
 
 @pytest.mark.parametrize(

@@ -82,8 +82,11 @@ def train_args(job: dict) -> list[str]:
     """The ``jaxrl.train`` arguments of the trainer container (entry point flags removed)."""
     cmd = pod(job)["containers"][0]["command"]
     assert cmd[:2] == ["python", "/app/launch/gke/entrypoint.py"]
-    i = cmd.index("--output-root")
-    args = cmd[2:i] + cmd[i + 2 :]
+    args = list(cmd[2:])
+    for flag in ("--output-root", "--fetch", "--fetch-to", "--fetch-revision", "--pip", "--wait-timeout-s"):
+        while flag in args:
+            i = args.index(flag)
+            del args[i : i + 2]
     j = args.index("--config") + 1
     return [*args[:j], str(ROOT / args[j]), *args[j + 1 :]]  # recipe paths are relative to the repo
 
@@ -116,7 +119,8 @@ def test_unknown_slice_is_a_clear_error(bad, capsys) -> None:
     ("slice_name", "hosts", "chips"), [("v5e-16", 4, 4), ("v6e-32", 8, 4), ("v5e-8", 1, 8), ("v5p-32", 4, 4)]
 )
 def test_trainer_jobset(tmp_path, slice_name, hosts, chips) -> None:
-    m = rendered(tmp_path, ["--slice", slice_name, *BASE, "--name", "rt", "--", "--trainer.steps", "100"])
+    roll = ["--rollout-slice", "v6e-8"] if hosts > 1 else []  # multi-host RL: rollout servers of their own
+    m = rendered(tmp_path, ["--slice", slice_name, *BASE, *roll, "--name", "rt", "--", "--trainer.steps", "100"])
     assert (m["apiVersion"], m["kind"], m["metadata"]["name"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet", "rt")
     assert (
         m["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"]
@@ -124,7 +128,7 @@ def test_trainer_jobset(tmp_path, slice_name, hosts, chips) -> None:
     )
     assert m["spec"]["failurePolicy"] == {"maxRestarts": 3, "rules": [{
         "name": "preempted", "action": "RestartJobSetAndIgnoreMaxRestarts", "onJobFailureReasons": ["PodFailurePolicy"]}]}
-    assert list(jobs(m)) == ["trainer"]
+    assert list(jobs(m)) == ["trainer", "rollout"] if roll else ["trainer"]
     job = jobs(m)["trainer"]
     assert job["replicas"] == 1
     spec = job["template"]["spec"]
@@ -324,3 +328,122 @@ def test_sigterm_reaches_the_trainer_process(tmp_path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+local = load("local")
+
+
+@pytest.mark.parametrize("slice_name", ["v6e-16", "v5p-32"])
+@pytest.mark.parametrize("config", ["configs/reverse_text/rl.toml", "configs/qwen3_8b/rl.toml"])
+def test_multihost_rl_on_the_embedded_engine_is_refused_naming_the_flag(capsys, slice_name, config) -> None:
+    assert render.main(["--slice", slice_name, "--image", IMAGE, "--bucket", "B", "--config", config]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "add --rollout-slice" in err and slice_name in err
+    # ... and with the flag it names, the layout renders.
+    assert render.main(["--slice", slice_name, "--image", IMAGE, "--bucket", "B", "--config", config,
+                        "--rollout-slice", "v6e-8", "-o", "/dev/null"]) == 0  # fmt: skip
+
+
+def test_multihost_rl_on_the_embedded_engine_is_refused_at_config_time(monkeypatch) -> None:
+    """On the slice the process count is GKE's TPU_WORKER_HOSTNAMES: the check fires while the
+    config loads, before jax.distributed or a warm start does any work."""
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "h0,h1,h2,h3")
+    args = ["--config", str(ROOT / "configs/reverse_text/rl.toml"), "--distributed.enabled", "true"]
+    with pytest.raises(ValueError, match='inference.backend = "embedded" with several processes'):
+        load_config(args)
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES")
+    assert load_config(args)[0].distributed.expected_processes() == 1
+
+
+def test_warmstart_resolves_against_the_recipe_from_any_directory(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg, _ = load_config(["--config", str(ROOT / "configs/reverse_text/rl.toml")])
+    assert Path(cfg.warmstart.config) == ROOT / "configs/reverse_text/sft.toml"
+    assert cfg.warmstart_export() == Path("outputs/reverse_text/sft/hf")  # outputs stay relative to the run
+
+
+def test_a_hub_model_is_fetched_once_and_every_wait_has_a_deadline(tmp_path) -> None:
+    m = rendered(tmp_path, ["--slice", "v5p-32", "--image", IMAGE, "--bucket", "B", "--config",
+                            "configs/qwen3_8b/rl.toml", "--name", "q8", "--rollout-slice", "v6e-8",
+                            "--hf-token-secret", "hf", "--extra-pip", "/data/wheels/my_env-0.1-py3-none-any.whl"])  # fmt: skip
+    trainer = pod(jobs(m)["trainer"])["containers"][0]
+    cmd = trainer["command"]
+    assert cmd[cmd.index("--fetch") + 1] == "Qwen/Qwen3-8B" and cmd[cmd.index("--fetch-to") + 1] == "/data/q8/model"
+    assert cmd[cmd.index("--model.name") + 1] == "/data/q8/model"
+    assert cmd[cmd.index("--pip") + 1] == "/data/wheels/my_env-0.1-py3-none-any.whl"
+    assert trainer["env"] == [
+        {"name": "JAX_COMPILATION_CACHE_DIR", "value": "/data/q8/jax_cache"},  # restarts skip compiles
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+    ]
+    serve = pod(jobs(m)["rollout"])["containers"][0]["command"][-1]
+    assert "until [ -f /data/q8/model/.jaxrl-fetched.json ]" in serve and "SECONDS + 3600" in serve
+    assert "exit 1" in serve and "vllm serve /data/q8/model " in serve
+    # The trainer's command, entry point flags removed, is a valid run of the fetched model.
+    args = train_args(jobs(m)["trainer"])
+    args[args.index("--model.name") + 1] = str(ROOT / "tests")  # any directory: the fetched weights are not here
+    cfg, _ = load_config(args)
+    assert cfg.inference.backend.type == "external"
+
+
+def test_a_model_no_pod_can_read_is_refused(tmp_path, capsys) -> None:
+    recipe = tmp_path / "r.toml"
+    recipe.write_text((ROOT / "configs/qwen3_8b/rl.toml").read_text().replace('"Qwen/Qwen3-8B"', '"./models/Qwen3-8B"'))
+    assert render.main(["--slice", "v6e-8", "--image", IMAGE, "--bucket", "B", "--config", str(recipe)]) == 2
+    assert "add --model ORG/NAME" in capsys.readouterr().err
+
+
+def test_fetch_copies_a_hub_snapshot_once_and_waiters_time_out_naming_it(tmp_path, monkeypatch) -> None:
+    cache = tmp_path / "hub" / "models--org--tiny"
+    snap = cache / "snapshots" / ("1" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (snap / "model.safetensors").write_bytes(b"x" * 10)
+    (cache / "refs").mkdir()
+    (cache / "refs" / "main").write_text("1" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    dest = tmp_path / "bucket" / "model"
+    monkeypatch.setattr(entrypoint, "WAIT_POLL_S", 0.05)
+    with pytest.raises(TimeoutError, match=r"org/tiny .* not there after 0.2 s"):
+        entrypoint.wait_for(dest / entrypoint.FETCHED_MARKER, 0.2, "org/tiny (fetched by process 0)")
+    entrypoint.fetch_weights("org/tiny", dest, None)
+    assert (dest / "model.safetensors").read_bytes() == b"x" * 10
+    assert json.loads((dest / entrypoint.FETCHED_MARKER).read_text())["source"] == "org/tiny"
+    (dest / "model.safetensors").write_bytes(b"y")
+    entrypoint.fetch_weights("org/tiny", dest, None)  # a restart: already there, not fetched again
+    assert (dest / "model.safetensors").read_bytes() == b"y"
+    with pytest.raises(FileExistsError, match="new --name"):
+        entrypoint.fetch_weights("org/other", dest, None)
+    entrypoint.wait_for(dest / entrypoint.FETCHED_MARKER, 0.2, "org/tiny")
+
+
+def test_local_runner_maps_names_mounts_and_the_failure_policy(tmp_path) -> None:
+    m = rendered(tmp_path, ["--slice", "v5p-16", *BASE, "--name", "rt", "--rollout-slice", "v5e-1",
+                            "--rollout-replicas", "2", "--rollout-server", "jaxrl"])  # fmt: skip
+    pods = local.plan(m, "127.9.9")
+    assert [(p.name, p.address, p.chips, p.peers) for p in pods] == [
+        ("rt-trainer-0-0", "127.9.9.2", 4, ["127.9.9.2", "127.9.9.3"]),
+        ("rt-trainer-0-1", "127.9.9.3", 4, ["127.9.9.2", "127.9.9.3"]),
+        ("rt-rollout-0-0", "127.9.9.4", 1, ["127.9.9.4"]),
+        ("rt-rollout-1-0", "127.9.9.5", 1, ["127.9.9.5"]),
+    ]
+    names = {p.hostname: p.address for p in pods}
+    text = local.translate('["http://rt-rollout-1-0.rt:8000/v1"] /data/rt --host 0.0.0.0 /app/x /database',
+                           pods[2], names, Path("/b"), Path("/i"))  # fmt: skip
+    assert text == '["http://127.9.9.5:8000/v1"] /b/rt --host 127.9.9.4 /i/x /database'
+    env = local.pod_env(pods[1], names, Path("/b"), Path("/i"))
+    assert (env["TPU_WORKER_ID"], env["TPU_WORKER_HOSTNAMES"]) == ("1", "127.9.9.2,127.9.9.3")
+    assert env["XLA_FLAGS"].endswith("=4") and env["JAX_COORDINATOR_BIND_ADDRESS"] == "127.9.9.3:8476"
+    assert local.failure_reason(pods[0], 75) == "PodFailurePolicy"  # preempted: a free restart
+    assert local.failure_reason(pods[0], 1) == "BackoffLimitExceeded"  # counted against maxRestarts
+    assert local.failure_reason(pods[2], 75) == "BackoffLimitExceeded"  # the rule names the trainer container
+
+
+def test_a_user_package_that_does_not_install_stops_the_pod_naming_it(tmp_path) -> None:
+    missing = tmp_path / "my_env-0.1-py3-none-any.whl"
+    with pytest.raises(RuntimeError, match=f"--pip {missing}: pip install failed"):
+        entrypoint.pip_install([str(missing)])

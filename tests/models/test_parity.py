@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,22 @@ FAMILIES = {
         },
     ),
     "qwen2": dict(cls="Qwen2Config", tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
-}
+    # Long-context scalings as the checkpoints ship them (max_position_embeddings 128 = 2 x 64).
+    # theta 100 and an original length of 64 put YaRN's ramp across dimensions 0..5 of 8.
+    "qwen3_yarn": dict(
+        cls="Qwen3Config", head_dim=16, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 100.0, "factor": 2.0, "original_max_position_embeddings": 64},
+    ),
+    "qwen2_yarn_explicit": dict(
+        cls="Qwen2Config", tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 100.0, "factor": 2.0, "original_max_position_embeddings": 64,
+                         "attention_factor": 1.3, "beta_fast": 16.0, "beta_slow": 2.0},
+    ),
+    "llama_linear": dict(
+        cls="LlamaConfig", head_dim=16, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "linear", "rope_theta": 5e5, "factor": 4.0},
+    ),
+}  # fmt: skip
 
 
 def make_hf_model(family: str, out_dir, *, sharded: bool = False) -> transformers.PreTrainedModel:
@@ -63,13 +79,42 @@ def test_logits_match_transformers(family: str, tmp_path) -> None:
     hf = make_hf_model(family, tmp_path)
     ours = load_decoder(tmp_path)
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 97, size=(2, 24))
+    length = 96 if "_" in family else 24  # the scaled ones past their original 64 positions
+    tokens = rng.integers(0, 97, size=(2, length))
     with torch.no_grad():
         want = hf(torch.tensor(tokens)).logits.numpy()
-    positions = np.broadcast_to(np.arange(24), (2, 24))
+    positions = np.broadcast_to(np.arange(length), (2, length))
     hidden, _ = ours(jnp.asarray(tokens), jnp.asarray(positions))
     got = np.asarray(ours.logits(hidden))
     assert np.abs(got - want).max() <= 1e-4
+
+
+@pytest.mark.parametrize(("rope", "needle"), [
+    ({"rope_type": "dynamic", "factor": 2.0}, "rope_parameters.rope_type 'dynamic' is not supported (NTK-dynamic"),
+    ({"rope_type": "longrope", "factor": 2.0}, "supported: 'default', 'linear', 'llama3', 'yarn'"),
+    ({"rope_type": "linear"}, "rope_type 'linear' needs factor"),
+    ({"rope_type": "yarn", "factor": -1.0}, "rope_parameters.factor must be > 0"),
+])  # fmt: skip
+def test_unsupported_or_incomplete_rope_scaling_fails_at_load_naming_the_field(rope, needle) -> None:
+    from jaxrl.models.arch import arch_from_hf_config
+
+    cfg = {"model_type": "qwen3", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "max_position_embeddings": 128, "rope_parameters": {"rope_theta": 1e6, **rope}}  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        arch_from_hf_config(cfg)
+
+
+def test_legacy_rope_scaling_field_is_read_like_rope_parameters() -> None:
+    """Older config.json files carry ``rope_scaling`` (with ``type``) and a top-level rope_theta."""
+    from jaxrl.models.arch import arch_from_hf_config
+
+    base = {"model_type": "qwen2", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "max_position_embeddings": 131072, "rope_theta": 1e6}  # fmt: skip
+    legacy = arch_from_hf_config({**base, "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}})
+    new = arch_from_hf_config({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                                           "original_max_position_embeddings": 32768}})  # fmt: skip
+    assert legacy == new and new.rope_attention_scale() == pytest.approx(0.1 * np.log(4.0) + 1)
+    assert not np.allclose(new.inv_freq(), arch_from_hf_config(base).inv_freq())
 
 
 def test_sharded_index_load_and_roundtrip(tmp_path) -> None:

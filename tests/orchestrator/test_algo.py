@@ -360,3 +360,14 @@ def test_rae_baselines_per_env_example_and_role():
     a.advantages(g), b.advantages(g[::-1])
     assert a.baselines == pytest.approx(b.baselines)
     assert a.advantages([debate(1.0, 0.0)]) == pytest.approx(b.advantages([debate(1.0, 0.0)]))
+
+
+def test_every_algorithm_declares_its_loss_components() -> None:
+    """The run reads components, not algorithm names (jaxrl.rl.unused_metrics, load_teachers)."""
+    import typing
+
+    from jaxrl.orchestrator.algo import AlgoConfig
+
+    declared = {c.model_fields["type"].default: c.loss_components for c in typing.get_args(typing.get_args(AlgoConfig)[0])}
+    assert declared == {"grpo": {"rl"}, "max_rl": {"rl"}, "rae": {"rl"}, "echo": {"rl", "ce"}, "opd": {"ref_kl"},
+                        "sft": {"ce"}}  # fmt: skip

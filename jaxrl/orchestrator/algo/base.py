@@ -14,7 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -22,9 +22,19 @@ from pydantic import BaseModel, ConfigDict
 from jaxrl.orchestrator.traces import Branch, Rollout, branch_sample, trace_branches, trace_reward
 from jaxrl.samples import TrainingSample
 
+LossComponent = Literal["rl", "ce", "ref_kl"]
+
 
 class AlgoConfigBase(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    loss_components: ClassVar[frozenset[LossComponent]] = frozenset()
+    """The trainer's loss components (DESIGN contract 3) an algorithm's samples can weight: the
+    run reads these (which metrics mean something, what to load) instead of algorithm names."""
+
+    def teacher_config(self) -> Any:
+        """The teacher model whose log-probs the algorithm's ref-KL samples need, or None."""
+        return None
 
 
 class Algorithm(ABC):

@@ -17,12 +17,12 @@ import importlib
 import inspect
 from collections.abc import Callable
 from functools import cache
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
 
-from jaxrl.orchestrator.algo.base import AlgoConfigBase
+from jaxrl.orchestrator.algo.base import AlgoConfigBase, LossComponent
 from jaxrl.orchestrator.algo.grpo import GRPO, GRPOConfig, Selection
 from jaxrl.orchestrator.traces import Branch, NodeSpan
 
@@ -99,6 +99,7 @@ class EchoFilter(AlgoConfigBase):
 
 class EchoConfig(GRPOConfig):
     type: Literal["echo"] = "echo"  # type: ignore[assignment]
+    loss_components: ClassVar[frozenset[LossComponent]] = frozenset({"rl", "ce"})
     roles: EchoRoles = Field(default_factory=EchoRoles)
     """Per-role CE weights; unset roles are off."""
     filter: EchoFilter | None = None

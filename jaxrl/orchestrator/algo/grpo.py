@@ -9,14 +9,15 @@ rl_w = 0, so they add no RL tokens (nor their KL term) to the step.
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from jaxrl.orchestrator.algo.base import (
     AlgoConfigBase,
     Algorithm,
+    LossComponent,
     Member,
     TraceLengths,
     has_weight,
@@ -68,10 +69,40 @@ class LinearLengthPenalty(AlgoConfigBase):
         return rewards.mean() * frac
 
 
+class OverlongShaping(AlgoConfigBase):
+    """DAPO's soft overlong punishment, added to each member's reward before the group baseline:
+    with ``L`` the member's sampled (output) tokens, ``L_max = max_tokens`` and ``L_c = buffer``,
+    ``0`` if ``L <= L_max - L_c``; ``penalty * (L_max - L_c - L) / L_c`` up to ``L_max``; and
+    ``-penalty`` beyond. Long answers lose reward gradually instead of being cut off blind."""
+
+    max_tokens: int = Field(ge=2)
+    """``L_max``: output tokens at which the full penalty applies (usually the sampling
+    ``max_completion_tokens``, times the turns of a multi-turn env)."""
+    buffer: int = Field(ge=1)
+    """``L_c``: length of the soft band before ``max_tokens`` (1 <= buffer < max_tokens)."""
+    penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """Reward removed at (and beyond) ``max_tokens``."""
+
+    @model_validator(mode="after")
+    def _buffer_fits(self) -> OverlongShaping:
+        if self.buffer >= self.max_tokens:
+            raise ValueError(f"overlong.buffer = {self.buffer} must be below overlong.max_tokens = {self.max_tokens}")
+        return self
+
+    def shaping(self, output_tokens: np.ndarray) -> np.ndarray:
+        """The (non-positive) reward term of each member (float64)."""
+        start = self.max_tokens - self.buffer
+        soft = (start - output_tokens.astype(np.float64)) / self.buffer
+        return self.penalty * np.where(output_tokens <= start, 0.0, np.maximum(soft, -1.0))
+
+
 class GRPOConfig(AlgoConfigBase):
     type: Literal["grpo"] = "grpo"
+    loss_components: ClassVar[frozenset[LossComponent]] = frozenset({"rl"})
     length_penalty: LinearLengthPenalty | None = None
     """`[...algo.length_penalty]`: prime-rl's linear length penalty (None: off)."""
+    overlong: OverlongShaping | None = None
+    """`[...algo.overlong]`: DAPO's soft overlong punishment on completion length (None: off)."""
     std_normalize: bool = False
     """Divide each group's centred rewards by the group's standard deviation (DeepSeekMath's
     GRPO; prime-rl and Dr. GRPO centre only). With Adam the overall scale is irrelevant; what
@@ -164,6 +195,8 @@ class GRPO(GroupRelative):
             shaped = rewards - self.config.length_penalty.penalties(
                 rewards, [trace_lengths(m.trace) for m in group]
             )
+        if self.config.overlong is not None:
+            shaped = shaped + self.config.overlong.shaping(np.array([trace_lengths(m.trace).output_tokens for m in group]))
         centred = shaped - shaped.mean()
         if self.config.std_normalize:
             return centred / (shaped.std() + STD_EPS)

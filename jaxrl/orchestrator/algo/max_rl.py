@@ -9,16 +9,17 @@ policy solves with probability p gets ~1/p weight. One success in a group of fou
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 
-from jaxrl.orchestrator.algo.base import AlgoConfigBase, Member
+from jaxrl.orchestrator.algo.base import AlgoConfigBase, LossComponent, Member
 from jaxrl.orchestrator.algo.grpo import GroupRelative
 
 
 class MaxRLConfig(AlgoConfigBase):
     type: Literal["max_rl"] = "max_rl"
+    loss_components: ClassVar[frozenset[LossComponent]] = frozenset({"rl"})
 
 
 class MaxRL(GroupRelative):

@@ -10,11 +10,11 @@ fills each sample's `logr` before the step.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from jaxrl.orchestrator.algo.base import AlgoConfigBase, Algorithm, sampled_token_samples
+from jaxrl.orchestrator.algo.base import AlgoConfigBase, Algorithm, LossComponent, sampled_token_samples
 from jaxrl.orchestrator.traces import Rollout
 from jaxrl.samples import TrainingSample
 
@@ -30,8 +30,12 @@ class TeacherConfig(AlgoConfigBase):
 
 class OPDConfig(AlgoConfigBase):
     type: Literal["opd"] = "opd"
+    loss_components: ClassVar[frozenset[LossComponent]] = frozenset({"ref_kl"})
     teacher: TeacherConfig
     """`[orchestrator.train.env.algo.teacher]`: the model whose reverse KL the policy distills."""
+
+    def teacher_config(self) -> TeacherConfig:
+        return self.teacher
 
 
 class OPD(Algorithm):

@@ -16,17 +16,18 @@ orchestrator memory (a resumed run re-warms them).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 from pydantic import Field
 
-from jaxrl.orchestrator.algo.base import AlgoConfigBase, Member
+from jaxrl.orchestrator.algo.base import AlgoConfigBase, LossComponent, Member
 from jaxrl.orchestrator.algo.grpo import GroupRelative
 
 
 class RAEConfig(AlgoConfigBase):
     type: Literal["rae"] = "rae"
+    loss_components: ClassVar[frozenset[LossComponent]] = frozenset({"rl"})
     decay: float = Field(0.95, ge=0.0, lt=1.0)
     """EMA decay of each (env, example, role) baseline."""
 

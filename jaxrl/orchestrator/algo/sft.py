@@ -6,17 +6,18 @@ rejection-sampling fine-tune. Nothing goes to the RL component.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from jaxrl.orchestrator.algo.base import AlgoConfigBase, Algorithm, sampled_token_samples
+from jaxrl.orchestrator.algo.base import AlgoConfigBase, Algorithm, LossComponent, sampled_token_samples
 from jaxrl.orchestrator.traces import Rollout
 from jaxrl.samples import TrainingSample
 
 
 class SFTConfig(AlgoConfigBase):
     type: Literal["sft"] = "sft"
+    loss_components: ClassVar[frozenset[LossComponent]] = frozenset({"ce"})
     min_reward: float | None = None
     """Keep only rollouts with reward >= this (None keeps every successful rollout)."""
     weight: float = Field(1.0, gt=0.0)

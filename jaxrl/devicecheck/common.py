@@ -1,7 +1,8 @@
-"""What the accelerator run's correctness checks and benchmarks share: the device, its peak
-FLOP/s, the torch device beside it, the shapes of a full or a smoke run, and model builders.
+"""What the device check's correctness checks and benchmarks share: the device, its peak FLOP/s
+and bandwidth, the FLOP and byte counts the utilizations divide, the torch device beside it, the
+shapes of a full or a smoke run, and model builders.
 
-Split from ``accelerator.py`` (the command) so that each file keeps one job; nothing here runs
+Split from ``run.py`` (the command) so that each file keeps one job; nothing here runs
 anything on import. Models are built with the project's own builders
 (``jaxrl.models.setup.init_decoder``, random weights, the architecture of a released checkpoint
 from ``jaxrl.models.presets``) and handed to transformers through ``jaxrl.models.hf_io.export_hf``:
@@ -18,23 +19,26 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-# Dense bfloat16 peak per device (datasheets), matched in order against jax's ``device_kind``
-# (lower-cased): "NVIDIA H100 80GB HBM3", "NVIDIA H200", "TPU v5 lite" (v5e), "TPU v6 lite" (v6e),
-# "TPU v5" / "TPU v5p", "TPU v4". The first entry that is a substring wins, so the more specific
-# names come first. An unknown device has no MFU (null), never a guessed one.
-PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("h100 pcie", 756.0),
-    ("h100", 989.0),  # SXM
-    ("h200", 989.0),
-    ("a100", 312.0),
-    ("nvidia l4", 121.0),
-    ("v5 lite", 197.0),
-    ("v5e", 197.0),
-    ("v6 lite", 918.0),
-    ("v6e", 918.0),
-    ("v5p", 459.0),
-    ("tpu v5", 459.0),
-    ("v4", 275.0),
+# Per-chip datasheet peaks: dense bfloat16 TFLOP/s and HBM bandwidth (GB/s), matched in order
+# against jax's ``device_kind`` (lower-cased): "NVIDIA H100 80GB HBM3", "NVIDIA H200",
+# "NVIDIA A100-SXM4-80GB", "TPU v5 lite" (v5e), "TPU v6 lite" (v6e), "TPU v5" / "TPU v5p", "TPU v4".
+# The first key that is a substring wins, so the more specific names come first. An unknown
+# device has no MFU or bandwidth share (null), never a guessed one.
+DEVICE_PEAKS: tuple[tuple[str, float, float], ...] = (
+    ("h100 pcie", 756.0, 2000.0),
+    ("h100", 989.0, 3350.0),  # SXM
+    ("h200", 989.0, 4800.0),
+    ("a100-sxm4-40gb", 312.0, 1555.0),
+    ("a100-pcie-40gb", 312.0, 1555.0),
+    ("a100", 312.0, 2039.0),  # 80 GB
+    ("nvidia l4", 121.0, 300.0),
+    ("v5 lite", 197.0, 819.0),
+    ("v5e", 197.0, 819.0),
+    ("v6 lite", 918.0, 1640.0),
+    ("v6e", 918.0, 1640.0),
+    ("v5p", 459.0, 2765.0),
+    ("tpu v5", 459.0, 2765.0),
+    ("v4", 275.0, 1228.0),
 )
 
 # Targets printed beside the numbers; judged (``meets_target``) on the devices they are set for.
@@ -46,18 +50,57 @@ TARGETS = {
 }
 
 
-def peak_flops(device_kind: str) -> float | None:
-    """Peak dense bf16 FLOP/s of one device of this kind, None when it is not in the table."""
+def _peaks(device_kind: str) -> tuple[float, float] | None:
     kind = device_kind.lower()
-    for key, tflops in PEAK_BF16_TFLOPS:
+    for key, tflops, gbps in DEVICE_PEAKS:
         if key in kind:
-            return tflops * 1e12
+            return tflops, gbps
     return None
 
 
-def mfu(params: int, tokens: float, seconds: float, peak: float | None) -> float | None:
-    """6 * params * tokens / time / peak (the usual training-FLOPs estimate, attention left out)."""
-    return None if peak is None or seconds <= 0 else 6.0 * params * tokens / seconds / peak
+def peak_flops(device_kind: str) -> float | None:
+    """Peak dense bf16 FLOP/s of one device of this kind, None when it is not in the table."""
+    peaks = _peaks(device_kind)
+    return None if peaks is None else peaks[0] * 1e12
+
+
+def peak_bandwidth(device_kind: str) -> float | None:
+    """Peak HBM bytes/s of one device of this kind, None when it is not in the table."""
+    peaks = _peaks(device_kind)
+    return None if peaks is None else peaks[1] * 1e9
+
+
+def train_flops_per_token(arch: Any, seq_len: int, remat: str) -> tuple[float, float]:
+    """(model, hardware) FLOPs per trained token of a causal decoder over rows of ``seq_len``.
+
+    Model FLOPs are the usual MFU numerator, ``jaxrl.models.arch.Arch.flops_per_token``: 3 x the
+    forward's matmuls (6 x matmul params) plus 3 x the causal attention scores and values.
+    Hardware FLOPs add what ``remat`` recomputes in the backward pass of the scanned layers
+    (``jaxrl.models.decoder.REMAT_POLICIES``): "full" one more forward of every layer (matmuls and
+    attention; the LM head is outside the scan), "save_dots" the attention's batched dots only
+    (the projections' outputs are saved), "none" nothing."""
+    model = arch.flops_per_token(seq_len)
+    d, hd, layers = arch.hidden_size, arch.head_dim, arch.num_layers
+    attn_fwd = layers * 2 * 2 * arch.num_heads * hd * seq_len / 2
+    layer_matmuls = layers * (d * hd * (arch.num_heads * 2 + arch.num_kv_heads * 2) + 3 * d * arch.intermediate_size)
+    recompute = {"none": 0.0, "save_dots": attn_fwd, "full": 2.0 * layer_matmuls + attn_fwd}[remat]
+    return model, model + recompute
+
+
+def utilization(flops: float, seconds: float, peak: float | None) -> float | None:
+    """Achieved FLOP/s over the peak (MFU with model FLOPs, HFU with hardware FLOPs)."""
+    return None if peak is None or seconds <= 0 else flops / seconds / peak
+
+
+def decode_bytes_per_step(arch: Any, batch: int, context: float, weight_bytes: int, kv_bytes: int) -> float:
+    """HBM bytes one decode step must read at least: every weight once (the embedding table is a
+    gather, not read whole: left out unless tied to the LM head) and each row's KV cache up to
+    ``context`` positions. Decode is bandwidth-bound, so achieved bytes/s over the peak says how
+    close a decode step is to the hardware's limit."""
+    embed = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size
+    weights = (arch.num_params() - embed) * weight_bytes
+    kv = batch * context * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * kv_bytes
+    return weights + kv
 
 
 @dataclass(frozen=True)
@@ -68,6 +111,7 @@ class Device:
     kind: str
     count: int
     peak: float | None
+    bandwidth: float | None  # peak HBM bytes/s
     torch_device: str | None  # where torch runs the references; None: no torch at all
     torch_same_device: bool  # torch on the same device as jax (speed comparisons need it)
     torch_note: str  # why torch runs where it does (or not at all)
@@ -83,6 +127,7 @@ class Device:
             "device_kind": self.kind,
             "devices": self.count,
             "peak_bf16_tflops": None if self.peak is None else self.peak / 1e12,
+            "peak_hbm_gbps": None if self.bandwidth is None else self.bandwidth / 1e9,
             "torch_device": self.torch_device,
             "torch_note": self.torch_note,
             "jax": jax.__version__,
@@ -108,7 +153,8 @@ def detect_device(skip_torch: bool) -> Device:
             else:
                 torch_device = "cpu"
                 note = f"torch {torch.__version__} has no {platform} device here: CPU references only"
-    return Device(platform, dev.device_kind, jax.device_count(), peak_flops(dev.device_kind), torch_device, same, note)
+    kind = dev.device_kind
+    return Device(platform, kind, jax.device_count(), peak_flops(kind), peak_bandwidth(kind), torch_device, same, note)
 
 
 @dataclass(frozen=True)
@@ -132,7 +178,7 @@ class Shapes:
     repeats: int  # timed repeats of each decode measure (median reported)
     kernel_dims: dict[str, int]  # sizes of the kernel-vs-reference inputs
     rl_scratch: dict[str, Any]  # [model.scratch] of the RL run
-    rl_overrides: dict[str, Any] = field(default_factory=dict)  # on configs/reverse_text/rl.toml
+    rl_overrides: dict[str, Any] = field(default_factory=dict)  # on speed.RL_RECIPE
 
 
 def _tiny_qwen3(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, max_len: int) -> dict[str, Any]:
@@ -157,8 +203,10 @@ def qwen3_0_6b(layers: int | None = None, max_len: int = 40960) -> dict[str, Any
 
 
 def full_shapes() -> Shapes:
-    rl_tiny = {"hidden_size": 256, "intermediate_size": 768, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
-               "head_dim": 64, "max_position_embeddings": 256}
+    q = qwen3_0_6b()
+    rl_0_6b = {"hidden_size": q["hidden_size"], "intermediate_size": q["intermediate_size"],
+               "num_layers": q["num_hidden_layers"], "num_heads": q["num_attention_heads"],
+               "num_kv_heads": q["num_key_value_heads"], "head_dim": q["head_dim"], "max_position_embeddings": 256}
     return Shapes(
         parity=qwen3_0_6b(layers=2, max_len=4096),
         parity_tokens=(2, 128),
@@ -177,8 +225,9 @@ def full_shapes() -> Shapes:
         repeats=2,
         kernel_dims={"batch": 2, "seq": 1024, "heads": 16, "kv_heads": 8, "head_dim": 128, "cache_len": 1024,
                      "layers": 2, "tokens": 1024, "hidden": 1024, "vocab": 151936},
-        rl_scratch=rl_tiny,
-        rl_overrides={"inference": {"max_seqs": 64, "decode_batch_buckets": [64], "prefill_len_buckets": [256],
+        rl_scratch=rl_0_6b,  # Qwen3-0.6B's layers and widths (the byte tokenizer's vocabulary)
+        rl_overrides={"trainer": {"seq_len_buckets": [256]},  # one train-step compile of the 0.6B model
+                      "inference": {"max_seqs": 64, "decode_batch_buckets": [64], "prefill_len_buckets": [256],
                                     "prefill_batch_buckets": [8], "max_batched_tokens": 2048}},
     )
 

@@ -16,8 +16,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from accelerator_common import Device, Shapes, export_for_transformers, random_decoder, torch_free
 from flax import nnx
+
+from jaxrl.devicecheck.common import Device, Shapes, export_for_transformers, random_decoder, torch_free
 
 # Scaled error (max |got - want| / max |want|) allowed in float32 at highest precision.
 F32_TOL = {"cpu": 1e-4, "gpu": 1e-3, "tpu": 1e-3}

@@ -1,4 +1,5 @@
-"""Speed on the device: each function returns JSON-able lines ``{"bench": name, ...}``.
+"""Speed on the device: each measure yields JSON-able lines ``{"bench": name, ...}`` as soon as
+each number is taken (the runner writes each line at once, so a later failure loses nothing).
 
 Torch runs before jax within each measure and hands its cached memory back afterwards
 (``torch_free``): jax runs without preallocation and keeps what it grew, so torch gets the
@@ -7,26 +8,34 @@ device first.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
-from accelerator_common import (
+
+from jaxrl.devicecheck.common import (
     TARGETS,
     Device,
     Shapes,
-    mfu,
+    decode_bytes_per_step,
     one_device_mesh,
     random_decoder,
     torch_dtype,
     torch_free,
     torch_sync,
+    train_flops_per_token,
+    utilization,
 )
 
-OOM_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory")
+Lines = Iterator[dict[str, Any]]
+REMATS = {"none": "none", "dots": "save_dots", "full": "full"}  # measure suffix -> TrainerConfig.remat
 
 
 def _dtype(dev: Device) -> str:
@@ -40,9 +49,9 @@ def _target(dev: Device, key: str, value: float | None) -> dict[str, Any]:
     return {"target": f">= {goal}", "meets_target": met}
 
 
-def _torch_train(dev: Device, shapes: Shapes, tokens: np.ndarray, remat: str) -> dict[str, Any]:
+def _torch_train(dev: Device, shapes: Shapes, tokens: np.ndarray, checkpointing: bool) -> dict[str, Any]:
     """transformers + torch: bf16 autocast on float32 weights, AdamW (as jaxrl's optimizer),
-    gradient checkpointing when jaxrl recomputes too. Best of the timed steps."""
+    gradient checkpointing on or off. Best of the timed steps."""
     import torch
     import transformers
 
@@ -51,7 +60,7 @@ def _torch_train(dev: Device, shapes: Shapes, tokens: np.ndarray, remat: str) ->
     torch.manual_seed(0)
     cfg = transformers.Qwen3Config.from_dict(shapes.train)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().to(device).train()
-    if remat != "none":  # transformers 5.24 renamed it; the CUDA image's 5.17 has the old name only
+    if checkpointing:  # transformers 5.24 renamed it; the CUDA image's 5.17 has the old name only
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable()
         else:
@@ -75,77 +84,77 @@ def _torch_train(dev: Device, shapes: Shapes, tokens: np.ndarray, remat: str) ->
         step()  # warm-up
         times = [step() for _ in range(shapes.train_steps)]
     finally:
-        del model, opt
+        model = opt = None  # drop torch's references before handing its memory back
         torch_free(device)
-    return {"step_s": min(times), "tokens_per_s": tokens.size / min(times), "gradient_checkpointing": remat != "none"}
+    return {"step_s": min(times), "tokens_per_s": tokens.size / min(times), "gradient_checkpointing": checkpointing}
 
 
-def _jaxrl_trainer(shapes: Shapes, dtype: str, remat: str, peak: float | None) -> Any:
+def _jaxrl_trainer(shapes: Shapes, dtype: str, remat: str) -> Any:
     from jaxrl.trainer.config import TrainerConfig
     from jaxrl.trainer.step import Trainer
 
     cfg = TrainerConfig(seq_len=shapes.train_seq, seq_len_buckets=[shapes.train_seq],
-                        micro_batch_rows=shapes.train_rows, steps=shapes.train_steps + 1, remat=remat)
+                        micro_batch_rows=shapes.train_rows, steps=shapes.train_steps + 2, remat=remat)
     model = random_decoder(shapes.train, param_dtype=jnp.float32, dtype=jnp.dtype(dtype))
-    return Trainer(model, cfg, one_device_mesh(), peak_flops=peak)
+    return Trainer(model, cfg, one_device_mesh())
 
 
-def train_step(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
+def train_step(dev: Device, shapes: Shapes, *, remat: str, profile_dir: Path | None = None) -> Lines:
     """Optimizer steps of ``jaxrl.trainer.step.Trainer`` on ``rows x seq`` tokens of the train
-    model (random weights), then the same on transformers + torch where torch sees this device."""
+    model (random weights) with this ``remat`` policy, after transformers + torch at the same
+    setting (gradient checkpointing for "full", none for "none"; torch has no save-dots policy).
+
+    ``mfu`` counts model FLOPs (6N + attention), ``hfu`` adds what the policy recomputes
+    (``common.train_flops_per_token``): the two differ by the price of recomputation."""
     from jaxrl.models.arch import arch_from_hf_config
     from jaxrl.samples import TrainingSample
-    from jaxrl.trainer.config import TrainerConfig
 
+    policy = REMATS[remat]
+    name = f"train_remat_{remat}"
     arch = arch_from_hf_config(shapes.train)
     dtype = _dtype(dev)
     tokens = np.random.default_rng(0).integers(0, arch.vocab_size, (shapes.train_rows, shapes.train_seq))
     samples = [TrainingSample.sft(t, np.ones(len(t))) for t in tokens]
-    remat = TrainerConfig(remat="auto").remat_policy(dev.platform)
-    lines = []
 
-    torch_line: dict[str, Any] = {"bench": "train_step", "impl": "transformers"}
-    if not dev.torch_same_device:
+    torch_line: dict[str, Any] = {"bench": name, "impl": "transformers", "remat": policy}
+    torch_tok_s = None
+    if policy == "save_dots":
+        torch_line["skipped"] = "transformers has no save-the-matmuls checkpointing policy to match"
+    elif not dev.torch_same_device:
         torch_line["skipped"] = dev.torch_note if dev.torch_device is None else f"torch does not see the {dev.platform}"
-        torch_result = None
     else:
         try:
-            torch_result = _torch_train(dev, shapes, tokens, remat)
-            torch_line |= torch_result
+            result = _torch_train(dev, shapes, tokens, checkpointing=policy == "full")
+            torch_line |= result
+            torch_tok_s = result["tokens_per_s"]
         except Exception as e:  # noqa: BLE001 - reported in its line; jaxrl's own measure still runs
-            torch_result = None
             torch_line["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    yield torch_line
 
-    note, trainer = None, None
-    try:
-        trainer = _jaxrl_trainer(shapes, dtype, remat, dev.peak)
-        first = trainer.train_step(samples)  # compile + warm-up
-    except Exception as e:  # noqa: BLE001
-        if remat != "none" or not any(m in str(e) for m in OOM_MARKERS):
-            raise
-        note = f'remat "auto" resolved to "none" on {dev.platform} and ran out of memory; rerun with "full"'
-        remat, trainer = "full", None  # drop the first attempt's state before the second
-        trainer = _jaxrl_trainer(shapes, dtype, remat, dev.peak)
-        first = trainer.train_step(samples)
+    trainer = _jaxrl_trainer(shapes, dtype, policy)
+    first = trainer.train_step(samples)  # compile + warm-up
     steps = [trainer.train_step(samples) for _ in range(shapes.train_steps)]
     best = min(steps, key=lambda m: m["time/train_s"])
     seconds = best["time/train_s"]
     n_tok = float(tokens.size)
-    value = mfu(arch.num_params(), n_tok, seconds, dev.peak)
-    line = {"bench": "train_step", "impl": "jaxrl", "tokens_per_s": n_tok / seconds, "step_s": seconds,
+    model_flops, hw_flops = train_flops_per_token(arch, shapes.train_seq, policy)
+    value = utilization(model_flops * n_tok, seconds, dev.peak)
+    line = {"bench": name, "impl": "jaxrl", "remat": policy, "tokens_per_s": n_tok / seconds, "step_s": seconds,
             "step_s_median": statistics.median(m["time/train_s"] for m in steps), "first_step_s": first["time/train_s"],
-            "mfu": value, "mfu_with_attention": best.get("mfu"), "params": arch.num_params(),
-            "layers": arch.num_layers, "rows": shapes.train_rows, "seq": shapes.train_seq, "dtype": dtype,
-            "param_dtype": "float32", "remat": remat, "kernels": trainer.kernels.impl,
+            "mfu": value, "hfu": utilization(hw_flops * n_tok, seconds, dev.peak),
+            "model_tflops_per_step": model_flops * n_tok / 1e12, "hw_tflops_per_step": hw_flops * n_tok / 1e12,
+            "params": arch.num_params(), "layers": arch.num_layers, "rows": shapes.train_rows,
+            "seq": shapes.train_seq, "dtype": dtype, "param_dtype": "float32", "kernels": trainer.kernels.impl,
             "loss": best["ce_loss"], **_target(dev, "train_step_mfu", value)}
-    if note:
-        line["remat_note"] = note
-    lines.append(line)
-    if torch_result is not None:
-        ratio = line["tokens_per_s"] / torch_result["tokens_per_s"]
-        torch_line |= {"jaxrl_over_transformers": ratio, **_target(dev, "train_step_vs_transformers", ratio)}
-    lines.append(torch_line)
-    return lines
+    if torch_tok_s is not None:
+        ratio = line["tokens_per_s"] / torch_tok_s
+        line |= {"over_transformers": ratio, "vs_transformers": _target(dev, "train_step_vs_transformers", ratio)}
+    yield line
+    if profile_dir is not None:
+        with jax.profiler.trace(str(profile_dir)):
+            trainer.train_step(samples)
+        yield {"bench": name, "impl": "jaxrl", "profile_dir": str(profile_dir),
+               "note": "one train step under jax.profiler.trace (TensorBoard / xprof)"}
 
 
 def _hf_generate(dev: Device, shapes: Shapes, dtype: str, prompts: np.ndarray) -> float:
@@ -178,14 +187,19 @@ def _hf_generate(dev: Device, shapes: Shapes, dtype: str, prompts: np.ndarray) -
     return len(prompts) * shapes.decode_new / statistics.median(times)
 
 
-def decode(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
+def decode(dev: Device, shapes: Shapes) -> Lines:
     """Greedy decode throughput of the engine (``jaxrl.engine.engine.Engine``, random weights
     of the decode model) at each batch size, vs transformers ``generate`` on the same device.
-    Times include prefill; ``decode_new`` tokens per sequence, no stop token."""
+    Times include prefill; ``decode_new`` tokens per sequence, no stop token.
+
+    ``hbm_share``: the HBM bandwidth the decode steps reach over the device's peak, counting the
+    bytes each step must read (``common.decode_bytes_per_step``: the weights once, the KV cache
+    at the mean context). Prefill is in the time, so it is a lower bound."""
     from jaxrl.engine.config import EngineConfig
     from jaxrl.engine.engine import Engine
     from jaxrl.engine.sampling import SamplingParams
     from jaxrl.engine.scheduler import Request
+    from jaxrl.models.arch import arch_from_hf_config
 
     dtype = _dtype(dev)
     vocab = shapes.decode["vocab_size"]
@@ -213,9 +227,10 @@ def decode(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
     del model
     warmup_s = engine.warmup()
     params = SamplingParams(max_tokens=shapes.decode_new, temperature=0.0)
-    lines = []
+    arch = arch_from_hf_config(shapes.decode)
+    width = jnp.dtype(dtype).itemsize
     for b, prompts in batches.items():
-        def run() -> float:
+        def run(prompts: np.ndarray = prompts) -> float:
             reqs = [Request(p.tolist(), params) for p in prompts]
             t0 = time.perf_counter()
             outs = engine.generate(reqs)
@@ -227,7 +242,10 @@ def decode(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
         engine.generate([Request([1, 2], SamplingParams(max_tokens=1))])  # no prefix-cache hits on the timed run
         seconds = statistics.median(run() for _ in range(shapes.repeats))
         tok_s = b * shapes.decode_new / seconds
+        step_bytes = decode_bytes_per_step(arch, b, shapes.decode_prompt + shapes.decode_new / 2, width, width)
+        gbps = step_bytes * (tok_s / b) / 1e9
         line = {"bench": "decode", "batch": b, "engine_tok_s": tok_s, "engine_s": seconds, "dtype": dtype,
+                "hbm_gbps": gbps, "hbm_share": None if dev.bandwidth is None else gbps * 1e9 / dev.bandwidth,
                 "prompt": shapes.decode_prompt, "new_tokens": shapes.decode_new, "kernels": engine.kernels.impl,
                 "warmup_s": warmup_s, "layers": shapes.decode["num_hidden_layers"]}
         if isinstance(hf[b], float):
@@ -237,53 +255,63 @@ def decode(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
                 line |= _target(dev, "decode_b32_vs_generate", ratio)
         else:
             line["hf_generate_skipped"] = hf[b]
-        lines.append(line)
-    return lines
+        yield line
 
 
 RL_KEYS = ("time/rollout_wait_s", "time/train_s", "time/weight_sync_s", "time/scoring_s", "time/step_s")
 
 
-def rl_run(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
-    """Five RL steps of configs/reverse_text/rl.toml (GRPO, embedded engine, a verifiers env
-    server process) on a tiny random model instead of the recipe's SFT warm start, evals and
-    checkpoints off; the step split comes from the run's metrics.jsonl."""
-    from pathlib import Path
+# configs/reverse_text/rl.toml without its SFT warm start, evals and checkpoints: written here so
+# that the check runs from an installed wheel (no repository checkout on the target).
+RL_RECIPE: dict[str, Any] = {
+    "trainer": {"seq_len": 256, "micro_batch_rows": 8,
+                "optim": {"lr": 5e-4, "warmup_steps": 3, "schedule": "constant", "weight_decay": 0.0}},
+    "inference": {"max_model_len": 256, "max_seqs": 64},
+    "orchestrator": {"batch_size": 512, "group_size": 16, "max_async_level": 1,
+                     "train": {"sampling": {"max_completion_tokens": 24, "temperature": 1.0},
+                               "env": [{"id": "reverse_text"}]}},
+}
 
-    from jaxrl.config import build_config, deep_merge, read_toml
+
+def rl_run(dev: Device, shapes: Shapes) -> Lines:
+    """Five GRPO steps of the reverse_text recipe (``RL_RECIPE``: embedded engine, a verifiers env
+    server process) on a random model of ``shapes.rl_scratch`` (full: Qwen3-0.6B's layers and
+    widths with the byte tokenizer; bfloat16 compute off the CPU), checkpoints off; the step split
+    (rollout wait / train / weight sync) comes from the run's metrics.jsonl, one line per step."""
+    from jaxrl.config import build_config, deep_merge
     from jaxrl.metrics import read_metrics
     from jaxrl.rl import run_rl
 
-    root = Path(__file__).resolve().parents[1]
-    recipe = read_toml(root / "configs" / "reverse_text" / "rl.toml")
-    recipe.pop("warmstart", None)
-    recipe["model"] = {"scratch": shapes.rl_scratch}  # in place of the recipe's SFT warm start
-    recipe["orchestrator"].pop("eval", None)
     steps = 5
     with tempfile.TemporaryDirectory() as out:
         over = {
             "output_dir": out,
+            "model": {"scratch": shapes.rl_scratch, "dtype": _dtype(dev)},
             "trainer": {"steps": steps, "mesh": {"num_devices": 1}},
             "inference": {"server": {"port": 0}, "decode_steps_idle": 4},
             "ckpt": {"interval": 0},
             "log": {"progress": False},
         }
-        cfg = build_config(deep_merge(deep_merge(recipe, over), shapes.rl_overrides), [])
+        cfg = build_config(deep_merge(deep_merge(RL_RECIPE, over), shapes.rl_overrides), [])
         t0 = time.perf_counter()
         run_rl(cfg)
         wall = time.perf_counter() - t0
         rows = [r for r in read_metrics(Path(out) / "metrics.jsonl") if "time/step_s" in r]
+    for r in rows:
+        yield {"bench": "rl_step", "step": r["step"], **{k.split("/")[1]: r[k] for k in RL_KEYS},
+               "reward_mean": r.get("train/reward_mean")}
     steady = rows[1:] or rows  # step 1 includes the train step's compile
-    lines = [{"bench": "rl_step", "step": r["step"], **{k.split("/")[1]: r[k] for k in RL_KEYS},
-              "reward_mean": r.get("train/reward_mean")} for r in rows]
     mean = {k.split("/")[1]: statistics.mean(r[k] for r in steady) for k in RL_KEYS}
     model = {k: shapes.rl_scratch[k] for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads")}
-    lines.append({"bench": "rl_run", "steps": len(rows), "steps_averaged": len(steady), **mean,
-                  **{f"{k}_frac": v / mean["step_s"] for k, v in mean.items() if k != "step_s"},
-                  "run_wall_s": wall, "model": f"scratch Qwen3-shaped {model}, random init, float32",
-                  "batch_size": cfg.orchestrator.batch_size, "group_size": cfg.orchestrator.group_size,
-                  "max_completion_tokens": cfg.orchestrator.train.sampling.max_completion_tokens})
-    return lines
+    yield {"bench": "rl_run", "steps": len(rows), "steps_averaged": len(steady), **mean,
+           **{f"{k}_frac": v / mean["step_s"] for k, v in mean.items() if k != "step_s"},
+           "run_wall_s": wall, "model": f"scratch Qwen3-shaped {model}, random init, {_dtype(dev)} compute",
+           "batch_size": cfg.orchestrator.batch_size, "group_size": cfg.orchestrator.group_size,
+           "max_completion_tokens": cfg.orchestrator.train.sampling.max_completion_tokens}
 
 
-BENCHES = {"train_step": train_step, "decode": decode, "rl_run": rl_run}
+BENCHES = {
+    **{f"train_remat_{r}": functools.partial(train_step, remat=r) for r in REMATS},
+    "decode": decode,
+    "rl_run": rl_run,
+}
