@@ -46,13 +46,13 @@ def make_model(out: Path, args: argparse.Namespace) -> int:
 
 
 def bench_engine(model_dir: Path, prompts: np.ndarray, args: argparse.Namespace) -> tuple[float, float]:
-    from jaxrl.inference.config import InferenceConfig
-    from jaxrl.inference.engine import Engine
-    from jaxrl.inference.sampling import SamplingParams
-    from jaxrl.inference.scheduler import Request
+    from jaxrl.engine.config import EngineConfig
+    from jaxrl.engine.engine import Engine
+    from jaxrl.engine.sampling import SamplingParams
+    from jaxrl.engine.scheduler import Request
 
     batch = len(prompts)
-    cfg = InferenceConfig(
+    cfg = EngineConfig(
         max_model_len=args.prompt_len + args.new_tokens + 8,
         max_seqs=batch,
         max_batched_tokens=batch * args.prompt_len,
@@ -106,19 +106,19 @@ class VLLMPeer:
     """A vLLM server on the benchmark's model (jaxrl's vLLM backend launches it)."""
 
     def __init__(self, model_dir: Path, tmp: Path, args: argparse.Namespace):
-        from jaxrl.inference.config import InferenceConfig
         from jaxrl.models.hf_io import load_decoder
         from jaxrl.models.tokenizer import build_tokenizer
+        from jaxrl.rollout.config import InferenceConfig
         from jaxrl.rollout.vllm import VLLMBackend
 
         max_len = args.prompt_len + args.new_tokens + 8
         cfg = InferenceConfig(
-            backend="vllm",
+            backend={"type": "vllm", "extra_args": ["--skip-tokenizer-init"]},
             max_model_len=max_len,
             max_seqs=max(args.batches),
             max_batched_tokens=max(max_len, max(args.batches) * args.prompt_len),
-            # Random prompts use the whole model vocabulary; the stand-in tokenizer knows fewer ids.
-            vllm={"extra_args": ["--skip-tokenizer-init"]},
+            # (--skip-tokenizer-init: random prompts use the whole model vocabulary; the stand-in
+            # tokenizer knows fewer ids.)
             server={"port": 0},
         )
         hf_config = json.loads((model_dir / "config.json").read_text())

@@ -6,7 +6,7 @@ a vLLM server when ``JAXRL_VLLM`` names a vLLM venv's python), cold and warm.
 
 A random Qwen3-shaped model (byte tokenizer with the Qwen special tokens, ~3M parameters) is
 written to a temporary HF directory and served over HTTP on 127.0.0.1 (the engine with
-``jaxrl.inference.server``, vLLM through jaxrl's vLLM backend). For each env, one real verifiers
+``jaxrl.serving.server``, vLLM through jaxrl's vLLM backend). For each env, one real verifiers
 env server process (``jaxrl.orchestrator.env_child``: the built-in taskset, verifiers' train
 client, the Qwen3 renderer) runs ``episodes`` rollouts, ``concurrency`` at a time, sampling
 at temperature 1 with ``new_tokens`` tokens at most per model turn. "cold" is the first pass
@@ -106,12 +106,12 @@ def run_driver(backend: str, base_url: str, tok_dir: Path, out: Path, args: argp
 def start_engine(model_dir: Path, tokenizer_dir: Path, args: argparse.Namespace) -> tuple[Any, Any]:
     from transformers import AutoTokenizer
 
-    from jaxrl.inference.config import InferenceConfig
-    from jaxrl.inference.engine import Engine
-    from jaxrl.inference.server import EngineServer
+    from jaxrl.engine.config import EngineConfig
+    from jaxrl.engine.engine import Engine
+    from jaxrl.serving.server import EngineServer
 
-    cfg = InferenceConfig(max_model_len=args.max_model_len, max_seqs=args.concurrency,
-                          decode_batch_buckets=args.decode_buckets)
+    cfg = EngineConfig(max_model_len=args.max_model_len, max_seqs=args.concurrency,
+                       decode_batch_buckets=args.decode_buckets)
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(model_dir, cfg)
     server = EngineServer(engine, AutoTokenizer.from_pretrained(tokenizer_dir), model_name="bench")
@@ -174,8 +174,8 @@ def main() -> None:
 def bench_vllm(model_dir: Path, tok_dir: Path, args: argparse.Namespace, tmp: Path,
                model_core: int | None, env_core: int | None) -> None:
     """The same env servers against a vLLM server (jaxrl's vLLM backend: loopback proxy in front)."""
-    from jaxrl.inference.config import InferenceConfig
     from jaxrl.models.hf_io import load_decoder
+    from jaxrl.rollout.config import InferenceConfig
     from jaxrl.rollout.vllm import VLLMBackend
 
     cfg = InferenceConfig(backend="vllm", max_model_len=args.max_model_len, max_seqs=args.concurrency,

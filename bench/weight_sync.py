@@ -47,8 +47,8 @@ def main() -> None:
 
     import jax
 
-    from jaxrl.inference.config import InferenceConfig
-    from jaxrl.inference.engine import Engine
+    from jaxrl.engine.config import EngineConfig
+    from jaxrl.engine.engine import Engine
     from jaxrl.models.hf_io import export_hf, load_decoder
     from jaxrl.parallel.mesh import MeshConfig, make_mesh
     from jaxrl.samples import TrainingSample
@@ -70,7 +70,7 @@ def main() -> None:
         trainer.train_step(samples)  # compile
         step_s = median_time(lambda: trainer.train_step(samples), args.repeats)
 
-        engine = Engine.from_pretrained(model_dir, InferenceConfig(max_model_len=256, max_seqs=4))
+        engine = Engine.from_pretrained(model_dir, EngineConfig(max_model_len=256, max_seqs=4))
 
         def in_process() -> None:
             engine.update_weights_from_state(trainer.params)

@@ -15,7 +15,7 @@ import json
 import re
 import sys
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -23,9 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict, SettingsError
 
 from jaxrl import renamed
-from jaxrl.inference.config import InferenceConfig
 from jaxrl.orchestrator.config import OrchestratorConfig
 from jaxrl.parallel.distributed import DistributedConfig
+from jaxrl.rollout.config import InferenceConfig, backend_flags, backend_table
 from jaxrl.trainer.checkpoint import CkptConfig
 from jaxrl.trainer.config import TrainerConfig
 
@@ -249,7 +249,7 @@ class RunConfig(BaseModel):
         if self.data is not None and self.orchestrator is not None:
             raise ValueError("set only one of `[data]` (SFT) and `[orchestrator]` (RL)")
         if self.orchestrator is not None and self.distributed.expected_processes() > 1:
-            check_multihost_rl(self.inference.backend)
+            check_multihost_rl(self.inference.backend.type)
         if self.inference.max_model_len is None:
             return self  # an SFT run whose model is not there yet: nothing below applies
         if self.orchestrator is not None and self.trainer.seq_len < self.inference.max_model_len:
@@ -327,11 +327,20 @@ class _Cli(BaseSettings):
     model_config = SettingsConfigDict(extra="forbid", cli_prog_name="jaxrl")
 
 
-def _cli_model(fields: Sequence[str] | None = None) -> type[BaseSettings]:
-    """The CLI's model: RunConfig's fields, or only the ``fields`` sections an entry point reads."""
+def _cli_model(fields: Sequence[str] | None = None, hidden: Mapping[str, str] | None = None) -> type[BaseSettings]:
+    """The CLI's model: RunConfig's fields, or only the ``fields`` sections an entry point reads,
+    without the ``hidden`` ``section.field`` paths it refuses (so ``--help`` does not offer them)."""
+    from pydantic import Field as _Field
     from pydantic import create_model
 
     chosen = {n: (f.annotation, f) for n, f in RunConfig.model_fields.items() if fields is None or n in fields}
+    for path in hidden or {}:
+        section, name = path.split(".", 1)
+        info = RunConfig.model_fields[section]
+        model: Any = info.annotation
+        kept = {n: (f.annotation, f) for n, f in model.model_fields.items() if n != name}
+        reduced = create_model(model.__name__, __config__=model.model_config, **kept)
+        chosen[section] = (reduced, _Field(default_factory=reduced, description=info.description))
     return create_model("RunCli", __base__=_Cli, **chosen)  # type: ignore[call-overload]
 
 
@@ -354,7 +363,10 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 
 
 def parse_args(
-    argv: list[str] | None, prog: str = "python -m jaxrl.train", fields: Sequence[str] | None = None
+    argv: list[str] | None,
+    prog: str = "python -m jaxrl.train",
+    fields: Sequence[str] | None = None,
+    hidden: Mapping[str, str] | None = None,
 ) -> tuple[argparse.Namespace, list[str]]:
     """The entry points' own flags; everything else is a dotted override. ``--help`` lists both
     (every field of ``fields`` sections, default all, with its type, default and docstring) and
@@ -385,7 +397,7 @@ def parse_args(
     flags, rest = parser.parse_known_args(args)
     if flags.help:
         print(parser.format_help())
-        CliSettingsSource(_cli_model(fields), cli_prog_name=prog, cli_parse_args=["--help"])()  # exits 0
+        CliSettingsSource(_cli_model(fields, hidden), cli_prog_name=prog, cli_parse_args=["--help"])()  # exits 0
     return flags, rest
 
 
@@ -491,16 +503,34 @@ def one_line(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def build_config(toml: dict[str, Any], overrides: list[str], fields: Sequence[str] | None = None) -> RunConfig:
-    """TOML dict + CLI override strings -> validated RunConfig (raises ValueError with the field)."""
+def _backend_as_table(config: dict[str, Any]) -> dict[str, Any]:
+    inference = config.get("inference")
+    return config | {"inference": backend_table(inference)} if isinstance(inference, dict) else config
+
+
+def build_config(
+    toml: dict[str, Any],
+    overrides: list[str],
+    fields: Sequence[str] | None = None,
+    hidden: Mapping[str, str] | None = None,
+) -> RunConfig:
+    """TOML dict + CLI override strings -> validated RunConfig (raises ValueError with the field).
+    ``hidden``: ``section.field`` paths the entry point refuses, each with the reason."""
+    overrides = backend_flags(overrides)
+    for arg in overrides:
+        key = arg.lstrip("-").split("=", 1)[0]
+        for path, reason in (hidden or {}).items():
+            if arg.startswith("--") and (key == path or key.startswith(path + ".")):
+                raise ValueError(f"--{key}: {reason}")
     try:
-        cli = CliSettingsSource(_cli_model(fields), cli_parse_args=overrides, cli_exit_on_error=False)()
+        cli = CliSettingsSource(_cli_model(fields, hidden), cli_parse_args=overrides, cli_exit_on_error=False)()
     except SettingsError as e:
         unknown = re.search(r"unrecognized arguments: (.*)", str(e))
         flags = [t for t in unknown.group(1).split() if t.startswith("--")] if unknown else []
         if not flags:
             raise ValueError(str(e).replace("\n", " ")) from None
         raise ValueError("; ".join(_unknown_flag(f) for f in flags)) from None
+    toml, cli = _backend_as_table(toml), _backend_as_table(cli)
     try:
         return RunConfig.model_validate(deep_merge(toml, cli))
     except ValidationError as e:
@@ -512,16 +542,18 @@ def load_config(
     prog: str = "python -m jaxrl.train",
     fields: Sequence[str] | None = None,
     defaults: dict[str, Any] | None = None,
+    hidden: Mapping[str, str] | None = None,
 ) -> tuple[RunConfig, argparse.Namespace]:
     """Parse an entry point's argv: (validated config, flags --config/--dry-run/--resume/--overwrite).
     Several ``--config`` files merge left to right over the entry point's own ``defaults``;
     overrides apply last. ``fields``: the top-level sections the entry point reads (``--help`` and
-    overrides are limited to them)."""
-    flags, rest = parse_args(argv, prog, fields)
+    overrides are limited to them); ``hidden``: ``section.field`` paths of them it refuses, with
+    the reason (left out of ``--help``; an override of one fails with the reason)."""
+    flags, rest = parse_args(argv, prog, fields, hidden)
     toml: dict[str, Any] = dict(defaults or {})
     for path in flags.config:
         toml = deep_merge(toml, resolve_recipe_paths(read_toml(path), Path(path).parent))
-    return build_config(toml, rest, fields), flags
+    return build_config(toml, rest, fields, hidden), flags
 
 
 def resolve_recipe_paths(data: dict[str, Any], recipe_dir: Path) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxrl.config import ConfigError, RunConfig, load_config, to_toml
-from jaxrl.inference.http_thread import PortInUse
+from jaxrl.serving.http_thread import PortInUse
 
 EVAL_DIR = "eval"
 

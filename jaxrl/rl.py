@@ -24,7 +24,6 @@ from typing import Any
 import jax
 
 from jaxrl.config import ConfigError, RunConfig, check_multihost_rl
-from jaxrl.inference.http_thread import check_port_free
 from jaxrl.metrics import MetricsLogger
 from jaxrl.orchestrator.batch import BatchFailed, collect_batch
 from jaxrl.orchestrator.env_process import EnvServerDead
@@ -34,6 +33,7 @@ from jaxrl.preemption import RunAborted
 from jaxrl.rollout.base import RolloutBackend, RolloutServerDead
 from jaxrl.rollout.factory import start_rollout_backend
 from jaxrl.run_common import TrainingRun
+from jaxrl.serving.http_thread import check_port_free
 from jaxrl.trainer.teacher import Teacher
 
 PLOT_KEYS = ("train/reward_mean", "train/rl_loss", "train/mismatch_kl", "train/entropy", "time/step_s")  # eval shares reward's panel
@@ -76,7 +76,7 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     ocfg = cfg.orchestrator
     initialize(cfg.distributed)
     if jax.process_count() > 1:  # a TPU slice knows its process count only now
-        check_multihost_rl(cfg.inference.backend)
+        check_multihost_rl(cfg.inference.backend.type)
     if is_main_process():  # the engine's server, vLLM's proxy or the external balancer listens here
         check_port_free(cfg.inference.server.host, cfg.inference.server.port)  # before the model loads
         try:

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl.sampling_ranges import check_trainable_temperature
+
 
 @dataclass
 class TrainingSample:
@@ -55,8 +57,7 @@ class TrainingSample:
                 raise ValueError(f"TrainingSample.{name} has shape {arr.shape}; expected ({n},) like token_ids")
         if n < 2:
             raise ValueError("TrainingSample needs at least 2 tokens (the first is never predicted)")
-        if not self.temperature > 0:
-            raise ValueError(f"TrainingSample.temperature must be > 0, got {self.temperature}")
+        check_trainable_temperature(self.temperature, "TrainingSample.temperature")
 
     def versions(self) -> np.ndarray:
         """int32[L]: the sampling policy version of every token."""

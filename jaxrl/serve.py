@@ -17,6 +17,8 @@ from jaxrl.config import RunConfig, load_config, to_toml
 
 SERVE_FIELDS = ("model", "inference")
 """The config sections jaxrl.serve reads (its --help and overrides are limited to them)."""
+SERVE_HIDDEN = {"model.scratch": "jaxrl.serve serves a model directory or hub id (--model.name), not a scratch model"}
+"""Fields of those sections jaxrl.serve refuses: not in its --help; an override names the reason."""
 SERVE_PORT = 8000
 """jaxrl.serve's port unless [inference.server] port is set (training runs default to a free port)."""
 
@@ -25,17 +27,17 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
     """The engine and its (not yet started) HTTP server for ``cfg``."""
     from transformers import AutoTokenizer
 
-    from jaxrl.inference.engine import Engine
-    from jaxrl.inference.http_thread import check_port_free
-    from jaxrl.inference.serving import build_engine_server
+    from jaxrl.engine.engine import Engine
     from jaxrl.models.chat import model_renderer
     from jaxrl.models.hub import resolve_model_dir
+    from jaxrl.serving.http_thread import check_port_free
+    from jaxrl.serving.server import build_engine_server
 
     if cfg.model.name is None:
         raise ValueError("model.name: set --model.name (or [model] name) to a Hugging Face model directory or hub id")
-    if cfg.inference.backend != "embedded":
+    if cfg.inference.backend.type != "embedded":
         raise ValueError(
-            f'inference.backend = "{cfg.inference.backend}": jaxrl.serve runs the embedded engine; that backend '
+            f'inference.backend = "{cfg.inference.backend.type}": jaxrl.serve runs the embedded engine; that backend '
             "names a server that runs elsewhere"
         )
     check_port_free(cfg.inference.server.host, cfg.inference.server.port)  # before the model loads
@@ -45,7 +47,7 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
     engine = Engine.from_pretrained(model_dir, cfg.inference, dtype=cfg.model.dtype)
     renderer = model_renderer(cfg.model, hf_config, AutoTokenizer.from_pretrained(tokenizer_dir))
     return build_engine_server(
-        engine, cfg.inference, tokenizer_dir=tokenizer_dir, model_dir=model_dir, model_name=cfg.model.name,
+        engine, cfg.inference.server, tokenizer_dir=tokenizer_dir, model_dir=model_dir, model_name=cfg.model.name,
         renderer=renderer,
     )  # fmt: skip
 
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     1 when the engine failed beyond recovery (a supervisor should restart the process)."""
     try:
         cfg, flags = load_config(
-            argv, prog="python -m jaxrl.serve", fields=SERVE_FIELDS,
+            argv, prog="python -m jaxrl.serve", fields=SERVE_FIELDS, hidden=SERVE_HIDDEN,
             defaults={"inference": {"server": {"port": SERVE_PORT}}},  # a server people point clients at
         )  # fmt: skip
         if flags.dry_run:

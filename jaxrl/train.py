@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 from jaxrl.config import ConfigError, RunConfig, load_config, to_toml
-from jaxrl.inference.http_thread import PortInUse
 from jaxrl.parallel.distributed import barrier, initialize, is_main_process
 from jaxrl.preemption import RunAborted
+from jaxrl.serving.http_thread import PortInUse
 
 RUN_OUTPUTS = frozenset({
     "config.json", "metrics.jsonl", "rollouts.jsonl", "metrics.png", "result.json", "checkpoints", "hf",

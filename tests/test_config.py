@@ -75,6 +75,43 @@ def test_rl_sampling_values_are_range_checked(override, value, monkeypatch) -> N
     assert override.rsplit(".", 1)[-1] in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["--orchestrator.train.sampling.temperature", "0"], "orchestrator.train.sampling.temperature = 0 "),
+        # 0 < T < 1e-5: the engine samples greedily (log-probs at T = 1) while the trainer would
+        # rescore at T, so it is refused like 0, by the same threshold.
+        (["--orchestrator.train.sampling.temperature", "5e-6"], "orchestrator.train.sampling.temperature = 5e-06 "),
+        (['--orchestrator.train.env=[{"id": "reverse_text", "sampling": {"temperature": 0}}]'],
+         "orchestrator.train.env[0].sampling.temperature = 0 "),
+    ],
+)  # fmt: skip
+def test_a_split_that_trains_refuses_greedy_temperatures_in_one_line(overrides, field, monkeypatch) -> None:
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ValueError) as e:
+        load_config(["--config", "configs/reverse_text/rl.toml", *overrides])
+    msg = str(e.value)
+    assert field in msg and "greedy tokens have no log-prob to train on" in msg and "\n" not in msg
+
+
+def test_eval_splits_may_sample_greedily_and_the_threshold_is_shared(monkeypatch) -> None:
+    import numpy as np
+
+    from jaxrl.engine.sampling import SamplingParams
+    from jaxrl.samples import TrainingSample
+    from jaxrl.sampling_ranges import GREEDY_BELOW, is_greedy
+
+    monkeypatch.chdir(ROOT)
+    cfg, _ = load_config(["--config", "configs/reverse_text/rl.toml", "--orchestrator.eval.sampling.temperature", "0"])
+    assert cfg.orchestrator.eval.sampling.temperature == 0 and cfg.orchestrator.train.sampling.temperature >= GREEDY_BELOW
+    for t in (0.0, GREEDY_BELOW / 2, GREEDY_BELOW, 0.7):
+        assert SamplingParams(temperature=t).greedy == is_greedy(t) == (t < GREEDY_BELOW)
+    ones = np.ones(3)
+    assert TrainingSample([1, 2, 3], ones, ones, ones, ones, temperature=GREEDY_BELOW).temperature == GREEDY_BELOW
+    with pytest.raises(ValueError, match=r"TrainingSample.temperature = 5e-06 samples greedily"):
+        TrainingSample([1, 2, 3], ones, ones, ones, ones, temperature=GREEDY_BELOW / 2)
+
+
 PRIME_RL_TOML = """
 max_steps = 20
 [model]

@@ -1,5 +1,6 @@
 """Dependency seams: jaxrl.parallel knows axis names only; one rules table shards both meshes;
-the engine knows nothing of the rollout backends built on it; no import cycle anywhere in jaxrl."""
+the engine knows nothing of its HTTP face (jaxrl.serving builds on it) and neither knows the
+rollout backends built on them; no import cycle anywhere in jaxrl."""
 
 from __future__ import annotations
 
@@ -19,14 +20,19 @@ ROOT = Path(__file__).resolve().parents[1]
     [
         # parallel knows axis names and meshes, not layers.
         ("jaxrl.parallel.mesh, jaxrl.parallel.rules, jaxrl.parallel.distributed",
-         ("jaxrl.models", "jaxrl.trainer", "jaxrl.inference")),
+         ("jaxrl.models", "jaxrl.trainer", "jaxrl.engine", "jaxrl.serving")),
         # Rollout backends produce a `jaxrl.endpoint.ModelEndpoint`; none of them knows the orchestrator
         # or the training run (the factory takes explicit parameters).
-        ("jaxrl.rollout.factory, jaxrl.rollout.vllm, jaxrl.rollout.external, jaxrl.rollout.embedded, "
-         "jaxrl.inference.serving, jaxrl.inference.server", ("jaxrl.orchestrator", "jaxrl.run_common")),
+        (
+            (
+                "jaxrl.rollout.factory, jaxrl.rollout.vllm, jaxrl.rollout.external, jaxrl.rollout.embedded, "
+                "jaxrl.serving.server"
+            ),
+            ("jaxrl.orchestrator", "jaxrl.run_common"),
+        ),
         # The orchestrator reaches the engine over HTTP only (sampling ranges: jaxrl.sampling_ranges).
         ("jaxrl.orchestrator.orchestrator, jaxrl.orchestrator.config, jaxrl.orchestrator.sampling",
-         ("jaxrl.inference",)),
+         ("jaxrl.engine", "jaxrl.serving")),
     ],
 )
 def test_dependencies_point_one_way(importing: str, forbidden: tuple[str, ...]) -> None:
@@ -40,7 +46,7 @@ def test_dependencies_point_one_way(importing: str, forbidden: tuple[str, ...]) 
 
 
 def test_serving_and_training_meshes_shard_by_the_same_rules() -> None:
-    from jaxrl.inference.weights import cache_sharding, param_sharding_fn, serving_mesh
+    from jaxrl.engine.weights import cache_sharding, param_sharding_fn, serving_mesh
     from jaxrl.models import sharding
     from jaxrl.parallel.mesh import MeshConfig, make_mesh
 
@@ -108,15 +114,28 @@ def _reaches(start: str, forbidden: tuple[str, ...]) -> list[list[str]]:
     return chains
 
 
-def test_the_engine_knows_nothing_of_rollout_backends_or_the_run() -> None:
-    engine_modules = [m for m in MODULES if m.startswith("jaxrl.inference")]
-    assert "jaxrl.inference.engine" in engine_modules and "jaxrl.inference.server" in engine_modules
-    bad = {m: c for m in engine_modules if (c := _reaches(m, ("jaxrl.rollout", "jaxrl.orchestrator", "jaxrl.run_common")))}
+def test_the_engine_and_its_server_know_nothing_of_rollout_backends_or_the_run() -> None:
+    inside = [m for m in MODULES if m.startswith(("jaxrl.engine", "jaxrl.serving"))]
+    assert {"jaxrl.engine.engine", "jaxrl.serving.server"} <= set(inside)
+    outside = ("jaxrl.rollout", "jaxrl.orchestrator", "jaxrl.run_common", "jaxrl.rl")  # and so no entry point
+    bad = {m: c for m in inside if (c := _reaches(m, outside))}
     assert not bad, bad
 
 
+def test_the_engine_knows_nothing_of_its_http_face() -> None:
+    # As vLLM's engine core knows nothing of its OpenAI entrypoints: jaxrl.serving builds on the
+    # engine (requests, completions, config), never the other way round.
+    engine = [m for m in MODULES if m.startswith("jaxrl.engine")]
+    assert "jaxrl.engine.engine" in engine and "jaxrl.engine.programs" in engine
+    bad = {m: c for m in engine if (c := _reaches(m, ("jaxrl.serving",)))}
+    assert not bad, bad
+    assert any(m.startswith("jaxrl.engine") for m in IMPORTS["jaxrl.serving.server"])
+
+
 BACKENDS = ("jaxrl.rollout.embedded", "jaxrl.rollout.vllm", "jaxrl.rollout.external")
-SHARED = ("jaxrl.rollout.base", "jaxrl.rollout.proxy", "jaxrl.rollout.weight_files")  # protocol + helpers
+SHARED = (  # protocol, settings, helpers
+    "jaxrl.rollout.base", "jaxrl.rollout.config", "jaxrl.rollout.proxy", "jaxrl.rollout.weight_files",
+)
 
 
 def test_each_rollout_backend_imports_only_the_protocol_and_shared_helpers() -> None:

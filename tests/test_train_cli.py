@@ -159,6 +159,10 @@ def test_help_lists_every_field_and_serve_only_its_own(capsys) -> None:
         serve_main(["--help"])
     out = capsys.readouterr().out
     assert "--inference.server.port" in out and "--model.name" in out and "--trainer.steps" not in out
+    assert "--model.scratch" not in out  # serve refuses a scratch model: not offered either
+    assert serve_main(["--model.scratch.hidden_size", "32", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --model.scratch.hidden_size: jaxrl.serve serves a model directory or hub id (--model.name), not a scratch model"
 
 
 def test_the_training_server_takes_a_free_port_and_serve_keeps_8000(tmp_path, capsys) -> None:

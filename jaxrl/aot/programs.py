@@ -158,7 +158,7 @@ class EngineShapes:
     mesh: Mesh
     graphdef: Any
     weights: Any  # sharded ShapeDtypeStructs
-    layout: Any  # jaxrl.inference.engine.EngineLayout
+    layout: Any  # jaxrl.engine.engine.EngineLayout
     kernels: Any
 
 
@@ -205,14 +205,14 @@ def run_shapes(cfg: RunConfig, topo: Topology, *, engine: bool | None = None) ->
         frozen = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, state_shardings(state, mesh))
         state = jax.eval_shape(lambda: lora.init_adapters(frozen, lora_cfg, mesh))
     params, opt = programs.abstract_state(state)
-    with_engine = (cfg.mode == "rl" and cfg.inference.backend == "embedded") if engine is None else engine
+    with_engine = (cfg.mode == "rl" and cfg.inference.backend.type == "embedded") if engine is None else engine
     eng = _engine_shapes(cfg, arch, model, topo) if with_engine else None
     return RunShapes(topo, arch, mesh, model, programs, params, opt, eng, frozen)
 
 
 def _engine_shapes(cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo: Topology) -> EngineShapes:
-    from jaxrl.inference import weights as W
-    from jaxrl.inference.engine import EngineLayout
+    from jaxrl.engine import weights as W
+    from jaxrl.engine.programs import EngineLayout
     from jaxrl.kernel_dispatch import Kernels
 
     icfg = cfg.inference.with_model_len(arch.max_position_embeddings)  # unset: the model's own context
@@ -270,7 +270,7 @@ def plan(cfg: RunConfig, topo: Topology, *, engine: bool | None = None, trainer:
 
 def _engine_fits(cfg: RunConfig, eng: EngineShapes, topo: Topology) -> list[ProgramFit]:
     """The engine's largest decode and prefill programs, compiled (not yet ``_finish``ed)."""
-    from jaxrl.inference.engine import engine_programs
+    from jaxrl.engine.programs import engine_programs
 
     icfg, layout = eng.config, eng.layout
     programs = engine_programs(eng.graphdef, layout, eng.kernels)

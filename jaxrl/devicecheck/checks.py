@@ -96,10 +96,10 @@ def engine_vs_trainer(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
 
     Greedy agreement is judged tie-tolerantly: each engine token's trainer log-prob must be within
     the tolerance of the best token's (an exact argmax match is reported beside it)."""
-    from jaxrl.inference.config import InferenceConfig
-    from jaxrl.inference.engine import Engine
-    from jaxrl.inference.sampling import SamplingParams
-    from jaxrl.inference.scheduler import Request
+    from jaxrl.engine.config import EngineConfig
+    from jaxrl.engine.engine import Engine
+    from jaxrl.engine.sampling import SamplingParams
+    from jaxrl.engine.scheduler import Request
     from jaxrl.kernel_dispatch import Kernels
     from jaxrl.trainer.step import packed_logprobs
 
@@ -109,7 +109,7 @@ def engine_vs_trainer(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
     model = parity_model(shapes)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, cfg["vocab_size"], prompt_len - 3 * i).tolist() for i in range(n)]
-    icfg = InferenceConfig(
+    icfg = EngineConfig(
         max_model_len=prompt_len + new + 8, max_seqs=n, max_batched_tokens=n * prompt_len,
         decode_batch_buckets=[n], prefill_len_buckets=[prompt_len], prefill_batch_buckets=[n], decode_steps=4,
         decode_steps_idle=4,

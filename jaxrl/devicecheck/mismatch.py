@@ -36,10 +36,10 @@ def logprob_mismatch_bf16(dev: Device, shapes: Shapes) -> Iterator[dict[str, Any
     """Sample at temperature 1 from the engine in bfloat16, score the same tokens with the
     trainer's log-prob path in bfloat16 compute, and report ``mismatch_stats``. Random weights
     give flatter distributions than a trained checkpoint (``entropy_mean`` says how flat)."""
-    from jaxrl.inference.config import InferenceConfig
-    from jaxrl.inference.engine import Engine
-    from jaxrl.inference.sampling import SamplingParams
-    from jaxrl.inference.scheduler import Request
+    from jaxrl.engine.config import EngineConfig
+    from jaxrl.engine.engine import Engine
+    from jaxrl.engine.sampling import SamplingParams
+    from jaxrl.engine.scheduler import Request
     from jaxrl.kernel_dispatch import Kernels
     from jaxrl.trainer.step import packed_logprobs
 
@@ -51,7 +51,7 @@ def logprob_mismatch_bf16(dev: Device, shapes: Shapes) -> Iterator[dict[str, Any
     engine_model = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(jnp.bfloat16), state))
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, cfg["vocab_size"], prompt_len - 3 * i).tolist() for i in range(n)]
-    icfg = InferenceConfig(
+    icfg = EngineConfig(
         max_model_len=prompt_len + new + 8, max_seqs=n, max_batched_tokens=n * prompt_len,
         decode_batch_buckets=[n], prefill_len_buckets=[prompt_len], prefill_batch_buckets=[n], decode_steps=4,
         decode_steps_idle=4,

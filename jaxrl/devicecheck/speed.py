@@ -188,17 +188,17 @@ def _hf_generate(dev: Device, shapes: Shapes, dtype: str, prompts: np.ndarray) -
 
 
 def decode(dev: Device, shapes: Shapes) -> Lines:
-    """Greedy decode throughput of the engine (``jaxrl.inference.engine.Engine``, random weights
+    """Greedy decode throughput of the engine (``jaxrl.engine.engine.Engine``, random weights
     of the decode model) at each batch size, vs transformers ``generate`` on the same device.
     Times include prefill; ``decode_new`` tokens per sequence, no stop token.
 
     ``hbm_share``: the HBM bandwidth the decode steps reach over the device's peak, counting the
     bytes each step must read (``common.decode_bytes_per_step``: the weights once, the KV cache
     at the mean context). Prefill is in the time, so it is a lower bound."""
-    from jaxrl.inference.config import InferenceConfig
-    from jaxrl.inference.engine import Engine
-    from jaxrl.inference.sampling import SamplingParams
-    from jaxrl.inference.scheduler import Request
+    from jaxrl.engine.config import EngineConfig
+    from jaxrl.engine.engine import Engine
+    from jaxrl.engine.sampling import SamplingParams
+    from jaxrl.engine.scheduler import Request
     from jaxrl.models.arch import arch_from_hf_config
 
     dtype = _dtype(dev)
@@ -216,7 +216,7 @@ def decode(dev: Device, shapes: Shapes) -> Lines:
             hf[b] = f"error {type(e).__name__}: {str(e)[:200]}"
 
     top = max(shapes.decode_batches)
-    cfg = InferenceConfig(
+    cfg = EngineConfig(
         max_model_len=shapes.decode_prompt + shapes.decode_new + 8, max_seqs=top,
         max_batched_tokens=top * shapes.decode_prompt, decode_steps=4, decode_steps_idle=shapes.decode_steps_idle,
         decode_batch_buckets=list(shapes.decode_batches), prefill_len_buckets=[shapes.decode_prompt],

@@ -120,6 +120,13 @@ def _has_family_tokens(model_type: str, tokenizer: Any) -> bool:
     return all(isinstance(i, int) and i != unk for i in ids)
 
 
+def template_kwarg_names(spec: Mapping[str, Any]) -> frozenset[str]:
+    """The ``chat_template_kwargs`` keys a renderer ``spec`` accepts (its template fields)."""
+    import renderers
+
+    return frozenset(renderers.template_field_names(_typed(spec, field="renderer")))
+
+
 def create_renderer(tokenizer: Any, spec: Mapping[str, Any], chat_template_kwargs: Mapping[str, Any] | None = None):  # type: ignore[no-untyped-def]
     """A `renderers` Renderer for ``tokenizer`` (``chat_template_kwargs`` validated by renderers)."""
     import renderers

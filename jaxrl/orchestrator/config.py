@@ -12,7 +12,7 @@ from jaxrl.orchestrator.algo import AlgoConfig, GRPOConfig
 from jaxrl.orchestrator.sampling import SamplingOverride
 
 # The HTTP API's own range types: a run cannot configure what the server would refuse.
-from jaxrl.sampling_ranges import MaxTokens, Temperature, TopK, TopP
+from jaxrl.sampling_ranges import MaxTokens, Temperature, TopK, TopP, check_trainable_temperature
 
 
 class EnvConfig(BaseModel):
@@ -109,8 +109,9 @@ class SamplingConfig(BaseModel):
     max_completion_tokens: MaxTokens = 128
     """Tokens the model may generate per turn."""
     temperature: Temperature = 1.0
-    """Sampling temperature (finite, >= 0; 0 = greedy); the trainer scores sampled tokens at the
-    same temperature."""
+    """Sampling temperature (finite, >= 0); the trainer scores sampled tokens at the same
+    temperature. Below 1e-5 (0 included) is greedy: eval splits only (a split that trains is
+    refused one, as greedy tokens have no log-prob to train on)."""
     top_p: TopP = 1.0
     """Nucleus mass in (0, 1]; 1: no top-p filtering."""
     top_k: TopK = -1
@@ -187,6 +188,15 @@ class OrchestratorConfig(BaseModel):
     @classmethod
     def _renamed(cls, data: Any) -> Any:
         return renamed.reject_renamed(data, renamed.ORCHESTRATOR)
+
+    @model_validator(mode="after")
+    def _train_split_samples(self) -> OrchestratorConfig:
+        check_trainable_temperature(self.train.sampling.temperature, "orchestrator.train.sampling.temperature")
+        for i, env in enumerate(self.train.env):
+            if env.sampling is not None and env.sampling.temperature is not None:
+                field = f"orchestrator.train.env[{i}].sampling.temperature"
+                check_trainable_temperature(env.sampling.temperature, field)
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> OrchestratorConfig:

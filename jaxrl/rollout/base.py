@@ -17,7 +17,7 @@ from flax import nnx
 from jaxrl.endpoint import ModelEndpoint
 
 if TYPE_CHECKING:
-    from jaxrl.inference.engine_metrics import EngineMetrics
+    from jaxrl.engine.metrics import EngineMetrics
     from jaxrl.models.decoder import Decoder
 
 

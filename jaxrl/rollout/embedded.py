@@ -1,5 +1,5 @@
 """``[inference] backend = "embedded"`` (the default): jaxrl's own engine in the training
-process, behind its vLLM-compatible HTTP server on loopback (``jaxrl.inference``)."""
+process, behind its vLLM-compatible HTTP server on loopback (``jaxrl.engine`` behind ``jaxrl.serving``)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from flax import nnx
 from jaxrl.endpoint import ModelEndpoint
 
 if TYPE_CHECKING:
-    from jaxrl.inference.engine import Engine
-    from jaxrl.inference.engine_metrics import EngineMetrics
-    from jaxrl.inference.server import EngineServer
+    from jaxrl.engine.engine import Engine
+    from jaxrl.engine.metrics import EngineMetrics
     from jaxrl.models.decoder import Decoder
+    from jaxrl.serving.server import EngineServer
 
 
 class EmbeddedBackend:

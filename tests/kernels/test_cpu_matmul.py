@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import tiny_model
-
-from jaxrl.inference.config import InferenceConfig
-from jaxrl.inference.engine import Engine
-from jaxrl.inference.sampling import SamplingParams
-from jaxrl.inference.scheduler import Request
 from jaxrl_kernels import cpu_matmul
 from jaxrl_kernels.cpu_build import default_compiler
 from jaxrl_kernels.cpu_matmul import X_BLOCK_FLOATS, PackedWeight
+
+from jaxrl.engine.config import EngineConfig
+from jaxrl.engine.engine import Engine
+from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.scheduler import Request
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -111,7 +111,7 @@ def test_no_compiler_leaves_the_kernel_unbuilt_with_a_warning(tmp_path, monkeypa
 
 
 def _engine(model, kernels: str) -> Engine:  # type: ignore[no-untyped-def]
-    cfg = InferenceConfig(max_model_len=64, max_seqs=4, max_batched_tokens=64, kernels=kernels, decode_batch_buckets=[4])
+    cfg = EngineConfig(max_model_len=64, max_seqs=4, max_batched_tokens=64, kernels=kernels, decode_batch_buckets=[4])
     return Engine(model, cfg)
 
 

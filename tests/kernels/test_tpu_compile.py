@@ -30,16 +30,16 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 from flax import nnx  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
-
-from jaxrl.inference import weights as W  # noqa: E402
-from jaxrl.inference.engine import _decode  # noqa: E402
-from jaxrl.inference.sampling import SamplingBatch, SamplingParams, TokenCounts  # noqa: E402
-from jaxrl.kernel_dispatch import Kernels  # noqa: E402
-from jaxrl.models.arch import ModelArch  # noqa: E402
-from jaxrl.models.decoder import Decoder, KVCache  # noqa: E402
 from jaxrl_kernels.attention import segment_attention, tpu_segment_attention  # noqa: E402
 from jaxrl_kernels.decode_attention import decode_attention  # noqa: E402
 from jaxrl_kernels.logprobs import logprobs  # noqa: E402
+
+from jaxrl.engine import weights as W  # noqa: E402
+from jaxrl.engine.programs import _decode  # noqa: E402
+from jaxrl.engine.sampling import SamplingBatch, SamplingParams, TokenCounts  # noqa: E402
+from jaxrl.kernel_dispatch import Kernels  # noqa: E402
+from jaxrl.models.arch import ModelArch  # noqa: E402
+from jaxrl.models.decoder import Decoder, KVCache  # noqa: E402
 
 GENERATIONS = ["v5e:2x2", "v6e:2x2"]
 VOCAB = 151936

@@ -16,10 +16,10 @@ from flax import nnx
 from helpers import random_samples, tiny_model
 from jax import export
 
-from jaxrl.inference.config import InferenceConfig
-from jaxrl.inference.engine import Engine
-from jaxrl.inference.sampling import SamplingParams
-from jaxrl.inference.scheduler import Request
+from jaxrl.engine.config import EngineConfig
+from jaxrl.engine.engine import Engine
+from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.scheduler import Request
 from jaxrl.kernel_dispatch import Kernels, resolve
 from jaxrl.models.decoder import KVCache
 from jaxrl.models.sharding import shard_params
@@ -92,9 +92,9 @@ def test_pallas_on_a_backend_without_the_kernels_fails_at_startup() -> None:
     with pytest.raises(ValueError, match=r'trainer\.kernels = "pallas".*\'cpu\'.*"auto"'):
         Trainer(tiny_model(vocab=64), cfg, mesh)
     with pytest.raises(ValueError, match=r'inference\.kernels = "pallas"'):
-        Engine(tiny_model(vocab=64), InferenceConfig(max_model_len=64, kernels="pallas"))
+        Engine(tiny_model(vocab=64), EngineConfig(max_model_len=64, kernels="pallas"))
     with pytest.raises(ValueError, match="kernels"):
-        InferenceConfig(kernels="triton")
+        EngineConfig(kernels="triton")
     assert resolve("pallas", "tpu", field="x") == "pallas"
     assert resolve("auto", "tpu", field="x") == "pallas"
     assert resolve("auto", "gpu", field="x") == "cudnn"
@@ -136,7 +136,7 @@ def _tpu_custom_calls(fn, *args) -> int:
 
 
 def _engine_outputs(kernels: str, tensor_parallel: int):
-    cfg = InferenceConfig(
+    cfg = EngineConfig(
         max_model_len=64,
         max_seqs=4,
         max_batched_tokens=32,

@@ -183,10 +183,10 @@ def test_disaggregated_jobset(tmp_path) -> None:
     assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in c["env"]
     assert [r["action"] for r in roll["template"]["spec"]["podFailurePolicy"]["rules"]] == ["FailJob"]  # evictions
     cfg, _ = load_config(train_args(jobs(m)["trainer"]))
-    assert cfg.inference.backend == "external" and cfg.inference.external.server == "vllm"
+    assert cfg.inference.backend.type == "external" and cfg.inference.backend.server == "vllm"
     # Every server, by the DNS name JobSet gives pod 0 of rollout Job i.
     assert cfg.inference.base_url == [f"http://rt-rollout-{i}-0.rt:8000/v1" for i in range(3)]
-    assert cfg.inference.external.weights_dir == "/data/rt/rollout_weights"  # the servers' mount too
+    assert cfg.inference.backend.weights_dir == "/data/rt/rollout_weights"  # the servers' mount too
     assert cfg.distributed.enabled
 
 
@@ -382,7 +382,7 @@ def test_a_hub_model_is_fetched_once_and_every_wait_has_a_deadline(tmp_path) -> 
     args = train_args(jobs(m)["trainer"])
     args[args.index("--model.name") + 1] = str(ROOT / "tests")  # any directory: the fetched weights are not here
     cfg, _ = load_config(args)
-    assert cfg.inference.backend == "external"
+    assert cfg.inference.backend.type == "external"
 
 
 def test_a_model_no_pod_can_read_is_refused(tmp_path, capsys) -> None:

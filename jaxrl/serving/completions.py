@@ -1,7 +1,7 @@
 """The logic behind the generating endpoints (vLLM's ``serving`` layer; the routes are in
-``server``, the bodies in ``api``): a request's sampling settings -> engine requests, awaiting
+``server``, the bodies in ``protocol``): a request's sampling settings -> engine requests, awaiting
 them, and the token-in/token-out (``/inference/v1/generate``) and text (``/v1/completions``)
-responses. ``chat_serving`` builds the chat endpoint on the same ``CompletionServing``."""
+responses. ``chat`` builds the chat endpoint on the same ``CompletionServing``."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxrl.inference import api
-from jaxrl.inference.engine import Engine
-from jaxrl.inference.http_errors import BadRequest, Unavailable
-from jaxrl.inference.sampling import SamplingParams
-from jaxrl.inference.scheduler import Completion
-from jaxrl.inference.scheduler import Request as EngineRequest
+from jaxrl.engine.engine import Engine
+from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.scheduler import Completion
+from jaxrl.engine.scheduler import Request as EngineRequest
+from jaxrl.serving import protocol
+from jaxrl.serving.errors import BadRequest, Unavailable
 
 
 def make_stop_fn(tokenizer: Any, stops: list[str]) -> Callable[[list[int]], bool]:
@@ -30,7 +30,7 @@ def make_stop_fn(tokenizer: Any, stops: list[str]) -> Callable[[list[int]], bool
     return stop
 
 
-def stop_strings(body: api.SamplingFields) -> list[str]:
+def stop_strings(body: protocol.SamplingFields) -> list[str]:
     return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
 
 
@@ -54,7 +54,7 @@ class CompletionServing:
         self.model_name = model_name
         self.default_stop_ids = list(default_stop_ids)
 
-    def params(self, body: api.SamplingFields, prompt_len: int, max_tokens: int | None) -> list[SamplingParams]:
+    def params(self, body: protocol.SamplingFields, prompt_len: int, max_tokens: int | None) -> list[SamplingParams]:
         """Engine sampling settings of a request's ``n`` choices. Like vLLM, a prompt plus
         ``max_tokens`` beyond ``max_model_len`` is refused rather than silently cut short."""
         limit = self.engine.max_model_len
@@ -123,7 +123,7 @@ class CompletionServing:
 
     # -- /inference/v1/generate ----------------------------------------------------------------
 
-    async def generate(self, body: api.GenerateRequest, session: str | None) -> dict[str, Any]:
+    async def generate(self, body: protocol.GenerateRequest, session: str | None) -> dict[str, Any]:
         sp = body.sampling_params
         params = self.params(sp, len(body.token_ids), sp.max_tokens)
         completions = await self.complete(body.token_ids, params, session, stop_strings(sp))
@@ -154,7 +154,7 @@ class CompletionServing:
 
     # -- /v1/completions -----------------------------------------------------------------------
 
-    async def completions(self, body: api.CompletionRequest, session: str | None) -> dict[str, Any]:
+    async def completions(self, body: protocol.CompletionRequest, session: str | None) -> dict[str, Any]:
         prompt = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
         params = self.params(body, len(prompt), body.max_tokens)
         stops = stop_strings(body)

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxrl.inference.config import InferenceConfig
-from jaxrl.inference.sampling import SamplingBatch, SamplingParams
+from jaxrl.engine.config import EngineConfig
+from jaxrl.engine.sampling import SamplingBatch, SamplingParams
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Completion:
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]  # completion tokens, the matched stop token included
-    logprobs: list[float]  # one per completion token (see jaxrl.inference.sampling)
+    logprobs: list[float]  # one per completion token (see jaxrl.engine.sampling)
     finish_reason: str  # "stop" | "length" | "abort"
     policy_version: int  # weights version that sampled the first completion token
     policy_version_final: int  # ... and the last (differs only with weight_update = "immediate")
@@ -252,7 +252,7 @@ class SchedulerStats:
 class Scheduler:
     """Admission, prefix reuse and batch planning over ``max_seqs`` KV cache rows."""
 
-    def __init__(self, config: InferenceConfig):
+    def __init__(self, config: EngineConfig):
         self.cfg = config
         self.rows = RowTable(config.max_seqs)
         self.waiting: deque[Sequence] = deque()

@@ -12,8 +12,10 @@ holds for every token:
   property of the sampler, not of the policy the trainer optimises; reporting the filtered
   (renormalised) distribution instead would make every filtered token look off-policy. vLLM's
   ``processed_logprobs`` mode reports the filtered distribution; use top_k / top_p = off for RL;
-- temperature 0 means greedy (argmax of the logits); its log-prob is reported at temperature
-  1.0, i.e. ``log_softmax(logits)[argmax]``, so train such samples with temperature 1;
+- a temperature below ``GREEDY_BELOW`` (0 included; ``jaxrl.sampling_ranges``, the one rule of
+  config, API, engine and samples) means greedy (argmax of the logits); its log-prob is reported
+  at temperature 1.0, i.e. ``log_softmax(logits)[argmax]``. A split that trains refuses such
+  temperatures at config time: greedy tokens have no log-prob at their own temperature;
 - penalties (vLLM's ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty``, in
   vLLM's order and with its semantics, ``apply_penalties``) change the distribution itself, so
   they come first: ``logits`` above are then the *penalised* logits, greedy takes their argmax,
@@ -39,7 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as in vLLM)
+from jaxrl.sampling_ranges import GREEDY_BELOW, check_temperature, is_greedy
+
 _F32_MAX = float(np.finfo(np.float32).max)
 _I32_MAX = 2**31 - 1
 _PENALISED_MAX = _F32_MAX * GREEDY_BELOW / 4  # / temperature (>= GREEDY_BELOW), minus another: finite
@@ -65,8 +68,7 @@ class SamplingParams:
         # caller's thread, never on the engine thread.
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.temperature <= _F32_MAX:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        check_temperature(self.temperature)
         if not (0 < self.top_p <= 1 and np.float32(self.top_p) > 0):
             raise ValueError(f"top_p must be in (0, 1] and positive in float32, got {self.top_p}")
         if not -1 <= self.top_k <= _I32_MAX:
@@ -84,7 +86,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
+        return is_greedy(self.temperature)
 
     @property
     def filtered(self) -> bool:
@@ -276,7 +278,7 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> tuple[jax.Array, jax.Arra
         )
         return _inverse_cdf(probs, u)
 
-    zeros = lambda: jnp.zeros(greedy.shape, jnp.int32)  # noqa: E731
+    zeros = lambda: jnp.zeros(greedy.shape, jnp.int32)
     drawn = jax.lax.cond(jnp.all(greedy), zeros, draw)
     best = jax.lax.cond(jnp.any(greedy), lambda: argmax_first(logits), zeros)
     tokens = jnp.where(greedy, best, drawn).astype(jnp.int32)

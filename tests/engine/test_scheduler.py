@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxrl.inference.config import InferenceConfig
-from jaxrl.inference.sampling import SamplingParams
-from jaxrl.inference.scheduler import Request, Scheduler, Sequence
+from jaxrl.engine.config import EngineConfig
+from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.scheduler import Request, Scheduler, Sequence
 
 STOP = 99
-CFG = InferenceConfig(
+CFG = EngineConfig(
     max_model_len=64,
     max_seqs=2,
     max_batched_tokens=32,
@@ -177,16 +177,16 @@ def test_abort_waiting_and_running() -> None:
 def test_config_derives_buckets_and_names_bad_fields() -> None:
     import pytest
 
-    cfg = InferenceConfig(max_model_len=1000, max_seqs=24)
+    cfg = EngineConfig(max_model_len=1000, max_seqs=24)
     assert cfg.decode_buckets() == [1, 8, 16, 24]
     assert cfg.prefill_lengths() == [16, 64, 256, 512]
     assert cfg.prefill_batches() == [1, 2, 4, 8]
     assert cfg.program_bound() == 4 + 4 * 4 + 2  # decode programs: one per batch bucket, any length
-    idle = InferenceConfig(max_model_len=1000, max_seqs=24, decode_steps_idle=16)
+    idle = EngineConfig(max_model_len=1000, max_seqs=24, decode_steps_idle=16)
     assert idle.decode_step_counts() == [4, 16] and idle.program_bound() == 2 * 4 + 4 * 4 + 2
-    assert InferenceConfig(max_seqs=1).decode_buckets() == [1]
+    assert EngineConfig(max_seqs=1).decode_buckets() == [1]
     for bad, field in [
-        ({"backend": "external"}, "base_url"),
+        ({"backend": "external"}, "backend"),  # the [inference] section's field, not the engine's
         ({"max_seqs": 64, "decode_batch_buckets": [8, 32]}, "decode_batch_buckets"),
         ({"prefill_len_buckets": [64, 32]}, "prefill_len_buckets"),
         ({"max_model_len": 2048, "max_batched_tokens": 100}, "max_batched_tokens"),
@@ -195,7 +195,7 @@ def test_config_derives_buckets_and_names_bad_fields() -> None:
         ({"decode_len_buckets": [128]}, "decode_len_buckets was removed"),
     ]:
         with pytest.raises(ValueError, match=field):
-            InferenceConfig(**bad)
+            EngineConfig(**bad)
 
 
 def test_shared_prefix_rows_hold_the_same_values_as_the_rows_they_name() -> None:
@@ -205,7 +205,7 @@ def test_shared_prefix_rows_hold_the_same_values_as_the_rows_they_name() -> None
     with a fresh number (only row copies make two positions equal, as on the device: two
     prefills of the same tokens need not give the same bits), under a random workload of GRPO
     groups sharing a system prompt, multi-turn sessions, aborts and weight swaps."""
-    cfg = InferenceConfig(
+    cfg = EngineConfig(
         max_model_len=96, max_seqs=6, max_batched_tokens=48, decode_steps=3, decode_batch_buckets=[2, 4, 6],
         prefill_len_buckets=[8, 16, 32], prefill_batch_buckets=[1, 2, 4], min_prefix_reuse=4,
     )
@@ -263,7 +263,7 @@ def test_a_group_prefilled_in_a_reused_row_shares_its_whole_prompt() -> None:
     template's opening); the group's copies of that row must still share the whole prompt, not
     just those few tokens (seen: an engine that had served another env first lost the lookup
     env's shared system prompt)."""
-    cfg = InferenceConfig(
+    cfg = EngineConfig(
         max_model_len=64, max_seqs=4, max_batched_tokens=64, decode_steps=1, decode_batch_buckets=[4],
         prefill_len_buckets=[8, 32], prefill_batch_buckets=[1, 4], min_prefix_reuse=4,
     )

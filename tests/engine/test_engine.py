@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.inference.engine import Engine
-from jaxrl.inference.sampling import SamplingParams
-from jaxrl.inference.scheduler import Request
+from jaxrl.engine.engine import Engine
+from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.scheduler import Request
 from jaxrl.models.hf_io import load_decoder
 
 

@@ -9,37 +9,30 @@ requests from any thread and get ``concurrent.futures.Future``s. Each step:
 4. runs ``decode_steps`` decode steps for every sequence past prefill, in one device call
    (``decode_steps_idle`` when no request waits to join).
 
-Device programs are compiled per shape bucket (``InferenceConfig.program_bound``): batch and
-prompt-chunk sizes, never cache lengths. Decode reads and writes the KV cache in place
-(donated): the reference attention (``jaxrl.models.decoder.cached_attention``) reads each block
-of rows up to its furthest position, the decode kernel (TPU) each row's live blocks; nothing is
-copied per call.
+Its jobs live in four modules, as vLLM splits its engine core from the model runner: the
+device programs and the cache layout (``programs``), this loop (here), weight swaps
+(``weight_swap``) and recovery from a failed step (``recovery``).
 
 Penalties (``sampling.apply_penalties``) read per-row token counts kept on device beside the
 cache (``sampling.TokenCounts``: int32 + bool ``[max_seqs, vocab]``, e.g. 194 MB at 256 rows of
 a 152k vocabulary): decode counts each token it feeds back, and a penalised request's row is
 reset (its prompt's tokens marked) when it is admitted, whatever prefix it reuses.
 
-Weight updates take effect between steps only (``weight_update`` = "drain": requests in flight
-finish on the old weights first; "immediate": at the next step). The policy version counter
-starts at 0 and every completion records the version(s) that sampled it. Cached prefixes are
-dropped on every update: their keys/values came from the old weights.
+Weight updates take effect between steps only (``weight_swap``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,11 +40,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl.inference import weights as W
-from jaxrl.inference.config import InferenceConfig
-from jaxrl.inference.engine_metrics import EngineMetrics, RateWindow
-from jaxrl.inference.sampling import SamplingBatch, TokenCounts, penalize, sample
-from jaxrl.inference.scheduler import (
+from jaxrl.engine import weights as W
+from jaxrl.engine.config import EngineConfig
+from jaxrl.engine.metrics import EngineMetrics, RateWindow
+from jaxrl.engine.programs import DTYPES, EngineLayout, engine_programs
+from jaxrl.engine.recovery import Recovery
+from jaxrl.engine.scheduler import (
     Completion,
     DecodePlan,
     PrefillPlan,
@@ -60,189 +54,15 @@ from jaxrl.inference.scheduler import (
     SchedulerStats,
     Sequence,
 )
+from jaxrl.engine.weight_swap import WeightSwaps, _Update
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.decoder import Decoder, KVCache
 from jaxrl.models.hf_io import load_decoder
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
-
-def _prefill(graphdef, state, cache, counts, tokens, positions, rows, last, sampling, *, kernels):  # type: ignore[no-untyped-def]
-    """One batch of prompt chunks. ``kernels`` gives the projections of the served layout; the
-    attention is the reference on every backend (``Kernels.cached_attention`` takes one-token
-    steps only)."""
-    model, kernels = kernels.bind(graphdef, state)
-    hidden, cache = model(tokens, positions, cache=cache, cache_rows=rows, kernels=kernels)
-    h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-    logits = penalize(model.logits_f32(h_last, kernels), counts, rows, sampling)
-    next_tokens, logprobs = sample(logits, sampling)
-    return cache, next_tokens, logprobs
-
-
-def _decode(graphdef, steps, state, cache, counts, tokens, positions, rows, sampling, shared, *, kernels):  # type: ignore[no-untyped-def]
-    """``steps`` decode steps over the whole cache, read and written in place (donated).
-    ``counts`` (``TokenCounts``, donated too) counts each fed token (the one sampled last) as
-    generated before the step samples, for the penalties.
-
-    Attention by ``kernels`` (``inference.kernels``): the decode kernel (TPU) reads each row's
-    live blocks, the reference (``cached_attention``) each block of rows up to its furthest
-    position. Padding entries have a row index out of range (their writes are dropped,
-    what they read is discarded) and position 0. ``shared``: ``DecodePlan``'s share rows/lengths,
-    handed to the kernels (``Kernels.bind``).
-    """
-    model, kernels = kernels.bind(graphdef, state, shared)
-
-    def body(carry, _):  # type: ignore[no-untyped-def]
-        cache, counts, tok, pos, index = carry
-        counts = counts.count(rows, tok)
-        hidden, cache = model(tok[:, None], pos[:, None], cache=cache, cache_rows=rows, kernels=kernels)
-        logits = penalize(model.logits_f32(hidden[:, 0], kernels), counts, rows, sampling)
-        new, logp = sample(logits, replace(sampling, draw_position=index))
-        return (cache, counts, new, pos + 1, index + 1), (new, logp)
-
-    carry = (cache, counts, tokens, positions, sampling.draw_position)
-    (cache, counts, *_), (new_tokens, logprobs) = jax.lax.scan(body, carry, None, length=steps)
-    return cache, counts, new_tokens, logprobs
-
-
-def _reset_counts(counts: TokenCounts, row: jax.Array, prompt_mask: jax.Array) -> TokenCounts:
-    return counts.reset(row, prompt_mask)
-
-
-def _copy_row(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    return KVCache(cache.k.at[:, dst].set(cache.k[:, src]), cache.v.at[:, dst].set(cache.v[:, src]))
-
-
-class _TraceCounter:
-    """Counts traces of the engine's programs; under ``jax.jit`` each trace is one compile.
-
-    Why not jit's own ``_cache_size()``: that counts dispatch fast-path entries, which also
-    split on the calling thread's JAX context (seen in CI: a program called from the engine
-    thread and the main thread counted twice), not only on distinct programs.
-    """
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def wrap(self, fn: Any) -> Any:
-        @functools.wraps(fn)
-        def traced(*args: Any, **kwargs: Any) -> Any:
-            self.count += 1  # runs at trace time only
-            return fn(*args, **kwargs)
-
-        return traced
-
-
-@dataclass(frozen=True)
-class EngineLayout:
-    """Where and in what shapes the engine's state lives: the KV cache (``max_seqs`` rows of
-    ``max_model_len`` positions) and the host-fed inputs of each program, on ``mesh``.
-
-    Needs no weights, so ``jaxrl.aot`` describes the engine's programs from it alone.
-    """
-
-    mesh: Mesh | None
-    cache_shape: tuple[int, ...]
-    cache_dtype: Any
-    cache_sharding: Any
-    counts_shape: tuple[int, int]  # (max_seqs, vocab): ``TokenCounts`` of the penalties
-    inputs: Any  # sharding of host-fed inputs and of the token counts (replicated)
-    key: tuple  # every shape the programs compile for (keys the program cache)
-
-    @classmethod
-    def create(cls, arch: Any, config: InferenceConfig, compute_dtype: Any, mesh: Mesh | None) -> EngineLayout:
-        cache_dtype = compute_dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
-        shape = KVCache.shape(arch, config.max_seqs, config.max_model_len)
-        key = (shape, str(jnp.dtype(cache_dtype)), tuple(config.decode_buckets()))
-        key += tuple(map(tuple, (config.prefill_lengths(), config.prefill_batches(), config.decode_step_counts())))
-        counts = (config.max_seqs, arch.vocab_size)
-        return cls(mesh, shape, cache_dtype, W.cache_sharding(mesh, shape), counts, W.replicated(mesh), key + counts)
-
-    def abstract_cache(self) -> KVCache:
-        one = jax.ShapeDtypeStruct(self.cache_shape, self.cache_dtype, sharding=self.cache_sharding)
-        return KVCache(one, one)
-
-    def abstract_counts(self) -> TokenCounts:
-        return TokenCounts(self._abstract(self.counts_shape, jnp.int32), self._abstract(self.counts_shape, jnp.bool_))
-
-    def zero_counts(self) -> TokenCounts:
-        return TokenCounts(*(W.zeros_like_sharded(self.counts_shape, dt, self.inputs) for dt in (jnp.int32, jnp.bool_)))
-
-    def reset_inputs(self) -> tuple[Any, ...]:
-        """Abstract (row, prompt_mask) of a token-counts reset."""
-        return self._abstract((), jnp.int32), self._abstract(self.counts_shape[1:], jnp.bool_)
-
-    def _abstract(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.inputs)
-
-    def _sampling(self, batch: int) -> SamplingBatch:
-        f32, i32 = jnp.float32, jnp.int32
-        a = self._abstract
-        return SamplingBatch(
-            a((batch,), f32), a((batch,), f32), a((batch,), i32), a((batch, 2), jnp.uint32), a((batch,), i32),
-            a((batch,), f32), a((batch,), f32), a((batch,), f32),
-        )
-
-    def prefill_inputs(self, batch: int, length: int) -> tuple[Any, ...]:
-        """Abstract (tokens, positions, rows, last, sampling) of a prefill call."""
-        i32 = jnp.int32
-        a = self._abstract
-        return a((batch, length), i32), a((batch, length), i32), a((batch,), i32), a((batch,), i32), self._sampling(batch)
-
-    def decode_inputs(self, batch: int) -> tuple[Any, ...]:
-        """Abstract (tokens, positions, rows, sampling, (share_rows, share_lens)) of a decode call."""
-        a = self._abstract
-        i32 = jnp.int32
-        shared = (a((batch,), i32), a((batch,), i32))
-        return a((batch,), i32), a((batch,), i32), a((batch,), i32), self._sampling(batch), shared
-
-
-class EnginePrograms(NamedTuple):
-    prefill: Any
-    decode: Any  # takes its number of steps as its first (static) argument
-    copy: Any  # one KV cache row to another (prefix reuse)
-    reset: Any  # one row of the token counts (a penalised request's admission)
-    traces: _TraceCounter
-
-
-@functools.cache
-def engine_programs(graphdef: nnx.GraphDef, layout: EngineLayout, kernels: Kernels) -> EnginePrograms:
-    """The engine's jitted programs, shared by engines of the same model, shardings and shape
-    layout (tests and benchmarks build several engines; each jit object has its own cache)."""
-    traces = _TraceCounter()
-    cache_sh, inputs_sh = layout.cache_sharding, layout.inputs
-    cache_out = KVCache(cache_sh, cache_sh)
-    counts_out = TokenCounts(inputs_sh, inputs_sh)
-    prefill = jax.jit(
-        traces.wrap(partial(_prefill, graphdef, kernels=kernels)),
-        donate_argnums=(1,),
-        out_shardings=(cache_out, inputs_sh, inputs_sh),
-    )
-    decode = jax.jit(
-        traces.wrap(partial(_decode, graphdef, kernels=kernels)),
-        static_argnums=(0,),  # steps
-        donate_argnums=(2, 3),
-        out_shardings=(cache_out, counts_out, inputs_sh, inputs_sh),
-    )
-    copy = jax.jit(traces.wrap(_copy_row), donate_argnums=(0,), out_shardings=cache_out)
-    reset = jax.jit(traces.wrap(_reset_counts), donate_argnums=(0,), out_shardings=counts_out)
-    return EnginePrograms(prefill, decode, copy, reset, traces)
-
-
-class StaleVersion(ValueError):
-    """A weight update's version is not above the version served or already pending."""
-
-
-@dataclass
-class _Update:
-    state: nnx.State
-    version: int
-    waiters: list[threading.Event] = field(default_factory=list)
-
-
-class Engine:
+class Engine(WeightSwaps, Recovery):
     """Continuous-batching generation with the trainer's ``Decoder``; see the module docstring.
 
     The engine serves a copy of ``model``'s weights on its own shardings (``mesh``: tensor
@@ -251,7 +71,7 @@ class Engine:
     ``update_weights_from_state``.
     """
 
-    def __init__(self, model: Decoder, config: InferenceConfig, *, mesh: Mesh | None = None):
+    def __init__(self, model: Decoder, config: EngineConfig, *, mesh: Mesh | None = None):
         arch = model.arch
         config = config.with_model_len(arch.max_position_embeddings)
         if config.max_model_len > arch.max_position_embeddings:
@@ -306,15 +126,15 @@ class Engine:
     def from_pretrained(
         cls,
         model_dir: str | Path,
-        config: InferenceConfig,
+        config: EngineConfig,
         *,
         dtype: str = "float32",
         mesh: Mesh | None = None,
     ) -> Engine:
         """Load a Hugging Face model directory straight into the engine's shardings."""
-        if dtype not in _DTYPES:
-            raise ValueError(f"model dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
-        dt = _DTYPES[dtype]
+        if dtype not in DTYPES:
+            raise ValueError(f"model dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+        dt = DTYPES[dtype]
         mesh = mesh if mesh is not None else W.serving_mesh(config.tensor_parallel)
         model = load_decoder(model_dir, param_dtype=dt, dtype=dt, sharding_fn=W.param_sharding_fn(mesh))
         return cls(model, config, mesh=mesh)
@@ -468,55 +288,6 @@ class Engine:
                 self.step()
         return [f.result(timeout) for f in futures]
 
-    # -- weights ---------------------------------------------------------------------------
-
-    def update_weights_from_state(
-        self, state: nnx.State | Decoder, *, version: int | None = None, wait: bool = True
-    ) -> int:
-        """Hand new weights (the trainer's params pytree, any sharding) to the engine.
-
-        The copy to the engine's shardings happens in the calling thread; the swap happens
-        between engine steps (see ``InferenceConfig.weight_update``). Returns the policy version
-        served after the swap when ``wait``, else the version the update will have.
-        """
-        placed = W.place_state(state, self._stacked, self._param_shardings)
-        return self._enqueue_update(self._served(placed), version, wait)
-
-    def update_weights_from_path(
-        self, path: str | Path, *, version: int | None = None, wait: bool = True
-    ) -> int:
-        """Load a Hugging Face model directory (same architecture) as the new weights."""
-        model = load_decoder(
-            path, param_dtype=self._param_dtype, dtype=self._compute_dtype, sharding_fn=self._sharding_fn
-        )
-        if model.arch != self.arch:
-            raise ValueError(f"update_weights: {path} holds a different architecture than the served model")
-        return self._enqueue_update(self._served(nnx.state(model)), version, wait)
-
-    def _enqueue_update(self, state: nnx.State, version: int | None, wait: bool) -> int:
-        done = threading.Event()
-        with self._lock:
-            latest = self._pending.version if self._pending else self._version
-            if version is None:
-                version = latest + 1
-            if version <= latest:
-                raise StaleVersion(f"weight update version {version} must be greater than {latest}")
-            if self._pending is None:
-                self._pending = _Update(state, version, [done])
-            else:
-                self._pending.state, self._pending.version = state, version
-                self._pending.waiters.append(done)
-            self._lock.notify_all()
-        if not wait:
-            return version
-        if self._thread is None:
-            while not done.is_set():
-                self.step()
-        done.wait()
-        if self._error is not None:
-            raise RuntimeError(f"engine failed: {self._error!r}")
-        return self._version
-
     # -- the loop --------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -569,50 +340,6 @@ class Engine:
                     self._fail(exc)
                     return
 
-    def _abort_all(self) -> None:
-        """Finish every request still queued or running with finish_reason "abort"."""
-        with self._lock:
-            inbox, self._inbox = self._inbox, []
-        for seq in inbox:
-            self._sched.add(seq)
-        for seq in [*self._sched.waiting, *self._sched.running]:
-            self._sched.abort(seq.request.request_id)
-            self._deliver([seq])
-
-    def _recover(self, exc: BaseException) -> None:
-        """After a failed step: fail the requests the scheduler holds (the one that broke the
-        step cannot be told from the others of its batch) with ``exc``, start the scheduler over
-        (empty rows, no cached prefixes) and rebuild the KV cache if the failed call consumed it
-        (donation). Requests submitted since the step began stay queued."""
-        with self._lock:
-            queued = {seq.request.request_id for seq in self._inbox}
-            failed = {rid: f for rid, f in self._futures.items() if rid not in queued}
-            for rid in failed:
-                del self._futures[rid]
-            self._aborts.clear()
-        for f in failed.values():
-            if not f.done():
-                f.set_exception(RuntimeError(f"engine step failed: {exc!r}"))
-        stats = self._sched.stats
-        self._sched = Scheduler(self.config)
-        self._sched.stats = stats
-        old = (self._cache.k, self._cache.v)
-        if any(a.is_deleted() for a in old):
-            self._cache = KVCache(*(W.zeros_like_sharded(a.shape, a.dtype, a.sharding) for a in old))
-        if any(a.is_deleted() for a in (self._counts.output, self._counts.prompt)):
-            self._counts = self._layout.zero_counts()
-
-    def _fail(self, exc: BaseException) -> None:
-        with self._lock:
-            self._error = exc
-            futures, self._futures = self._futures, {}
-            pending, self._pending = self._pending, None
-        for f in futures.values():
-            if not f.done():
-                f.set_exception(exc)
-        for w in pending.waiters if pending else []:
-            w.set()
-
     def step(self) -> None:
         """One engine step (called by the engine thread, or directly when it is not running)."""
         if self._thread is not None and threading.current_thread() is not self._thread:
@@ -660,21 +387,6 @@ class Engine:
         if any(s.prefilling for s in running) or max((s.max_new - len(s.tokens) for s in running), default=0) < idle:
             return short
         return idle
-
-    def _maybe_swap_weights(self) -> bool:
-        """Apply a pending update when the policy allows; True while admission must pause."""
-        with self._lock:
-            update = self._pending
-            if update is None:
-                return False
-            if self.config.weight_update == "drain" and self._sched.running:
-                return True
-            self._pending = None
-            self._state, self._version = update.state, update.version
-        self._sched.rows.invalidate_warm()
-        for w in update.waiters:
-            w.set()
-        return False
 
     def _put(self, arrays: Any) -> Any:
         return jax.device_put(arrays, self._inputs)

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxrl.inference import api
+from jaxrl.serving import protocol
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def describe(errors: Sequence[Any]) -> str:
 def openapi(app: FastAPI, narrow: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> dict[str, Any]:
     """FastAPI's schema, with the 400 this server answers for invalid bodies documented in place
     of FastAPI's default 422 (clients and fuzzers check responses against it), then ``narrow``ed
-    to what this server accepts (``api.server_schema``)."""
+    to what this server accepts (``protocol.server_schema``)."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         error = {
@@ -59,7 +59,7 @@ def openapi(app: FastAPI, narrow: Callable[[dict[str, Any]], dict[str, Any]] | N
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
         }
         schemas = schema.setdefault("components", {}).setdefault("schemas", {})
-        error_schema = api.ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+        error_schema = protocol.ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(error_schema.pop("$defs", {}), ErrorResponse=error_schema)
         for methods in schema.get("paths", {}).values():
             for op in methods.values():

@@ -1,4 +1,4 @@
-"""The vLLM proxy and ``[inference.vllm]`` config, without vLLM: a small upstream app on
+"""The vLLM proxy and vLLM backend's config, without vLLM: a small upstream app on
 127.0.0.1 answers the way a vLLM 0.32 server does, and real clients (renderers' generate,
 httpx) go through the real proxy."""
 
@@ -23,8 +23,8 @@ from renderers import Qwen3RendererConfig, create_renderer
 from renderers.client import MalformedGenerateResponseError, generate
 from transformers import AutoTokenizer
 
-from jaxrl.inference.config import InferenceConfig, VLLMConfig
 from jaxrl.models.hf_io import load_decoder
+from jaxrl.rollout.config import InferenceConfig, VLLMConfig
 from jaxrl.rollout.proxy import ProxyServer, rewrite_generate_response
 from jaxrl.rollout.vllm import VLLMBackend
 
@@ -250,7 +250,7 @@ def test_attached_backend_syncs_weights_with_vllm_routes_in_order(upstream, mode
 
 
 def test_external_vllm_servers_get_every_version_through_vllm_routes(model_dir, tokenizer_dir, tmp_path, completion) -> None:
-    """backend = "external" with inference.external.server = "vllm" (the GKE layout: several
+    """backend = "external" with inference.backend.server = "vllm" (the GKE layout: several
     vLLM servers): each server reloads every version through vLLM's RL routes, in order."""
     from jaxrl.rollout.external import ExternalBackend
 
@@ -287,7 +287,7 @@ def test_attach_timeout_names_the_setting(model_dir, tokenizer_dir, tmp_path) ->
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     cfg = InferenceConfig(backend="vllm", base_url=dead + "/v1", vllm={"startup_timeout_s": 1})
-    with pytest.raises(TimeoutError, match=r"not healthy after 1 s \(inference.vllm.startup_timeout_s\)"):
+    with pytest.raises(TimeoutError, match=r"not healthy after 1 s \(inference.backend.startup_timeout_s\)"):
         VLLMBackend(load_decoder(model_dir), {}, cfg, output_dir=tmp_path, tokenizer_dir=tokenizer_dir, model_name="m").start()
 
 
@@ -296,7 +296,7 @@ def test_attach_timeout_names_the_setting(model_dir, tokenizer_dir, tmp_path) ->
 
 def test_vllm_config_fields_and_errors(monkeypatch, tmp_path) -> None:
     cfg = InferenceConfig(backend="vllm", vllm={"dtype": "float32", "extra_args": ["--enforce-eager"]})
-    assert cfg.vllm.dtype == "float32" and cfg.vllm.extra_args == ["--enforce-eager"] and cfg.base_url is None
+    assert cfg.backend.dtype == "float32" and cfg.backend.extra_args == ["--enforce-eager"] and cfg.base_url is None
     with pytest.raises(ValidationError, match="extra_forbidden"):
         InferenceConfig(backend="vllm", vllm={"pyhton": "/x"})
     with pytest.raises(ValidationError, match="cpu_kv_cache_gib"):
@@ -390,4 +390,32 @@ def test_multihost_rl_needs_external_servers(tmp_path) -> None:
           "distributed": {"enabled": True, "num_processes": 2, "process_id": 0, "coordinator_address": "h:1"}}  # fmt: skip
     with pytest.raises(ValueError, match=r'inference.backend = "embedded" with several processes.*"external"'):
         build_config(rl, [])
-    assert build_config(rl | {"inference": {"backend": "external", "base_url": "http://h:8000"}}, []).inference.backend == "external"
+    external = {"inference": {"backend": "external", "base_url": "http://h:8000"}}
+    assert build_config(rl | external, []).inference.backend.type == "external"
+
+
+def test_the_backend_is_a_union_on_type_and_the_older_shape_reads_the_same() -> None:
+    from jaxrl.config import build_config
+
+    new = InferenceConfig.model_validate({"backend": {"type": "vllm", "python": "/p", "dtype": "float32"}})
+    old = InferenceConfig.model_validate({"backend": "vllm", "vllm": {"python": "/p", "dtype": "float32"}})
+    assert new == old and isinstance(new.backend, VLLMConfig) and new.backend.python == "/p"
+    assert InferenceConfig().backend.type == "embedded"
+    # A section of a backend other than the chosen one is refused, not ignored.
+    with pytest.raises(ValidationError, match=r'inference.vllm: settings of the "vllm" backend, but the backend is '
+                       r'"external"'):
+        InferenceConfig.model_validate({"backend": "external", "base_url": "http://a:1", "vllm": {"python": "/p"}})
+    with pytest.raises(ValidationError, match="extra_forbidden"):  # an external setting on the vLLM backend
+        InferenceConfig.model_validate({"backend": {"type": "vllm", "server": "vllm"}})
+    with pytest.raises(ValidationError, match="name the backend its settings are for"):
+        InferenceConfig.model_validate({"backend": {"python": "/p"}})
+    # Command line: the backend's type and its fields merge over the TOML (either shape), field by field.
+    toml = {"inference": {"backend": "vllm", "vllm": {"python": "/p"}}}
+    cfg = build_config(toml, ["--inference.backend.dtype", "bfloat16", "--inference.vllm.cpu_kv_cache_gib", "2"])
+    assert (cfg.inference.backend.python, cfg.inference.backend.dtype, cfg.inference.backend.cpu_kv_cache_gib) == (
+        "/p", "bfloat16", 2.0)
+    cfg = build_config({}, ["--inference.backend", "external", "--inference.external.server", "vllm",
+                            "--inference.base_url=http://a:1"])
+    assert cfg.inference.backend.type == "external" and cfg.inference.backend.server == "vllm"
+    cfg = build_config({}, ['--inference.backend={"type": "vllm", "dtype": "float32"}'])
+    assert cfg.inference.backend.dtype == "float32"

@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl.inference.engine import Engine
-from jaxrl.inference.sampling import SamplingParams
-from jaxrl.inference.scheduler import Request
+from jaxrl.engine.engine import Engine
+from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.scheduler import Request
 from jaxrl.models.hf_io import copy_model_dir, load_decoder
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -88,7 +88,7 @@ def test_engine_serves_a_copy_of_the_model_it_is_given(model_dir, make_config, s
 
 
 def test_place_state_reshards_casts_and_checks_names_and_shapes(model_dir) -> None:
-    from jaxrl.inference.weights import param_sharding_fn, place_state, state_shardings
+    from jaxrl.engine.weights import param_sharding_fn, place_state, state_shardings
 
     engine_like = nnx.state(load_decoder(model_dir, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16))
     shardings = state_shardings(engine_like, param_sharding_fn(None))

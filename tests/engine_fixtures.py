@@ -1,4 +1,5 @@
-"""Fixtures for the inference tests: a tiny random Qwen3 checkpoint, its tokenizer, configs."""
+"""Fixtures for the engine, serving and rollout tests: a tiny random Qwen3 checkpoint, its tokenizer, configs
+(each of tests/engine, tests/serving and tests/rollout imports them in its conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl.inference.config import InferenceConfig
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.tiny import qwen3_config, save_random_checkpoint
 from jaxrl.models.tokenizer import build_tokenizer
+from jaxrl.rollout.config import InferenceConfig
 
 VOCAB = 272  # the byte tokenizer has 265 tokens; the model may have more rows, as real ones do
 PAD_TO = 128  # scoring row length (= the test engines' max_model_len)

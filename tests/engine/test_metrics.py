@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxrl.inference.engine_metrics import RateWindow
+from jaxrl.engine.metrics import RateWindow
 
 
 def test_rate_window_measures_recent_rate_and_forgets_old_steps() -> None:

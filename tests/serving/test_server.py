@@ -14,13 +14,13 @@ from renderers import Qwen3RendererConfig, create_renderer
 from renderers.client import generate
 from transformers import AutoTokenizer
 
-from jaxrl.inference import api
-from jaxrl.inference.chat_serving import parse_tool_calls, renderer_tool_calls
-from jaxrl.inference.engine import Engine
-from jaxrl.inference.sampling import SamplingParams
-from jaxrl.inference.scheduler import Request as EngineRequest
-from jaxrl.inference.server import EngineServer
+from jaxrl.engine.engine import Engine
+from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.scheduler import Request as EngineRequest
 from jaxrl.models.hf_io import load_decoder
+from jaxrl.serving import protocol
+from jaxrl.serving.chat import parse_tool_calls, renderer_tool_calls
+from jaxrl.serving.server import EngineServer
 
 MAX_LEN = 1024
 
@@ -153,7 +153,7 @@ def test_openai_chat_completions_and_models(server, tokenizer) -> None:
         tools=tools,
         extra_body={"return_token_ids": True, "top_k": 50, "cache_salt": "ignored"},
     )
-    api.ChatCompletionResponse.model_validate(raw.http_response.json())
+    protocol.ChatCompletionResponse.model_validate(raw.http_response.json())
     chat = raw.parse()
     assert len(chat.choices) == 2
     for choice in chat.choices:
@@ -191,7 +191,7 @@ def test_openai_completions_with_stop_string(server, tokenizer) -> None:
         logprobs=0,
         extra_body={"ignore_eos": True},
     )
-    api.CompletionResponse.model_validate(raw.http_response.json())
+    protocol.CompletionResponse.model_validate(raw.http_response.json())
     choice = raw.parse().choices[0]
     assert choice.finish_reason == "stop" and choice.text == tokenizer.decode(ids[:k])
     assert len(choice.logprobs.token_logprobs) == k + 1  # generation stopped at the token completing it
@@ -284,7 +284,22 @@ BAD = [
     ("/inference/v1/generate", {}, "token_ids: Field required"),
     ("/inference/v1/generate", [1, 2], "request body"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream"),
+    # Strict fields: a boolean is true / false, never 0 or "yes" (the schema says boolean).
+    ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"logprobs": False}}, "sampling_params.logprobs"),
+    ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"ignore_eos": 1}}, "sampling_params.ignore_eos"),
+    ("/v1/completions", {"prompt": [1], "stream": 0}, "stream: Input should be a valid boolean"),
+    ("/v1/completions", {"prompt": [1], "max_tokens": "3"}, "max_tokens"),
+    ("/v1/completions", {"prompt": [1], "stream_options": {"include_usage": True}}, "stream_options: only with stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "return_token_ids": "yes"},
+     "return_token_ids: Input should be a valid boolean"),
+    # What needs constrained decoding is refused in one line saying why, not accepted and ignored.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     'tool_choice: "auto" or "none" only: a named or "required" tool choice needs constrained decoding'),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     'response_format: {"type": "text"} only: JSON output'),
     ("/v1/completions", {"prompt": [1, -3]}, "vocabulary"),
     ("/update_weights", {}, "path: Field required"),
     # Every sampling value is range-checked before it reaches the engine thread (a top_k of 2**31
@@ -339,6 +354,90 @@ def test_bad_requests_get_400_naming_the_problem(server, path, body, message) ->
     assert message in r.json()["error"]["message"]
 
 
+def test_streamed_chat_and_completions_match_the_whole_answers(server) -> None:
+    """``stream: true`` through the openai client's streaming API: server-sent chunks whose
+    concatenation is the non-streamed answer (same seed), finish reasons, and the usage in one
+    last chunk when ``stream_options.include_usage`` asks (vLLM's and OpenAI's shape)."""
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    messages = [{"role": "user", "content": "Say something."}]
+    common = {"model": "tiny", "messages": messages, "max_completion_tokens": 8, "seed": 11, "n": 2}
+    whole = client.chat.completions.create(**common, logprobs=True)
+    chunks = list(client.chat.completions.create(**common, logprobs=True, stream=True,
+                                                 stream_options={"include_usage": True}))  # fmt: skip
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens: the second run hits the cache
+    assert chunks[-1].choices == [] and [getattr(chunks[-1].usage, k) for k in counts] == [
+        getattr(whole.usage, k) for k in counts
+    ]
+    assert all(c.usage is None for c in chunks[:-1])
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks[:-1] if c.choices[0].index == choice.index]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == (choice.message.content or "")
+        assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason]
+        streamed = [e.logprob for c in mine if c.logprobs for e in c.logprobs.content]
+        assert streamed == [e.logprob for e in choice.logprobs.content]
+
+    prompt = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 6, "seed": 5, "extra_body": {"ignore_eos": True}}
+    text = client.completions.create(**prompt)
+    pieces = list(client.completions.create(**prompt, stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == text.choices[0].text and text.choices[0].text
+    assert [p.choices[0].finish_reason for p in pieces if p.choices[0].finish_reason] == ["length"]
+    assert all(p.usage is None for p in pieces)  # not asked for: no usage chunk
+    raw = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True}, timeout=60)
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert raw.text.endswith("data: [DONE]\n\n") and raw.text.count("data: ") == 3  # text, finish, [DONE]
+
+
+def test_tool_choice_none_leaves_a_written_call_as_text(server, tokenizer) -> None:
+    """tool_choice "none" is honoured, not ignored: the same completion (a call the model wrote)
+    is a tool call under "auto" (and by default) and stays text under "none"."""
+    from jaxrl.engine.scheduler import Completion
+
+    text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    done = Completion("r", [1], ids, [-0.5] * len(ids), "stop", 0, 0, 0)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+    def answer(**kw) -> dict:
+        body = protocol.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                              "tools": tools, **kw})  # fmt: skip
+        return server.chat.choice(0, done, [], body)
+
+    for auto in (answer(), answer(tool_choice="auto")):
+        assert auto["finish_reason"] == "tool_calls" and auto["message"]["content"] == "Sure."
+        assert [c["function"]["name"] for c in auto["message"]["tool_calls"]] == ["f"]
+    none = answer(tool_choice="none")
+    assert none["finish_reason"] == "stop" and "tool_calls" not in none["message"]
+    assert none["message"]["content"] == text
+
+
+def test_the_schema_names_only_the_template_kwargs_the_renderer_takes(server) -> None:
+    from jaxrl.models.chat import template_kwarg_names
+
+    def kwargs_schema(**kw) -> list[dict]:
+        schema = {"components": {"schemas": {
+            name: {"properties": {"stop_token_ids": {}, "max_tokens": {}, "chat_template_kwargs": {
+                "anyOf": [{"type": "object"}, {"type": "null"}]}}}
+            for name in ("GenerateSamplingParams", "ChatCompletionRequest", "CompletionRequest")
+        } | {"GenerateRequest": {"properties": {"token_ids": {}}}}}}  # fmt: skip
+        schema["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"] = {}
+        out = protocol.server_schema(schema, vocab_size=10, max_model_len=16, **kw)
+        return out["components"]["schemas"]["ChatCompletionRequest"]["properties"]["chat_template_kwargs"]["anyOf"]
+
+    qwen3 = template_kwarg_names({"name": "qwen3", "enable_thinking": False})
+    assert "enable_thinking" in qwen3
+    narrowed = kwargs_schema(allow_request_chat_template=False, template_kwargs=qwen3)[0]
+    assert narrowed["propertyNames"] == {"enum": sorted(qwen3)}
+    assert kwargs_schema(allow_request_chat_template=False, template_kwargs=frozenset())[0]["maxProperties"] == 0
+    assert "enum" not in kwargs_schema(allow_request_chat_template=False)[0]["propertyNames"]  # any but reserved
+    # The live server here renders with the tokenizer's template: any key but the reserved ones.
+    assert server.chat.template_kwarg_names() is None
+    live = httpx.get(server.url + "/openapi.json").json()["components"]["schemas"]["ChatCompletionRequest"]
+    names = next(v for v in live["properties"]["chat_template_kwargs"]["anyOf"] if v.get("type") == "object")
+    assert names["propertyNames"] == {"not": {"enum": [*protocol.RESERVED_TEMPLATE_KWARGS, "chat_template"]}}
+
+
 def test_unknown_fields_are_ignored_and_server_stays_healthy(server) -> None:
     body = {
         "model": "whatever",
@@ -357,7 +456,7 @@ def test_unknown_fields_are_ignored_and_server_stays_healthy(server) -> None:
     r = httpx.post(server.url + "/inference/v1/generate", json=body, timeout=60)
     assert r.status_code == 200
     out = r.json()
-    api.GenerateResponse.model_validate(out)
+    protocol.GenerateResponse.model_validate(out)
     assert out["prompt_token_ids"] == [1, 2] and out["usage"]["completion_tokens"] == 2
     assert out["choices"][0]["logprobs"] is None and out["choices"][0]["finish_reason"] == "length"
     assert httpx.get(server.url + "/nope").status_code == 404
@@ -475,7 +574,7 @@ def test_update_weights_over_http_loses_no_request(server, other_model_dir) -> N
     versions = []
     for r in results:
         assert r.status_code == 200
-        api.GenerateResponse.model_validate(r.json())
+        protocol.GenerateResponse.model_validate(r.json())
         choice = r.json()["choices"][0]
         assert len(choice["token_ids"]) == len(choice["logprobs"]["content"]) == 60
         assert choice["policy_version"] == choice["policy_version_final"]

@@ -27,9 +27,9 @@ from renderers import Qwen3RendererConfig, create_renderer
 from renderers.client import generate
 from transformers import AutoTokenizer
 
-from jaxrl.inference.config import InferenceConfig
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.models.tiny import qwen3_config, save_random_checkpoint
+from jaxrl.rollout.config import InferenceConfig
 from jaxrl.rollout.vllm import VLLMBackend
 from jaxrl.trainer.logprobs import token_logprobs
 

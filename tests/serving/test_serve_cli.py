@@ -80,7 +80,7 @@ def test_a_port_taken_after_start_up_checks_is_named() -> None:
 
     from fastapi import FastAPI
 
-    from jaxrl.inference.http_thread import BackgroundServer, PortInUse
+    from jaxrl.serving.http_thread import BackgroundServer, PortInUse
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -1,7 +1,7 @@
 """HTTP API over an ``Engine`` (DESIGN contract 6), with FastAPI + uvicorn: thin routes (as
-vLLM's ``api_router``) that map each request to its handler: ``completion_serving`` (generate,
-completions), ``chat_serving`` (chat), ``auth`` (who may update weights, from where),
-``http_errors`` (error answers and the schema); bodies are ``api``'s.
+vLLM's ``api_router``) that map each request to its handler: ``completions`` (generate,
+completions), ``chat`` (chat), ``auth`` (who may update weights, from where),
+``errors`` (error answers and the schema); bodies are ``protocol``'s.
 
 Handlers submit requests to the engine (its own thread runs the steps) and await their
 futures; a handler cancelled mid-flight (client gone, shutdown) aborts its requests. Bad input
@@ -10,11 +10,17 @@ serving. ``EngineServer`` runs uvicorn in a background thread (``start``/``stop`
 point, tests; ``serve_forever``: ``python -m jaxrl.serve``, which waits for SIGINT/SIGTERM).
 Shutdown is graceful: the socket closes, in-flight requests finish (up to
 ``graceful_shutdown_s``), then the engine stops.
+
+``build_engine_server`` is the one way to put an engine behind this server, shared by
+``jaxrl.serve`` and the RL loop: both serve the same API with the same defaults (the model's
+stop tokens: the tokenizer's EOS plus ``generation_config.json``'s ``eos_token_id``s; the run's
+renderer for the chat endpoint; the ``[inference.server]`` settings).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import tempfile
 import threading
@@ -25,17 +31,19 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxrl.inference import api, auth, http_errors
-from jaxrl.inference.chat_serving import ChatServing
-from jaxrl.inference.completion_serving import CompletionServing
-from jaxrl.inference.config import ServerConfig
-from jaxrl.inference.engine import Engine, StaleVersion
-from jaxrl.inference.http_errors import BadRequest, Unavailable
-from jaxrl.inference.http_thread import BackgroundServer
+from jaxrl.engine.engine import Engine
+from jaxrl.engine.weight_swap import StaleVersion
 from jaxrl.models.hf_io import copy_model_dir
+from jaxrl.serving import auth, errors, protocol, streaming
+from jaxrl.serving.chat import ChatServing
+from jaxrl.serving.completions import CompletionServing
+from jaxrl.serving.config import ServerConfig
+from jaxrl.serving.errors import BadRequest, Unavailable
+from jaxrl.serving.http_thread import BackgroundServer
 
 SESSION_HEADER = "x-session-id"
 
@@ -168,14 +176,15 @@ class EngineServer:
     # -- routes ----------------------------------------------------------------------------
 
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="jaxrl inference", description=api.LOGPROBS, docs_url=None, redoc_url=None)
+        app = FastAPI(title="jaxrl inference", description=protocol.LOGPROBS, docs_url=None, redoc_url=None)
         narrow = partial(
-            api.server_schema,
+            protocol.server_schema,
             vocab_size=self.engine.vocab_size,
             max_model_len=self.engine.max_model_len,
             allow_request_chat_template=self.chat.allow_request_chat_template,
+            template_kwargs=self.chat.template_kwarg_names(),
         )
-        http_errors.install(app, narrow)
+        errors.install(app, narrow)
 
         def session(request: Request) -> str | None:
             return request.headers.get(SESSION_HEADER)
@@ -183,7 +192,7 @@ class EngineServer:
         @app.get("/health")
         async def health() -> JSONResponse:
             if not (self.engine.healthy and self.engine.running):
-                return http_errors.error_response(503, "engine is not running")
+                return errors.error_response(503, "engine is not running")
             return JSONResponse({"status": "ok", "policy_version": self.engine.policy_version})
 
         @app.get("/metrics")
@@ -192,34 +201,42 @@ class EngineServer:
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
-            card = api.ModelCard(
+            card = protocol.ModelCard(
                 id=self.model_name, created=self.created, root=self.model_name, max_model_len=self.engine.max_model_len
             )
-            return api.ModelList(data=[card]).model_dump()
+            return protocol.ModelList(data=[card]).model_dump()
 
-        @app.post("/inference/v1/generate")
-        async def generate(body: api.GenerateRequest, request: Request) -> JSONResponse:
+        # The handlers build plain dicts (no per-request model validation on the hot path); the
+        # response models document them in the schema, and the tests check answers against them.
+        def answers(model: type[BaseModel], stream: bool = False) -> dict[int | str, dict[str, Any]]:
+            content = {"application/json": {}} | ({"text/event-stream": {}} if stream else {})
+            return {200: {"model": model, "content": content}}
+
+        @app.post("/inference/v1/generate", responses=answers(protocol.GenerateResponse))
+        async def generate(body: protocol.GenerateRequest, request: Request) -> JSONResponse:
             return JSONResponse(await self.completion.generate(body, session(request)))
 
-        @app.post("/v1/chat/completions")
-        async def chat(body: api.ChatCompletionRequest, request: Request) -> JSONResponse:
-            return JSONResponse(await self.chat.chat(body, session(request)))
+        @app.post("/v1/chat/completions", responses=answers(protocol.ChatCompletionResponse, stream=True))
+        async def chat(body: protocol.ChatCompletionRequest, request: Request) -> Response:
+            out = await self.chat.chat(body, session(request))
+            return streaming.sse(streaming.chat_chunks(out, body)) if body.stream else JSONResponse(out)
 
-        @app.post("/v1/completions")
-        async def completions(body: api.CompletionRequest, request: Request) -> JSONResponse:
-            return JSONResponse(await self.completion.completions(body, session(request)))
+        @app.post("/v1/completions", responses=answers(protocol.CompletionResponse, stream=True))
+        async def completions(body: protocol.CompletionRequest, request: Request) -> Response:
+            out = await self.completion.completions(body, session(request))
+            return streaming.sse(streaming.completion_chunks(out, body)) if body.stream else JSONResponse(out)
 
-        errors = {"model": api.ErrorResponse}
+        error_body = {"model": protocol.ErrorResponse}
 
         @app.post(
             "/update_weights",
             responses={
-                403: {**errors, "description": "path is outside inference.server.weights_root"},
-                404: {**errors, "description": "path is not a model directory"},
-                409: {**errors, "description": "version is not above the policy version served or pending"},
+                403: {**error_body, "description": "path is outside inference.server.weights_root"},
+                404: {**error_body, "description": "path is not a model directory"},
+                409: {**error_body, "description": "version is not above the policy version served or pending"},
             },
         )
-        async def update_weights(body: api.UpdateWeightsRequest, request: Request) -> dict[str, int]:
+        async def update_weights(body: protocol.UpdateWeightsRequest, request: Request) -> dict[str, int]:
             auth.require_key(request, self.api_key)
             path = self.weights_root.check(body.path)
             try:
@@ -230,7 +247,7 @@ class EngineServer:
                 raise Unavailable(f"update_weights: {e}") from None
             except Exception as e:  # noqa: BLE001 - the client's directory does not load: the old weights stay
                 raise BadRequest(f"update_weights: cannot load {body.path}: {type(e).__name__}: {e}") from None
-            return api.UpdateWeightsResponse(policy_version=version).model_dump()
+            return protocol.UpdateWeightsResponse(policy_version=version).model_dump()
 
         return app
 
@@ -242,3 +259,37 @@ class EngineServer:
         with tempfile.TemporaryDirectory(prefix="jaxrl-update-") as tmp:
             copy_model_dir(path, tmp)
             return self.engine.update_weights_from_path(tmp, version=version)
+
+
+def eos_token_ids(model_dir: str | Path | None, tokenizer: Any) -> list[int]:
+    """Default stop tokens: the tokenizer's EOS plus ``generation_config.json``'s eos ids."""
+    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    gen = Path(model_dir) / "generation_config.json" if model_dir is not None else None
+    if gen is not None and gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
+    return list(dict.fromkeys(int(i) for i in ids))
+
+
+def build_engine_server(
+    engine: Engine,
+    config: ServerConfig,
+    *,
+    tokenizer_dir: str | Path,
+    model_dir: str | Path | None,
+    model_name: str,
+    renderer: Mapping[str, Any] | None,
+) -> EngineServer:
+    """``engine``'s (not yet started) HTTP server as ``config`` (``[inference.server]``) says;
+    ``model_dir`` is where generation_config.json may be."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return EngineServer.from_config(
+        engine,
+        tokenizer,
+        config,
+        model_name=model_name,
+        stop_token_ids=eos_token_ids(model_dir, tokenizer),
+        renderer=renderer,
+    )

