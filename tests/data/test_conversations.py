@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from families import build_family_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
 from test_hub import write_hub_cache
 
 from jaxrl.config import build_config
