@@ -190,40 +190,56 @@ def export_hf(
     hf_config: dict[str, Any],
     *,
     max_shard_bytes: int = 2 * 1024**3,
+    all_processes_write: bool = False,
 ) -> Path:
     """Write ``config.json`` + safetensors (sharded with an index past ``max_shard_bytes``).
 
-    Every process must call this (weights may need a cross-host gather); only process 0 writes.
+    Every process must call this (weights may need a cross-host gather, after which every
+    process holds every tensor). Only process 0 writes, unless ``all_processes_write`` (``out_dir``
+    is one directory every process sees, e.g. a shared bucket): then the tensors go into at least
+    one shard file per process and process ``p`` writes shards ``p, p + P, ...`` at once, process 0
+    also the config and the index; the caller waits for every process before anyone reads.
+    (Measured: 2-2.5x faster writes with 4 writers, launch/gke/README.md.)
     """
     out = Path(out_dir)
+    tensors = list(iter_hf_tensors(model))
+    procs, me = jax.process_count(), jax.process_index()
+    writers = procs if all_processes_write and procs > 1 else 1
+    if writers > 1:  # at least one shard per writer
+        total = sum(a.nbytes for _, a in tensors)
+        max_shard_bytes = min(max_shard_bytes, max(-(-total // writers), 1))
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
-    for name, arr in iter_hf_tensors(model):
+    for name, arr in tensors:
         if size and size + arr.nbytes > max_shard_bytes:
             shards.append({})
             size = 0
         shards[-1][name] = arr
         size += arr.nbytes
-    if jax.process_index() != 0:
+    if me >= writers:
         return out
     out.mkdir(parents=True, exist_ok=True)
-    config = dict(hf_config)
-    config["dtype"] = str(next(iter(shards[0].values())).dtype)
-    config["tie_word_embeddings"] = model.arch.tie_word_embeddings
-    (out / "config.json").write_text(json.dumps(config, indent=2))
     if len(shards) == 1:
-        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
+        if me == 0:
+            _write_config(out, hf_config, model, shards[0])
+            save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
         return out
-    weight_map = {}
-    for k, shard in enumerate(shards):
-        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, out / fname, metadata={"format": "pt"})
-        weight_map.update({n: fname for n in shard})
-    total = sum(a.nbytes for s in shards for a in s.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    for k in range(me, len(shards), writers):
+        save_file(shards[k], out / names[k], metadata={"format": "pt"})
+    if me == 0:
+        _write_config(out, hf_config, model, shards[0])
+        weight_map = {n: fname for fname, shard in zip(names, shards, strict=True) for n in shard}
+        index = {"metadata": {"total_size": sum(a.nbytes for _, a in tensors)}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return out
 
+
+def _write_config(out: Path, hf_config: dict[str, Any], model: Decoder, first: dict[str, np.ndarray]) -> None:
+    config = dict(hf_config)
+    config["dtype"] = str(next(iter(first.values())).dtype)
+    config["tie_word_embeddings"] = model.arch.tie_word_embeddings
+    (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def is_url(path: str | os.PathLike) -> bool:
@@ -231,14 +247,15 @@ def is_url(path: str | os.PathLike) -> bool:
     return "://" in str(path)
 
 
-def copy_model_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+def copy_model_dir(src: str | os.PathLike, dst: str | os.PathLike, *, require_config: bool = True) -> None:
     """Copy the files of a model directory between two locations ``etils.epath`` reads and
     writes: local paths, or ``gs://`` URLs (with ``gcsfs`` installed, the ``gcs`` extra). How
-    the weights of an external rollout backend cross to servers on other hosts."""
+    the weights of an external rollout backend cross to servers on other hosts.
+    ``require_config=False``: a part of one (the shard files one process of several wrote)."""
     from etils import epath
 
     source, dest = epath.Path(src), epath.Path(dst)
-    if not (source / "config.json").exists():
+    if require_config and not (source / "config.json").exists():
         raise FileNotFoundError(f"{src} is not a model directory (no config.json)")
     dest.mkdir(parents=True, exist_ok=True)
     for f in source.iterdir():

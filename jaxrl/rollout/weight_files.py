@@ -9,8 +9,11 @@ to) and ``external.ExternalBackend`` (jaxrl.serve or vLLM servers running elsewh
 from __future__ import annotations
 
 import json
+import os
 import tempfile
+import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +28,9 @@ from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import copy_model_dir, export_hf, is_url
 
 
-def export_for_vllm(model: Decoder, out_dir: Path, hf_config: Mapping[str, Any]) -> Path:
+def export_for_vllm(
+    model: Decoder, out_dir: Path, hf_config: Mapping[str, Any], *, all_processes_write: bool = False
+) -> Path:
     """``export_hf`` in the form a vLLM 0.32 server loads and reloads correctly.
 
     Two fixes on top of the plain export:
@@ -43,7 +48,7 @@ def export_for_vllm(model: Decoder, out_dir: Path, hf_config: Mapping[str, Any])
     hf_config = dict(hf_config)
     if not hf_config.get("architectures"):
         hf_config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config["model_type"]]]
-    path = export_hf(model, out_dir, hf_config)
+    path = export_hf(model, out_dir, hf_config, all_processes_write=all_processes_write)
     if not model.arch.tie_word_embeddings:
         return path
     embed = model.embed[...]
@@ -100,22 +105,55 @@ class WeightFiles:
         self.graphdef = nnx.graphdef(model)
         self.hf_config = dict(hf_config)
         self.root = epath.Path(root)
-        self._export = export_for_vllm if for_vllm else export_hf
+        self.for_vllm = for_vllm
         self._main = jax.process_index() == 0
         self._last: epath.Path | None = None
+        self._shared: bool | None = None  # every process sees root (decided at the first write)
+
+    def _all_see_root(self) -> bool:
+        """Whether every trainer process sees the same ``root`` (a bucket URL, a shared mount):
+        process 0 writes a probe, each process looks for it, and they agree on the minimum. Then
+        every process writes its share of the shard files at once; else process 0 writes alone."""
+        if jax.process_count() == 1:
+            return False
+        from jax.experimental import multihost_utils
+
+        probe = self.root / f".jaxrl-shared-probe-{os.getpid()}-{time.time_ns()}"
+        probe_name = multihost_utils.broadcast_one_to_all(np.frombuffer(probe.name.encode().ljust(64), np.uint8))
+        probe = self.root / bytes(np.asarray(probe_name)).decode().strip()
+        if self._main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe.write_text("jaxrl")
+        multihost_utils.sync_global_devices("jaxrl-weights-probe-written")
+        seen = np.int32(probe.exists())
+        shared = bool(np.min(multihost_utils.process_allgather(seen)))
+        multihost_utils.sync_global_devices("jaxrl-weights-probe-read")
+        if self._main:
+            probe.unlink(missing_ok=True)
+        return shared
 
     def write(self, state: nnx.State | Decoder, name: str) -> epath.Path:
         """``state`` as HF safetensors in ``root / name``: written in place on a local path
-        (returned absolute: servers may run elsewhere), staged then copied to a URL."""
+        (returned absolute: servers may run elsewhere), staged then copied to a URL. Where every
+        process sees ``root``, each writes its share of the files and all wait for the last."""
+        if self._shared is None:
+            self._shared = self._all_see_root()
         model = state if isinstance(state, Decoder) else nnx.merge(self.graphdef, state)
         dest = self.root / name
+        export = partial(export_for_vllm if self.for_vllm else export_hf, all_processes_write=self._shared)
         if not is_url(dest):
-            return epath.Path(self._export(model, Path(dest), self.hf_config).resolve())
-        with tempfile.TemporaryDirectory(prefix="jaxrl-weights-") as tmp:
-            local = self._export(model, Path(tmp) / dest.name, self.hf_config)
-            if self._main:
-                copy_model_dir(local, dest)
-        return dest
+            path = epath.Path(export(model, Path(dest), self.hf_config).resolve())
+        else:
+            with tempfile.TemporaryDirectory(prefix="jaxrl-weights-") as tmp:
+                local = export(model, Path(tmp) / dest.name, self.hf_config)
+                if self._main or self._shared:
+                    copy_model_dir(local, dest, require_config=self._main)
+            path = dest
+        if self._shared:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"jaxrl-weights-written-{name}")
+        return path
 
     def served(self, path: epath.Path) -> None:
         """``path`` is now served everywhere: the directory served before it is removed."""

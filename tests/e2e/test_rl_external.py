@@ -107,7 +107,14 @@ def test_two_processes_match_one_process_and_every_server_follows_every_step(mod
         assert all(r["train/rollouts_failed"] == 0 for r in rows)
         assert json.loads((out / "result.json").read_text())["steps"] == 3
         assert (out / "hf" / "model.safetensors").exists()
-        assert len(list((out / "rollout_weights").iterdir())) == 1  # older policies are removed once served
+        (policy,) = list((out / "rollout_weights").iterdir())  # older policies are removed once served
+        # Two processes that see one weights directory each write their share of the files at once.
+        shards = sorted(p.name for p in policy.glob("model-*.safetensors"))
+        if name == "multi":
+            index = json.loads((policy / "model.safetensors.index.json").read_text())
+            assert len(shards) >= 2 and sorted(set(index["weight_map"].values())) == shards, shards
+        else:
+            assert shards == [] and (policy / "model.safetensors").exists()
 
     ref, multi = read_metrics(tmp_path / "ref" / "metrics.jsonl"), read_metrics(tmp_path / "multi" / "metrics.jsonl")
     for a, b in zip(ref, multi, strict=True):
