@@ -25,7 +25,7 @@ from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDic
 from jaxrl import renamed
 from jaxrl.orchestrator.config import OrchestratorConfig
 from jaxrl.parallel.distributed import DistributedConfig
-from jaxrl.rollout.config import InferenceConfig, backend_flags, backend_table
+from jaxrl.rollout.config import BACKEND_SECTIONS, InferenceConfig, backend_flags, backend_table
 from jaxrl.trainer.checkpoint import CkptConfig
 from jaxrl.trainer.config import TrainerConfig
 
@@ -508,6 +508,22 @@ def _backend_as_table(config: dict[str, Any]) -> dict[str, Any]:
     return config | {"inference": backend_table(inference)} if isinstance(inference, dict) else config
 
 
+def _cli_backend_wins(toml: dict[str, Any], cli: dict[str, Any]) -> dict[str, Any]:
+    """A backend chosen on the command line replaces the file's: the file's settings for another
+    backend are dropped, not refused. A recipe names how its trainer reaches rollout servers;
+    ``jaxrl.serve --config rl.toml --inference.backend embedded`` (GKE's rendered rollout pods)
+    serves that recipe's model as one of those servers."""
+    chosen = ((cli.get("inference") or {}).get("backend") or {}).get("type")
+    inference = toml.get("inference")
+    if chosen is None or not isinstance(inference, dict):
+        return toml
+    backend = inference.get("backend") or {}
+    if (backend.get("type") if isinstance(backend, dict) else None) == chosen:
+        return toml
+    kept = {k: v for k, v in inference.items() if k != "backend" and (k not in BACKEND_SECTIONS or k == chosen)}
+    return toml | {"inference": kept}
+
+
 def build_config(
     toml: dict[str, Any],
     overrides: list[str],
@@ -531,6 +547,7 @@ def build_config(
             raise ValueError(str(e).replace("\n", " ")) from None
         raise ValueError("; ".join(_unknown_flag(f) for f in flags)) from None
     toml, cli = _backend_as_table(toml), _backend_as_table(cli)
+    toml = _cli_backend_wins(toml, cli)
     try:
         return RunConfig.model_validate(deep_merge(toml, cli))
     except ValidationError as e:

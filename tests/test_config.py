@@ -218,3 +218,18 @@ def test_elastic_env_pool_is_checked(over, needle) -> None:
     with pytest.raises(pydantic.ValidationError, match=needle):
         EnvConfig(id="reverse_text", **over)
     assert EnvConfig(id="reverse_text", pool_size=4, elastic=True).worker_capacity == 128
+
+
+def test_a_backend_chosen_on_the_command_line_replaces_the_files() -> None:
+    """`jaxrl.serve --config rl.toml --inference.backend embedded` (GKE's rollout pods) serves a
+    recipe whose trainer reads from external servers: the file's external settings are dropped
+    because the command line chose another backend; without that choice they stay refused."""
+    toml = {"inference": {"external": {"request_timeout_s": 60}}}
+    cfg = build_config(toml, ["--inference.backend", "embedded"])
+    assert cfg.inference.backend.type == "embedded"
+    external = build_config(toml, ["--inference.backend", "external", "--inference.base_url", "http://127.0.0.1:8000"])
+    assert external.inference.backend.request_timeout_s == 60
+    with pytest.raises(ValueError, match='settings of the "external" backend, but the backend is "embedded"'):
+        build_config(toml, [])
+    old_shape = {"inference": {"backend": "external", "base_url": "http://127.0.0.1:8000", "external": {"request_timeout_s": 60}}}
+    assert build_config(old_shape, ["--inference.backend", "embedded"]).inference.backend.type == "embedded"

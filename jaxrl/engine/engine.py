@@ -212,6 +212,8 @@ class Engine(WeightSwaps, Recovery):
         with self._lock:
             waiting = len(self._inbox) + len(self._sched.waiting)
             running = len(self._sched.running)
+            in_use = sum(seq.position for seq in self._sched.running)
+        kv_bytes = sum(int(x.size) * x.dtype.itemsize for x in (self._cache.k, self._cache.v))
         return EngineMetrics(
             waiting=waiting,
             running=running,
@@ -222,6 +224,9 @@ class Engine(WeightSwaps, Recovery):
             cached_prompt_tokens=stats.cached_prompt_tokens,
             prefix_hit_rate=stats.cached_prompt_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0,
             shared_prefix_positions=stats.shared_prefix_positions,
+            kv_cache_bytes=kv_bytes,
+            kv_bytes_per_sequence=kv_bytes // self.config.max_seqs,
+            kv_tokens_in_use=in_use,
             prefill_calls=stats.prefill_calls,
             decode_calls=stats.decode_calls,
             compiles=self.compiled_programs(),

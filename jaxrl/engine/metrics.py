@@ -61,6 +61,14 @@ class EngineMetrics(BaseModel):
     """Cached positions that calls read from one row shared by several (copies of one prompt
     prefill: a GRPO group, a system prompt) instead of each row's own copy (the CPU kernel uses
     it; summed over calls, once per call not per step)."""
+    kv_cache_bytes: int
+    """The KV cache's size (keys and values, every layer, all ``max_seqs`` rows, summed over
+    devices): allocated once at start-up, so it is what the engine holds whatever the load."""
+    kv_bytes_per_sequence: int
+    """... of which one sequence (one row of ``max_model_len`` positions) takes."""
+    kv_tokens_in_use: int
+    """Positions the running sequences have written (prompt + completion so far); at most
+    ``running * max_model_len``."""
     prefill_calls: int
     decode_calls: int
     compiles: int

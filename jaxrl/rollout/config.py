@@ -163,7 +163,7 @@ def server_root(url: str, field: str = "inference.base_url") -> str:
 BackendConfig = Annotated[EmbeddedConfig | VLLMConfig | ExternalConfig, Field(discriminator="type")]
 """The rollout backend's settings, picked by ``type``."""
 
-_OLD_SECTIONS = ("vllm", "external")  # ``[inference.<backend>]`` of the older shape
+BACKEND_SECTIONS = ("vllm", "external")  # ``[inference.<backend>]`` of the older shape
 
 
 def backend_table(inference: dict[str, Any]) -> dict[str, Any]:
@@ -185,7 +185,7 @@ def backend_flags(args: list[str]) -> list[str]:
         given = value if eq else (args[i + 1] if i + 1 < len(args) else "")
         if flag == "--inference.backend" and not given.lstrip().startswith("{"):
             arg = "--inference.backend.type" + eq + value
-        for name in _OLD_SECTIONS:
+        for name in BACKEND_SECTIONS:
             if arg.startswith(f"--inference.{name}."):
                 arg = "--inference.backend." + arg.removeprefix(f"--inference.{name}.")
         out.append(arg)
@@ -199,7 +199,7 @@ def _backend_from_old_shape(data: dict[str, Any]) -> dict[str, Any]:
     backend = data.get("backend", {"type": "embedded"})
     if isinstance(backend, str):
         backend = {"type": backend}
-    for name in _OLD_SECTIONS:
+    for name in BACKEND_SECTIONS:
         if name not in data:
             continue
         section = data.pop(name)

@@ -1,6 +1,7 @@
 """A 32k-token prompt through the engine (chunked prefill bounded by max_batched_tokens, the KV
 cache read in place at that length): the sampled tokens' log-probs equal one full forward of
-prompt + completion; a request past max_model_len is refused with one line."""
+prompt + completion; the KV cache is accounted per sequence; a request past max_model_len is
+refused with one line."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ def test_a_32k_token_prompt_is_served_exactly(tmp_path, make_config, kl) -> None
         prompt = rng.integers(0, 265, PROMPT).tolist()
         (out,) = engine.generate([Request(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=3))])
         assert len(out.token_ids) == 8 and out.finish_reason == "length"
+        # KV cache accounting: 2 layers x 2 KV heads x 33,024 positions x 16 x (k, v) x 4 bytes a row.
+        m = engine.metrics()
+        assert m.kv_bytes_per_sequence == 2 * 2 * MAX_LEN * 16 * 2 * 4 and m.kv_cache_bytes == 2 * m.kv_bytes_per_sequence
+        assert m.kv_tokens_in_use == 0 and m.prompt_tokens == PROMPT
         with pytest.raises(ValueError, match=f"prompt has {MAX_LEN} tokens, max_model_len is {MAX_LEN}"):
             engine.generate([Request(rng.integers(0, 265, MAX_LEN).tolist(), SamplingParams(max_tokens=1))])
     finally:
