@@ -1,5 +1,5 @@
-"""Long-context RL end to end on CPU: 2 GRPO steps on `needle` (one fact buried in a ~8.3k-token
-document) with the trainer's sequence split over 4 devices (context parallelism, Ulysses
+"""Long-context RL end to end on CPU: 2 GRPO steps on `needle` (two facts buried in a ~8.3k-token
+document, asked one per turn) with the trainer's sequence split over 4 devices (context parallelism, Ulysses
 attention) x 2-way fsdp, the embedded engine prefilling each prompt in 512-token chunks, a real
 verifiers env server. Small on purpose (2 layers, 4 tasks x 2 samples): it checks that every
 part holds at this length, not that the model learns."""
@@ -30,8 +30,8 @@ def test_two_rl_steps_on_8k_token_samples_with_context_parallelism(tmp_path) -> 
                       "prefill_batch_buckets": [1]},
         "orchestrator": {
             "batch_size": 4, "group_size": 2, "max_async_level": 0,
-            "train": {"sampling": {"max_completion_tokens": 8, "temperature": 1.0},
-                      "env": [{"id": "needle", "args": {"context_words": 1500}}]},
+            "train": {"sampling": {"max_completion_tokens": 6, "temperature": 1.0},
+                      "env": [{"id": "needle", "args": {"context_words": 1500, "questions": 2}}]},
         },
         "log": {"progress": False},
     }, [])  # fmt: skip
@@ -45,3 +45,7 @@ def test_two_rl_steps_on_8k_token_samples_with_context_parallelism(tmp_path) -> 
     assert all(r["train/policy_lag_max"] == 0 and r["train/mismatch_kl"] < 1e-4 for r in rows), rows[-1]
     records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     assert len(records) >= 8 and all(r["fate"] != "failed" for r in records)
+    # Multi-turn: the scripted user asked the second question after the first reply (unless the
+    # first reply ran to the context limit, which 6 tokens past an 8.4k prompt does not).
+    turns = [[m["role"] for m in r["completion"]] for r in records]
+    assert all(t == ["assistant", "user", "assistant"] for t in turns), turns[:2]

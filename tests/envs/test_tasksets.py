@@ -102,21 +102,27 @@ def test_reverse_text_reward():
     assert partial == pytest.approx(similarity(task.data.answer[:-1], task.data.answer)) and 0 < partial < 1
 
 
-def test_needle_buries_one_fact_at_a_seeded_depth_and_rewards_the_code():
+def test_needle_buries_its_facts_at_seeded_depths_and_rewards_each_answer():
     tasks = load("needle", num_tasks=30, context_words=200, seed=1)
     depths = set()
     for task in tasks:
-        document, question = task.data.prompt.split("\n\n")
-        key = question.removeprefix("What is the code for ").removesuffix("?")
-        needle = f"The code for {key} is {task.data.answer}."
+        document, asked = task.data.prompt.split("\n\n")
+        (key,), (code,) = task.data.keys, task.data.answers
+        assert asked == f"What is the code for {key}?"
+        needle = f"The code for {key} is {code}."
         assert document.count("The code for") == 1 and needle in document
         assert len(document.split()) == 200 + len(needle.split())
         depths.add(document.split().index("The"))
     assert len(depths) > 10  # the needle moves through the document
     task = tasks[0]
-    assert score(task, ("q", task.data.answer)).reward == 1.0
-    assert score(task, ("q", f" {task.data.answer}\n")).reward == 1.0
+    assert score(task, ("q", task.data.answers[0])).reward == 1.0
+    assert score(task, ("q", f" {task.data.answers[0]}\n")).reward == 1.0
     assert score(task, ("q", "")).reward == 0.0
+    three = load("needle", num_tasks=5, context_words=100, questions=3)[0]
+    assert len(set(three.data.keys)) == 3 and three.data.prompt.count("The code for") == 3
+    a, b, c = three.data.answers
+    assert score(three, ("q", a), (f"What is the code for {three.data.keys[1]}?", b), ("q", c)).reward == 1.0
+    assert score(three, ("q", a)).reward == pytest.approx(1 / 3)  # unanswered questions score 0
 
 
 def test_alphabet_sort_rewards_every_turn():
