@@ -191,6 +191,11 @@ class Kernels:
         return nnx.merge(graphdef, served), replace(self, serving=Serving(weights, shared))
 
     @property
+    def context_parallel(self) -> bool:
+        """Sequences are split over a "context" mesh axis (the Ulysses path of the attention)."""
+        return self.mesh is not None and self.mesh.shape.get(SEQ_AXIS, 1) > 1
+
+    @property
     def reference(self) -> bool:
         """No Pallas kernel at any call site (the references, or cuDNN attention and references)."""
         return self.impl in ("reference", "cudnn")
@@ -245,7 +250,7 @@ class Kernels:
         queries like ``query`` [B, T, heads, head_dim]; None means the decoder's own (reference)
         attention: for the references, and on GPU for what cuDNN does not take (float32, see
         ``cudnn_attention.unsupported``; logged once per reason)."""
-        context = self.mesh.shape.get(SEQ_AXIS, 1) if self.mesh is not None else 1
+        context = self.mesh.shape[SEQ_AXIS] if self.context_parallel else 1
         inner: Callable[..., jax.Array] | None
         if self.impl == "cudnn":
             reason = cudnn_attention.unsupported(query)

@@ -67,17 +67,22 @@ def packed_logprobs(
     entry t - 1 is token t predicted from position t - 1 (column 0 has no prediction)."""
     hidden, _ = model(mb["tokens"], mb["positions"], mb["segment_ids"], kernels=kernels, lora=lora)
     b, t, d = hidden.shape
-    # Every position is scored against the next token (the last against the row's first, then
-    # dropped): slicing ``hidden[:, :-1]`` instead would make a context-parallel sequence shard
-    # uneven and cost a reshard of the hidden states; a roll of the int targets is a cheap shift.
+    if kernels.context_parallel:
+        # Every position is scored against the next token (the last against the row's first,
+        # then dropped): slicing ``hidden[:, :-1]`` would make the sequence shards uneven and
+        # cost a reshard of the hidden states; a roll of the int targets is a cheap shift.
+        hidden, targets, temperature = hidden, jnp.roll(mb["tokens"], -1, 1), jnp.roll(mb["temperature"], -1, 1)
+    else:  # the same values; kept so that runs without context parallelism repeat bit for bit
+        hidden, targets, temperature = hidden[:, :-1], mb["tokens"][:, 1:], mb["temperature"][:, 1:]
+    n = hidden.shape[1]
     logp, entropy = (kernels.token_logprobs() or token_logprobs)(
         hidden.reshape(-1, d),
         model.lm_head_weight(),
-        jnp.roll(mb["tokens"], -1, axis=1).reshape(-1),
-        jnp.roll(mb["temperature"], -1, axis=1).reshape(-1),
+        targets.reshape(-1),
+        temperature.reshape(-1),
         block_size=vocab_block,
     )
-    return logp.reshape(b, t)[:, :-1], entropy.reshape(b, t)[:, :-1]
+    return logp.reshape(b, n)[:, : t - 1], entropy.reshape(b, n)[:, : t - 1]
 
 
 def micro_batch_loss(

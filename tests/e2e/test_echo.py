@@ -86,8 +86,11 @@ def trained_groups(out: Path) -> dict[int, list[list[Rollout]]]:
     return {step: list(by_id.values()) for step, by_id in groups.items()}
 
 
-def tool_outputs(rollout: Rollout) -> list[str]:
-    return [n["message"]["content"] for t in rollout.traces for n in t["nodes"] if n["message"]["role"] == "tool"]
+def tool_outputs(rollout: Rollout) -> list[tuple[str, str]]:
+    """(name, body) of every tool output: the tiny model sometimes misspells the tool
+    ("loookup"); verifiers answers such a call too, under the name called."""
+    return [(n["message"].get("name"), n["message"]["content"])
+            for t in rollout.traces for n in t["nodes"] if n["message"]["role"] == "tool"]  # fmt: skip
 
 
 def ce_runs(ce_w: np.ndarray) -> list[np.ndarray]:
@@ -111,10 +114,15 @@ def test_echo_weights_exactly_the_allowed_tool_output_bodies(echo_run, warm_star
         ce_tokens = 0
         for group in groups:
             samples = echo.samples(group)
-            assert [s.ce_w.tolist() for s in samples] == [s.ce_w.tolist() for s in every_tool.samples(group)]
+            outputs = [out for r in group for out in tool_outputs(r)]
+            every = [s.ce_w for s in every_tool.samples(group)]
+            if all(name == "lookup" for name, _ in outputs):  # the allow-list changes nothing
+                assert [s.ce_w.tolist() for s in samples] == [ce.tolist() for ce in every]
+            else:  # a misspelt tool's output: only the config without an allow-list selects it
+                assert sum(int((s.ce_w > 0).sum()) for s in samples) < sum(int((ce > 0).sum()) for ce in every)
             # Another tool's allow-list, and plain GRPO, select nothing on the same rollouts.
             assert all(not s.ce_w.any() for s in other_tool.samples(group) + grpo.samples(group))
-            expected = [out for r in group for out in tool_outputs(r)]
+            expected = [body for name, body in outputs if name == "lookup"]
             calls += len(expected)
             echoed = []
             for sample in samples:
