@@ -46,9 +46,9 @@ def check(cfg: RunConfig, resume: bool) -> None:
             "[orchestrator.eval] is not set: jaxrl.eval runs the config's eval envs; add [orchestrator.eval] "
             "(and [[orchestrator.eval.env]] entries, or train envs with an eval split)"
         )
-    if cfg.inference.backend != "embedded":
+    if cfg.inference.backend.type != "embedded":
         raise ConfigError(
-            f'inference.backend = "{cfg.inference.backend}": jaxrl.eval serves the model with the embedded engine; '
+            f'inference.backend = "{cfg.inference.backend.type}": jaxrl.eval serves the model with the embedded engine; '
             "set --inference.backend embedded"
         )
     if cfg.model.name is None:
