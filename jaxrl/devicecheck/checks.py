@@ -37,6 +37,22 @@ def scaled_err(got: Any, want: Any) -> float:
 _PARITY: dict[int, Any] = {}
 
 
+def parity_engine_setup(shapes: Shapes, seed: int) -> tuple[list[list[int]], Any]:
+    """The engine checks' prompts (``engine_prompts`` of them, 3 tokens shorter each, so
+    prefill pads) and the engine config sized to run them all in one batch."""
+    from jaxrl.engine.config import EngineConfig
+
+    n, new, prompt_len = shapes.engine_prompts, shapes.engine_new_tokens, shapes.parity_tokens[1]
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, shapes.parity["vocab_size"], prompt_len - 3 * i).tolist() for i in range(n)]
+    config = EngineConfig(
+        max_model_len=prompt_len + new + 8, max_seqs=n, max_batched_tokens=n * prompt_len,
+        decode_batch_buckets=[n], prefill_len_buckets=[prompt_len], prefill_batch_buckets=[n], decode_steps=4,
+        decode_steps_idle=4,
+    )
+    return prompts, config
+
+
 def parity_model(shapes: Shapes, dtype: Any = jnp.float32) -> Any:
     """The correctness model (random float32 weights, made once per run) computing in ``dtype``:
     each caller gets its own module object over the same arrays."""
@@ -96,24 +112,16 @@ def engine_vs_trainer(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
 
     Greedy agreement is judged tie-tolerantly: each engine token's trainer log-prob must be within
     the tolerance of the best token's (an exact argmax match is reported beside it)."""
-    from jaxrl.engine.config import EngineConfig
     from jaxrl.engine.engine import Engine
     from jaxrl.engine.sampling import SamplingParams
     from jaxrl.engine.scheduler import Request
     from jaxrl.kernel_dispatch import Kernels
     from jaxrl.trainer.step import packed_logprobs
 
-    cfg = shapes.parity
     n, new = shapes.engine_prompts, shapes.engine_new_tokens
     prompt_len = shapes.parity_tokens[1]
     model = parity_model(shapes)
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, cfg["vocab_size"], prompt_len - 3 * i).tolist() for i in range(n)]
-    icfg = EngineConfig(
-        max_model_len=prompt_len + new + 8, max_seqs=n, max_batched_tokens=n * prompt_len,
-        decode_batch_buckets=[n], prefill_len_buckets=[prompt_len], prefill_batch_buckets=[n], decode_steps=4,
-        decode_steps_idle=4,
-    )
+    prompts, icfg = parity_engine_setup(shapes, seed=1)
     kernels = Kernels.create("auto", field="trainer.kernels")
     with jax.default_matmul_precision("highest"):
         engine = Engine(model, icfg)

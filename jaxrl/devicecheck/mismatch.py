@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl.devicecheck.checks import parity_model
+from jaxrl.devicecheck.checks import parity_engine_setup, parity_model
 from jaxrl.devicecheck.common import Device, Shapes
 
 
@@ -36,26 +36,18 @@ def logprob_mismatch_bf16(dev: Device, shapes: Shapes) -> Iterator[dict[str, Any
     """Sample at temperature 1 from the engine in bfloat16, score the same tokens with the
     trainer's log-prob path in bfloat16 compute, and report ``mismatch_stats``. Random weights
     give flatter distributions than a trained checkpoint (``entropy_mean`` says how flat)."""
-    from jaxrl.engine.config import EngineConfig
     from jaxrl.engine.engine import Engine
     from jaxrl.engine.sampling import SamplingParams
     from jaxrl.engine.scheduler import Request
     from jaxrl.kernel_dispatch import Kernels
     from jaxrl.trainer.step import packed_logprobs
 
-    cfg = shapes.parity
     n, new = shapes.engine_prompts, shapes.engine_new_tokens
     prompt_len = shapes.parity_tokens[1]
     trainer_model = parity_model(shapes, jnp.bfloat16)  # float32 master weights, bfloat16 compute
     graphdef, state = nnx.split(trainer_model)
     engine_model = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(jnp.bfloat16), state))
-    rng = np.random.default_rng(7)
-    prompts = [rng.integers(0, cfg["vocab_size"], prompt_len - 3 * i).tolist() for i in range(n)]
-    icfg = EngineConfig(
-        max_model_len=prompt_len + new + 8, max_seqs=n, max_batched_tokens=n * prompt_len,
-        decode_batch_buckets=[n], prefill_len_buckets=[prompt_len], prefill_batch_buckets=[n], decode_steps=4,
-        decode_steps_idle=4,
-    )
+    prompts, icfg = parity_engine_setup(shapes, seed=7)
     engine = Engine(engine_model, icfg)
     outs = engine.generate([Request(p, SamplingParams(max_tokens=new, temperature=1.0, seed=i))
                             for i, p in enumerate(prompts)])
@@ -82,4 +74,4 @@ def logprob_mismatch_bf16(dev: Device, shapes: Shapes) -> Iterator[dict[str, Any
            "tokens": int(sum(len(o.token_ids) for o in outs)), "entropy_mean": float(np.concatenate(ent).mean()),
            "engine": "bfloat16 weights and compute", "trainer": "float32 weights, bfloat16 compute",
            "engine_kernels": engine.kernels.impl, "trainer_kernels": kernels.impl,
-           "layers": cfg["num_hidden_layers"], "temperature": 1.0}
+           "layers": shapes.parity["num_hidden_layers"], "temperature": 1.0}
