@@ -15,7 +15,7 @@ import random
 import verifiers.v1 as vf
 from pydantic import Field
 
-from jaxrl.envs.common import NAMES, SplitTasksetConfig, draw_split, similarity
+from jaxrl.envs.common import NAMES, SplitTasksetConfig, draw_split, scripted_user, similarity
 from jaxrl.envs.harness import LocalChatHarness
 
 SYSTEM_PROMPT = "You keep a list of names sorted alphabetically. Always reply with the full sorted list, one name per line, and nothing else."
@@ -120,12 +120,7 @@ class AlphabetSortEnv(vf.Env[AlphabetSortEnvConfig]):
     """The scripted user: the prompt opens, then one follow-up per remaining turn."""
 
     async def run(self, task: AlphabetSortTask, agents: vf.Agents) -> None:
-        async with agents.agent.interaction(task) as chat:
-            segment = await chat.turn()
-            for names in task.data.turns[1:]:
-                if segment.terminated:
-                    break
-                segment = await chat.turn(follow_up_message(names))
+        await scripted_user(task, agents, [follow_up_message(names) for names in task.data.turns[1:]])
 
 
 __all__ = ["AlphabetSortEnv", "AlphabetSortTaskset", "LocalChatHarness"]

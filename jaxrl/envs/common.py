@@ -216,6 +216,17 @@ def draw_split(
     )
 
 
+async def scripted_user(task: vf.Task, agents: vf.Agents, follow_ups: Sequence[str]) -> None:
+    """One seat driven by a scripted user (multi-turn tasksets' ``Env.run``): the task's prompt
+    opens, then each follow-up message is a user turn, until the policy's episode terminates."""
+    async with agents.agent.interaction(task) as chat:
+        segment = await chat.turn()
+        for message in follow_ups:
+            if segment.terminated:
+                break
+            segment = await chat.turn(message)
+
+
 def similarity(a: Sequence, b: Sequence) -> float:
     """Longest-matching-blocks similarity in [0, 1] (difflib ratio; 1.0 iff equal)."""
     if not a and not b:

@@ -18,7 +18,7 @@ import random
 import verifiers.v1 as vf
 from pydantic import Field
 
-from jaxrl.envs.common import WORDS, SplitTasksetConfig, draw_split, similarity
+from jaxrl.envs.common import WORDS, SplitTasksetConfig, draw_split, scripted_user, similarity
 from jaxrl.envs.harness import LocalChatHarness
 
 SYSTEM_PROMPT = "Answer with the code only."
@@ -101,12 +101,7 @@ class NeedleEnv(vf.Env[NeedleEnvConfig]):
     """The scripted user: the document and the first question open, then one question per turn."""
 
     async def run(self, task: NeedleTask, agents: vf.Agents) -> None:
-        async with agents.agent.interaction(task) as chat:
-            segment = await chat.turn()
-            for key in task.data.keys[1:]:
-                if segment.terminated:
-                    break
-                segment = await chat.turn(question(key))
+        await scripted_user(task, agents, [question(key) for key in task.data.keys[1:]])
 
 
 __all__ = ["LocalChatHarness", "NeedleEnv", "NeedleTaskset"]
