@@ -9,6 +9,13 @@ different distributions), the cheapest on CPU. Held-out reward (same eval seeds 
 
     python studies/offpolicy/offpolicy.py --steps 10 --seeds 0 1 --methods dppo gspo tis mis
 
+``--recipe DIR`` runs the recipe-sized version instead: configs/reverse_text/rl.toml as shipped
+(512 rollouts = 32 tasks x 16 per step, lr 5e-4, the README's ~1M model) from the SFT export in DIR
+(the main job's ``outputs/reverse_text/sft/hf``), with only ``max_async_level`` 2, the loss, the
+seed, the step count and the eval interval changed:
+
+    python studies/offpolicy/offpolicy.py --recipe outputs/reverse_text/sft/hf --steps 20 --seeds 0 1
+
 The jitter is injected here, in the benchmark, by wrapping the sample builder the GRPO family
 uses; nothing in jaxrl carries such a knob.
 """
@@ -70,11 +77,34 @@ def warm_start(root: Path) -> Path:
     return Path(run_sft(cfg)["export"])
 
 
-def run(model: Path, out: Path, method: str, seed: int, steps: int) -> dict:
+RECIPE = Path(__file__).resolve().parents[2] / "configs" / "reverse_text" / "rl.toml"
+
+
+def recipe_config(model: Path, out: Path, method: str, seed: int, steps: int, eval_interval: int) -> dict:
+    """configs/reverse_text/rl.toml with the warm start given, async level 2 and the method's loss."""
+    from jaxrl.config import read_toml
+
+    data = read_toml(RECIPE)
+    data.pop("warmstart", None)
+    data["output_dir"], data["seed"], data["model"] = str(out), seed, {"name": str(model)}
+    data["trainer"] = {**data["trainer"], "steps": steps, "loss": LOSSES[method]}
+    data["trainer"].pop("resume", None)
+    data["orchestrator"] = {**data["orchestrator"], "max_async_level": 2}
+    data["orchestrator"]["eval"] = {**data["orchestrator"]["eval"], "interval": eval_interval}
+    data["inference"] = {**data.get("inference", {}), "server": {"port": 0}}
+    data["ckpt"] = {"interval": steps}
+    data["log"] = {"progress": False}
+    return data
+
+
+def run(model: Path, out: Path, method: str, seed: int, steps: int, recipe: bool = False) -> dict:
     from jaxrl.config import build_config
     from jaxrl.metrics import read_metrics
     from jaxrl.rl import run_rl
 
+    if recipe:
+        return finish(run_rl, build_config(recipe_config(model, out, method, seed, steps, 10), []), out,
+                      method, seed, steps, read_metrics)
     sampling = {"max_completion_tokens": 16, "temperature": 1.0}
     cfg = build_config({
         "output_dir": str(out), "seed": seed, "model": {"name": str(model)},
@@ -87,6 +117,11 @@ def run(model: Path, out: Path, method: str, seed: int, steps: int) -> dict:
                          "eval": {"interval": steps, "num_tasks": 32, "k": 4, "sampling": sampling}},
         "log": {"progress": False},
     }, [])  # fmt: skip
+    return finish(run_rl, cfg, out, method, seed, steps, read_metrics)
+
+
+def finish(run_rl, cfg, out: Path, method: str, seed: int, steps: int, read_metrics) -> dict:  # type: ignore[no-untyped-def]
+    """Run one configured RL job; its held-out curve and the step-mean ratio metrics as a row."""
     t0 = time.perf_counter()
     run_rl(cfg)
     rows = read_metrics(out / "metrics.jsonl")
@@ -94,7 +129,7 @@ def run(model: Path, out: Path, method: str, seed: int, steps: int) -> dict:
     train = [r for r in rows if "train/ratio_mean" in r]
     mean = {k: statistics.mean(r[f"train/{k}"] for r in train) for k in KEYS}
     return {"method": method, "seed": seed, "steps": steps, "eval_before": evals[0], "eval_after": evals[-1],
-            "eval_gain": evals[-1] - evals[0], "wall_s": round(time.perf_counter() - t0, 1),
+            "eval_gain": evals[-1] - evals[0], "evals": evals, "wall_s": round(time.perf_counter() - t0, 1),
             "load_avg_1m": os.getloadavg()[0], **{f"mean_{k}": v for k, v in mean.items()}}  # fmt: skip
 
 
@@ -104,14 +139,17 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--methods", nargs="+", default=["dppo", "gspo", "tis", "mis"], choices=sorted(LOSSES))
     p.add_argument("--jitter", type=float, default=0.3, help="temperature jitter of the trainer's scoring")
+    p.add_argument("--recipe", type=Path, default=None,
+                   help="the main job's SFT export: run configs/reverse_text/rl.toml at its size from it")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = warm_start(root)
+        model = args.recipe.resolve() if args.recipe else warm_start(root)
         for seed in args.seeds:
             for method in args.methods:
                 jitter_temperatures(args.jitter, seed=seed)
-                print(json.dumps(run(model, root / f"{method}-{seed}", method, seed, args.steps)), flush=True)
+                row = run(model, root / f"{method}-{seed}", method, seed, args.steps, recipe=args.recipe is not None)
+                print(json.dumps({"jitter": args.jitter, "recipe": args.recipe is not None, **row}), flush=True)
 
 
 if __name__ == "__main__":
