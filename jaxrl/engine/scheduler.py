@@ -47,6 +47,21 @@ class Request:
     session_id: str | None = None
     stop_fn: Callable[[list[int]], bool] | None = None
     """Extra host-side stop test on the completion so far (e.g. stop strings); True = stop."""
+    on_tokens: Callable[[TokenDelta], None] | None = None
+    """Streaming: called on the engine thread after each device call that sampled tokens for this
+    request, with those tokens, before the request's future completes. It must return at once
+    (hand the delta to another thread: the engine loop waits for it); what it raises is logged
+    and the request goes on."""
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """Completion tokens sampled by one engine device call (a prefill's first token, or up to
+    ``decode_steps`` decode tokens), with their log-probs and the weights version that drew them."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
 
 
 @dataclass
@@ -62,6 +77,9 @@ class Completion:
     policy_version_final: int  # ... and the last (differs only with weight_update = "immediate")
     cached_prompt_tokens: int  # prompt tokens whose keys/values came from the prefix cache
     stop_token: int | None = None  # the stop token id that ended the completion (its last token)
+    token_versions: list[int] = field(default_factory=list)
+    """The weights version that sampled each completion token (``weight_update = "immediate"``
+    swaps weights between engine steps, so one completion can span versions)."""
 
 
 class Sequence:
@@ -80,7 +98,7 @@ class Sequence:
         self.fed = 0  # completion tokens whose keys/values are in the row
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
-        self.versions: tuple[int, int] | None = None
+        self.versions: list[int] = []  # the weights version that sampled each token
         self.finish_reason: str | None = None
         self.stop_token: int | None = None
 
@@ -102,7 +120,7 @@ class Sequence:
         """Record a sampled token; returns True when the sequence is finished."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
-        self.versions = (version, version) if self.versions is None else (self.versions[0], version)
+        self.versions.append(version)
         stop_fn = self.request.stop_fn
         if token in self.stop_ids:
             self.finish_reason, self.stop_token = "stop", token
@@ -113,7 +131,8 @@ class Sequence:
         return self.finish_reason is not None
 
     def completion(self, version: int) -> Completion:
-        first, last = self.versions or (version, version)
+        """The result so far (``version``: the one served, for a request aborted before its first token)."""
+        first, last = (self.versions[0], self.versions[-1]) if self.versions else (version, version)
         return Completion(
             request_id=self.request.request_id,
             prompt_token_ids=list(self.request.prompt),
@@ -124,6 +143,7 @@ class Sequence:
             policy_version_final=last,
             cached_prompt_tokens=self.cached_prompt,
             stop_token=self.stop_token,
+            token_versions=list(self.versions),
         )
 
 

@@ -218,13 +218,15 @@ class EngineServer:
 
         @app.post("/v1/chat/completions", responses=answers(protocol.ChatCompletionResponse, stream=True))
         async def chat(body: protocol.ChatCompletionRequest, request: Request) -> Response:
-            out = await self.chat.chat(body, session(request))
-            return streaming.sse(streaming.chat_chunks(out, body)) if body.stream else JSONResponse(out)
+            if body.stream:
+                return streaming.sse(await self.chat.chat_stream(body, session(request)))
+            return JSONResponse(await self.chat.chat(body, session(request)))
 
         @app.post("/v1/completions", responses=answers(protocol.CompletionResponse, stream=True))
         async def completions(body: protocol.CompletionRequest, request: Request) -> Response:
-            out = await self.completion.completions(body, session(request))
-            return streaming.sse(streaming.completion_chunks(out, body)) if body.stream else JSONResponse(out)
+            if body.stream:
+                return streaming.sse(streaming.completion_stream(self.completion, body, session(request)))
+            return JSONResponse(await self.completion.completions(body, session(request)))
 
         error_body = {"model": protocol.ErrorResponse}
 
