@@ -389,6 +389,54 @@ def test_streamed_chat_and_completions_match_the_whole_answers(server) -> None:
     assert raw.text.endswith("data: [DONE]\n\n") and raw.text.count("data: ") == 3  # text, finish, [DONE]
 
 
+def _gate_decode(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Hold the engine thread after each decode call until the returned event is set: what a
+    client receives before that was sent while the answer was still being generated."""
+    gate, decode = threading.Event(), engine._run_decode
+
+    def gated(plan):  # type: ignore[no-untyped-def]
+        decode(plan)
+        gate.wait(60)
+
+    monkeypatch.setattr(engine, "_run_decode", gated)
+    return gate
+
+
+def test_streams_token_by_token_and_a_gone_client_frees_its_row(server, monkeypatch) -> None:
+    """Chunks leave as the engine samples: the first content chunk arrives while the engine is
+    held after its first decode call (so max_tokens is far), and the deltas add up to the
+    non-streamed answer (same seed). A client that goes away mid-stream aborts its request: the
+    engine stops generating for it and its row is free."""
+    engine = server.engine
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    common = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 400, "seed": 3, "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**common).choices[0].text
+    gate = _gate_decode(engine, monkeypatch)
+    before = engine.stats.generated_tokens
+    with client.completions.create(**common, stream=True) as stream:
+        pieces = iter(stream)
+        first = next(p for p in pieces if p.choices[0].text)
+        assert engine.stats.generated_tokens - before <= 1 + engine.config.decode_steps  # still far from 400
+        gate.set()
+        text = first.choices[0].text + "".join(p.choices[0].text for p in pieces)
+    assert text == whole
+
+    gate.clear()
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Go on."}], "max_completion_tokens": 400,
+            "seed": 4, "stream": True, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    before = engine.stats.generated_tokens
+    with client.chat.completions.create(**chat) as stream:
+        next(c for c in stream if c.choices and c.choices[0].delta.content)  # then the client leaves
+    deadline = time.monotonic() + 60
+    while not engine._aborts and time.monotonic() < deadline:  # the server saw the client go
+        time.sleep(0.01)
+    gate.set()
+    while engine.metrics().running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.metrics().running == 0, "the request of the gone client still runs"
+    assert engine.stats.generated_tokens - before <= 1 + 2 * engine.config.decode_steps  # aborted, not run to 400
+
+
 def test_tool_choice_none_leaves_a_written_call_as_text(server, tokenizer) -> None:
     """tool_choice "none" is honoured, not ignored: the same completion (a call the model wrote)
     is a tool call under "auto" (and by default) and stays text under "none"."""
@@ -578,6 +626,7 @@ def test_update_weights_over_http_loses_no_request(server, other_model_dir) -> N
         choice = r.json()["choices"][0]
         assert len(choice["token_ids"]) == len(choice["logprobs"]["content"]) == 60
         assert choice["policy_version"] == choice["policy_version_final"]
+        assert choice["token_versions"] == [choice["policy_version"]] * 60  # drain: one version per answer
         versions.append(choice["policy_version"])
     assert 0 in versions  # some were in flight during the update, and finished on the old weights
     assert after.json()["choices"][0]["policy_version"] == 1
