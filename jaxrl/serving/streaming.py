@@ -11,10 +11,12 @@ choices carries the usage, as vLLM does.
 What a chunk carries is what later tokens cannot change: the visible text is built exactly as
 the non-streamed answer builds it (stop token dropped, cut at a stop string, the same renderer
 or tool-call parsing) from the tokens so far, and only its settled prefix is sent, holding back
-an unfinished UTF-8 character and as many characters as a stop string (or, when tools are
-offered, a ``<tool_call>`` tag) could still claim. Content stops streaming once a tool call
-opens; the calls come whole with the finish. So the deltas of a choice concatenate to the
-non-streamed answer with the same seed.
+an unfinished UTF-8 character and an end that may be the start of a stop string (or, when
+tools are offered, of a ``<tool_call>`` tag); with the run's renderer, which strips what
+it parses, without surrounding whitespace. Content stops streaming once a tool call opens (and,
+without a renderer, when the request offers tools: whether the content ends stripped depends on
+a call coming); the calls come whole in the last delta. So the deltas of a choice concatenate
+to the non-streamed answer with the same seed.
 """
 
 from __future__ import annotations
@@ -58,10 +60,13 @@ def _include_usage(body: protocol.CompletionRequest | protocol.ChatCompletionReq
     return body.stream_options is not None and body.stream_options.include_usage
 
 
-def _settled(value: str, hold: int) -> str:
-    """The part of a provisional ``value`` later tokens cannot change: without its last ``hold``
-    characters and any unfinished UTF-8 character (decoded as U+FFFD) at its end."""
-    return value[: max(len(value) - hold, 0)].rstrip("\ufffd")
+def _settled(value: str, pending: list[str]) -> str:
+    """The part of a provisional ``value`` later tokens cannot change: without an unfinished UTF-8
+    character (decoded as U+FFFD) at its end, nor an end that may be the start of one of
+    ``pending`` (stop strings, a tool-call tag)."""
+    value = value.rstrip("\ufffd")
+    cut = max((k for s in pending for k in range(1, min(len(s), len(value) + 1)) if value.endswith(s[:k])), default=0)
+    return value[: len(value) - cut]
 
 
 class _Tokens:
@@ -106,9 +111,9 @@ class _Tokens:
         return self.ids[start:]
 
 
-def _hold(stops: list[str], tools: bool) -> int:
-    """Characters of a provisional text that a stop string or a tool-call tag could still claim."""
-    return max([len(s) - 1 for s in stops] + [len(TOOL_CALL_TAG) - 1 if tools else 0])
+def _pending(stops: list[str], tools: bool) -> list[str]:
+    """Strings whose start at the end of a provisional text holds that end back."""
+    return [*stops, TOOL_CALL_TAG] if tools else list(stops)
 
 
 def _stop_ids(serving: CompletionServing, body: protocol.SamplingFields) -> frozenset[int]:
@@ -138,7 +143,7 @@ async def chat_chunks(
     request; it builds each finished choice exactly as unstreamed)."""
     serving: CompletionServing = chat.completion
     tools = bool(body.tools) and body.tool_choice != "none"
-    hold = _hold(stops, tools)
+    pending = _pending(stops, tools)
     chunk = _Envelope("chatcmpl", "chat.completion.chunk", serving.model_name, _include_usage(body))
     choices = [_Tokens(serving, stops, _stop_ids(serving, body)) for _ in range(body.n)]
     for i in range(body.n):
@@ -162,9 +167,11 @@ async def chat_chunks(
                 ids, text = state.visible()
                 message = chat.message(ids, text, body, renderer, prompt)
                 for field in ("reasoning_content", "content"):
-                    if field == "content" and tools and TOOL_CALL_TAG in text:
-                        continue  # a call is being written: the content before it comes at the end
-                    if grown := state.grow(field, _settled(message.get(field) or "", hold)):
+                    if field == "content" and (TOOL_CALL_TAG in text or (tools and renderer is None)):
+                        continue  # a call is (or may be) written: the content comes whole at the end
+                    value = message.get(field) or ""
+                    value = value.strip() if renderer is not None else value  # as renderers end it
+                    if grown := state.grow(field, _settled(value, pending)):
                         delta[field] = grown
                 part = tokens_part(state, len(ids))
                 if delta or part["logprobs"] or part.get("token_ids"):
@@ -203,7 +210,7 @@ async def completion_chunks(
     stops: list[str],
 ) -> AsyncIterator[dict[str, Any]]:
     """A text completion request's ``text_completion`` chunks."""
-    hold = _hold(stops, tools=False)
+    pending = _pending(stops, tools=False)
     chunk = _Envelope("cmpl", "text_completion", serving.model_name, _include_usage(body))
     choices = [_Tokens(serving, stops, _stop_ids(serving, body)) for _ in range(body.n)]
     offsets = [0] * body.n  # characters of log-prob pieces sent (text_offset)
@@ -214,7 +221,7 @@ async def completion_chunks(
             state.add(deltas)
             if done is None:
                 ids, text = state.visible()
-                text = state.grow("text", _settled(text, hold))
+                text = state.grow("text", _settled(text, pending))
             else:
                 completions.append(done)
                 ids, text = serving.visible(done, stops)
