@@ -91,7 +91,7 @@ def test_an_immediate_update_mid_answer_reaches_the_sample_per_token(
     assert switch == 2 and versions == [0] * switch + [1] * (150 - switch)  # prefill's token + one decode
     assert second["token_versions"] == [1] * 4
 
-    lp = lambda choice: [e["logprob"] for e in choice["logprobs"]["content"]]  # noqa: E731
+    lp = lambda choice: [e["logprob"] for e in choice["logprobs"]["content"]]
     nodes = [
         _node("user", prompt, False),
         _node("assistant", first["token_ids"], True, lp(first)),
@@ -114,7 +114,7 @@ def test_an_immediate_update_mid_answer_reaches_the_sample_per_token(
     counts = component_counts(batch, drop_stale, trainer_version=1)
     assert counts["rl"] == (150 - switch) + 4  # the tokens sampled at version 0 drop, one by one
     assert component_counts(batch)["rl"] == 154
-    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
     sums = loss_sums(
         f32(batch.logq), f32(batch.logq), f32(batch.advantages), f32(batch.rl_w), f32(batch.ce_w),
         jnp.asarray(batch.loss_mask), drop_stale, segment_ids=jnp.asarray(batch.segment_ids),
