@@ -11,6 +11,7 @@ import time
 import httpx
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from transformers import AutoTokenizer
 
@@ -48,6 +49,7 @@ def _node(role: str, ids: list[int], sampled: bool, logprobs: list[float] | None
     }
 
 
+@pytest.mark.slow
 def test_an_immediate_update_mid_answer_reaches_the_sample_per_token(
     model_dir, other_model_dir, tokenizer_dir, make_config, monkeypatch
 ) -> None:
