@@ -115,12 +115,18 @@ def test_cached_forward_matches_full_forward_and_reports_the_same_experts(tmp_pa
     model = load_decoder(tmp_path)
     seq = np.random.default_rng(2).integers(0, VOCAB, (1, 10))
     full, _, aux = _forward(model, seq, with_moe_aux=True)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit  # one compile for the four decode steps
+    def cached(state, tokens, positions, cache):  # type: ignore[no-untyped-def]
+        m = nnx.merge(graphdef, state)
+        return m(tokens, positions, cache=cache, cache_rows=jnp.array([1]), with_moe_aux=True)
+
     cache = KVCache.zeros(model.arch, rows=2, max_len=16)
-    row = jnp.array([1])
-    h, cache, first = model(jnp.asarray(seq[:, :6]), jnp.arange(6)[None], cache=cache, cache_rows=row, with_moe_aux=True)
+    h, cache, first = cached(state, jnp.asarray(seq[:, :6]), jnp.arange(6)[None], cache)
     hs, experts = [h], [first.experts]
     for t in range(6, 10):
-        h, cache, step = model(jnp.asarray(seq[:, t : t + 1]), jnp.array([[t]]), cache=cache, cache_rows=row, with_moe_aux=True)
+        h, cache, step = cached(state, jnp.asarray(seq[:, t : t + 1]), jnp.array([[t]]), cache)
         hs.append(h)
         experts.append(step.experts)
     np.testing.assert_allclose(np.concatenate(hs, axis=1), np.asarray(full), atol=1e-5)
