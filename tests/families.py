@@ -27,7 +27,7 @@ FAMILIES = {
         eos="<|im_end|>", pad="<|endoftext|>", bos=None, renderer="qwen3",
     ),
     # Qwen3-MoE ships Qwen3's tokenizer and template; renderer "auto" picks qwen3 by model_type.
-    "qwen3_moe": dict(
+    "qwen3_moe": dict(  # noqa: C408
         template="qwen3.jinja",
         specials=QWEN_TOKENS + ["<think>", "</think>", "<tool_response>", "</tool_response>"],
         eos="<|im_end|>", pad="<|endoftext|>", bos=None, renderer="qwen3",

@@ -201,3 +201,25 @@ def test_config_fields_and_active_parameter_count() -> None:
     assert arch.num_params() - arch.num_active_params() == 2 * (8 - 2) * expert
     dense = arch_from_hf_config({**cfg, "num_local_experts": 0})
     assert not dense.is_moe and dense.num_params() - arch.num_active_params() == 2 * (3 * 32 * 48 - 2 * expert - 32 * 8)
+
+
+def test_scratch_moe_twin_of_the_main_job_has_its_active_parameter_count() -> None:
+    """``[model.scratch] num_experts = 12``: the main job's model with 12 experts, 2 per token, of the
+    width that keeps the active parameters equal (190); MoE fields without experts fail in one line."""
+    from jaxrl.config import build_config
+    from jaxrl.models.setup import scratch_hf_config
+    from jaxrl.models.tiny import REVERSE_TEXT_MOE
+
+    dense = build_config({"model": {"scratch": {}}}, []).model.scratch
+    moe = build_config({"model": {"scratch": {"num_experts": 12}}}, []).model.scratch
+    assert (moe.num_experts_per_tok, moe.moe_intermediate_size, moe.norm_topk_prob) == (2, 190, True)
+    assert moe.moe_intermediate_size == REVERSE_TEXT_MOE["moe_intermediate_size"]
+    a, b = (arch_from_hf_config(scratch_hf_config(s, vocab_size=320)) for s in (dense, moe))
+    assert b.model_type == "qwen3_moe" and b.num_active_params() == a.num_params() and b.num_params() > 4 * a.num_params()
+    for bad, needle in [
+        ({"num_experts_per_tok": 2}, "num_experts_per_tok set but num_experts = 0"),
+        ({"num_experts": 13}, "no expert width gives the active parameters of intermediate_size = 384"),
+        ({"num_experts": 4, "num_experts_per_tok": 5}, "num_experts_per_tok = 5 must be <= num_experts = 4"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            build_config({"model": {"scratch": bad}}, [])
