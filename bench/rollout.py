@@ -9,16 +9,21 @@ written to a temporary HF directory and served over HTTP on 127.0.0.1 (the engin
 ``jaxrl.serving.server``, vLLM through jaxrl's vLLM backend). For each env, one real verifiers
 env server process (``jaxrl.orchestrator.env_child``: the built-in taskset, verifiers' train
 client, the Qwen3 renderer) runs ``episodes`` rollouts, ``concurrency`` at a time, sampling
-at temperature 1 with ``new_tokens`` tokens at most per model turn. Both servers are up at once and their passes
-interleave (per env: each backend's cold pass, then ``warm_passes`` rounds of one warm pass per
-backend, the order alternating round by round), so a shared host's load falls on both sides
-alike; the ratio is the median of the rounds' engine / vLLM ratios. "cold" is a backend's first
-pass after its server reports healthy (compiles not done by the engine's warm-up land here),
-"warm" the median of its later passes. With pinning (the default on a host with >= 2 cores) the model server runs on
-core 0 and the env side (env servers and the client driving them, a child process) on core 1,
-for every backend alike. Prints one JSON line per
-(backend, env) with episodes/s and the engine's ``GET /metrics`` view after the warm passes, and,
-with both backends, one ``rollout_ratio`` line per env.
+at temperature 1 with ``new_tokens`` tokens at most per model turn.
+
+Both servers are up at once and their passes interleave (per env: each backend's cold pass,
+then ``warm_passes`` rounds of one warm pass per backend, the order alternating round by round),
+so a shared host's load falls on both sides alike; the ratio is the median of the rounds'
+engine / vLLM ratios. (Run one after the other, minutes apart on a 2-core host shared with
+other jobs, a load swing between the halves moves the ratio: issue 31's two such runs gave
+0.83x and 0.99x on reverse_text where the compiled decode program had not changed.)
+"cold" is a backend's first pass after its server reports healthy (compiles not done by the
+engine's warm-up land here), "warm" the median of its later passes. With pinning (the default
+on a host with >= 2 cores) the model servers run on core 0 and the env side (env servers and
+the client driving them, a child process) on core 1, for every backend alike. Prints one JSON
+line per (backend, env) with episodes/s and the engine's ``GET /metrics`` view after the warm
+passes, and, with both backends, one ``rollout_ratio`` line per env (with the host's 1-minute
+load average).
 """
 
 from __future__ import annotations
