@@ -25,7 +25,6 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
-
 from jaxrl_kernels.tpu_budget import MAX_TILE_ELEMENTS, UNKNOWN, Chip, best_blocks, target_chip
 
 # Rows per tile: a multiple of 16 (bfloat16 packs 16 rows per vreg), at most 512.
@@ -107,6 +106,10 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, interpret: bo
     if padded != m:  # Megablox needs whole row tiles; rows past the groups' total are not computed
         lhs = jnp.pad(lhs, ((0, padded - m), (0, 0)))
     dtype = jnp.dtype(lhs.dtype)
-    tiling = MegabloxTiling(tm, groups, dtype.itemsize, dtype.itemsize, UNKNOWN if interpret else target_chip())
-    out = megablox.gmm(lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), dtype, tiling, None, None, False, interpret)
+    tiling = MegabloxTiling(
+        tm, groups, dtype.itemsize, dtype.itemsize, UNKNOWN if interpret else target_chip()
+    )
+    out = megablox.gmm(
+        lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), dtype, tiling, None, None, False, interpret
+    )
     return jnp.where(computed, out[:m], jnp.zeros((), out.dtype))

@@ -70,7 +70,9 @@ def sharded_expert_mlp(
 
     def body(x, expert_ids, gates, w_gate, w_up, w_down):  # type: ignore[no-untyped-def]
         if gather:
-            x, expert_ids, gates = (jax.lax.all_gather(a, axis, axis=0, tiled=True) for a in (x, expert_ids, gates))
+            x, expert_ids, gates = (
+                jax.lax.all_gather(a, axis, axis=0, tiled=True) for a in (x, expert_ids, gates)
+            )
         out = run(x, expert_ids, gates, w_gate, w_up, w_down)
         if gather:
             return jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True)
