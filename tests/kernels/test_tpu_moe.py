@@ -20,11 +20,11 @@ if importlib.util.find_spec("libtpu") is None:
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no TPU to lock
 
-from jax.experimental import topologies  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
-from jaxrl_kernels import megablox  # noqa: E402
-from jaxrl_kernels.moe import expert_mlp_reference  # noqa: E402
-from jaxrl_kernels.tpu_budget import MiB, compiled_kernel_vmem  # noqa: E402
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxrl_kernels import megablox
+from jaxrl_kernels.moe import expert_mlp_reference
+from jaxrl_kernels.tpu_budget import MiB, compiled_kernel_vmem
 
 D, F, E, K = 2048, 768, 128, 8  # Qwen3-30B-A3B
 TOKENS = 1024  # 8192 (token, expert) rows: 64 per expert
