@@ -13,7 +13,10 @@ sparse layers ask for their expert MLP (``Kernels.expert_mlp``): the reference i
 drop), whose grouped matmul is XLA's ragged dot; GPU runs exactly that (XLA:GPU's native ragged
 dot); CPU ("auto" and "reference" alike) swaps in ``moe.tiled_gmm``, because XLA:CPU has no ragged
 dot and jax lowers it there as a masked dense dot against every expert (E times the FLOPs); TPU
-runs the reference until a Megablox grouped matmul is wired here:
+("auto", "pallas") runs it with Pallas Megablox's grouped matmul (``jaxrl_kernels.megablox``,
+tiled per shape within VMEM), "pallas_interpret" the same kernel interpreted. Under a mesh the
+expert MLP runs per shard (``jaxrl_kernels.moe_parallel``): experts split over an "expert" mesh
+axis, tokens all-gathered to them and reduce-scattered back:
 
 * ``"auto"``: what ``jaxrl_kernels.select`` picks for the platform. TPU: the Pallas kernels. GPU
   (CUDA): the training attention by cuDNN's fused flash attention
@@ -78,7 +81,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
-from jaxrl_kernels import cudnn_attention, select
+from jaxrl_kernels import cudnn_attention, megablox, select
 from jaxrl_kernels.attention import (
     blocked_segment_attention_reference,
     segment_attention,
@@ -87,8 +90,9 @@ from jaxrl_kernels.attention import (
 from jaxrl_kernels.decode_attention import decode_attention
 from jaxrl_kernels.logprobs import logprobs as pallas_logprobs
 from jaxrl_kernels.moe import expert_mlp_reference, tiled_gmm
+from jaxrl_kernels.moe_parallel import sharded_expert_mlp
 
-from jaxrl.parallel.rules import SEQ_AXIS, logical_to_spec
+from jaxrl.parallel.rules import EXPERT_AXIS, SEQ_AXIS, logical_to_spec
 
 log = logging.getLogger(__name__)
 
@@ -336,11 +340,33 @@ class Kernels:
     def expert_mlp(self) -> ExpertMlp | None:
         """The sparse layers' routed-expert MLP, with ``jaxrl_kernels.moe.expert_mlp_reference``'s
         arguments; None means that reference (grouped matmul = XLA's ragged dot), which is what
-        GPU runs. On CPU the reference with ``tiled_gmm`` (same result, without XLA:CPU's
-        every-expert dense lowering of the ragged dot), whatever the choice: no kernel runs
-        there, only a better pure-JAX form of the same product."""
+        GPU runs on one device. On CPU the reference with ``tiled_gmm`` (same result, without
+        XLA:CPU's every-expert dense lowering of the ragged dot), whatever the choice: no kernel
+        runs there, only a better pure-JAX form of the same product. On TPU the reference with
+        Megablox's grouped matmul; "pallas_interpret" that kernel interpreted, on any backend.
+
+        Under a mesh with an "expert" axis, or for the Pallas kernel (opaque to XLA's
+        partitioner), it runs per shard (``moe_parallel.sharded_expert_mlp``): tokens over the
+        mesh axes "tokens" maps them to where they divide, experts over "expert"."""
         platform = self.mesh.devices.flat[0].platform if self.mesh is not None else select.current_platform()
-        return partial(expert_mlp_reference, gmm=tiled_gmm) if platform == "cpu" else None
+        local: ExpertMlp | None = None
+        if not self.reference:
+            local = partial(expert_mlp_reference, gmm=partial(megablox.gmm, interpret=self._interpret))
+        elif platform == "cpu":
+            local = partial(expert_mlp_reference, gmm=tiled_gmm)
+        if self.mesh is None or (self.mesh.shape.get(EXPERT_AXIS, 1) == 1 and self.reference):
+            return local
+        inner = local or expert_mlp_reference
+
+        def per_shard(
+            x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
+        ) -> jax.Array:
+            mesh = self.mesh
+            assert mesh is not None
+            fn = sharded_expert_mlp(inner, mesh, logical_to_spec(("tokens",), (x.shape[0],), mesh)[0])
+            return fn(x, expert_ids, gates, w_gate, w_up, w_down)
+
+        return per_shard
 
     # -- projections (serving layouts) ---------------------------------------------------------
 

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.arch import ModelArch
 from jaxrl.models.decoder import Decoder
+from jaxrl.models.sharding import shard_params
+from jaxrl.parallel.mesh import batch_sharding
 from jaxrl.samples import TrainingSample
+from jaxrl.trainer.packing import component_counts, pack
+from jaxrl.trainer.step import micro_batch_loss, packed_logprobs
 
 
 def tiny_arch(vocab: int = 64, **kw) -> ModelArch:
@@ -80,3 +87,21 @@ def wait_for_serve_url(proc, timeout_s: float = 60.0) -> str:  # type: ignore[no
             pass
         assert time.monotonic() < deadline, f"{url}/health did not answer in {timeout_s} s"
         time.sleep(0.1)
+
+
+def micro_batch_run(model, samples, cfg, mesh=None, seq_len=64, rows=4):
+    """One packed micro-batch through the trainer's programs (reference kernels), on ``mesh``
+    or one device: (log-probs, loss, gradients), for the parallelism-equals-one-device tests."""
+    graphdef, params = nnx.split(model)
+    batch = pack(samples, seq_len, rows_multiple=rows)
+    assert batch.segment_ids.max() >= 3  # several sequences share a row
+    counts = {k: jnp.float32(v) for k, v in component_counts(batch).items()}
+    mb = {k: jnp.asarray(v) for k, v in batch.as_dict().items()}
+    kernels = Kernels.create("reference", field="trainer.kernels", mesh=mesh)
+    if mesh is not None:
+        params = shard_params(params, mesh)
+        mb = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in mb.items()}
+    logp = jax.jit(lambda p, b: packed_logprobs(nnx.merge(graphdef, p), b, kernels, cfg.vocab_block)[0])(params, mb)
+    fn = jax.jit(jax.value_and_grad(lambda p, b, c: micro_batch_loss(p, graphdef, b, c, cfg, kernels), has_aux=True))
+    (loss, _), grads = fn(params, mb, counts)
+    return np.asarray(logp), float(loss), grads

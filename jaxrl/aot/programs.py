@@ -221,11 +221,14 @@ def _engine_shapes(cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo
             f"inference.max_model_len ({icfg.max_model_len}) exceeds the model's max_position_embeddings "
             f"({arch.max_position_embeddings}); lower it"
         )
-    if icfg.tensor_parallel > topo.num_devices:
-        raise ValueError(f"inference.tensor_parallel = {icfg.tensor_parallel} > {topo.num_devices} devices in {topo.name}")
+    if icfg.tensor_parallel * icfg.expert_parallel > topo.num_devices:
+        raise ValueError(
+            f"inference.tensor_parallel * inference.expert_parallel = {icfg.tensor_parallel * icfg.expert_parallel} "
+            f"> {topo.num_devices} devices in {topo.name}"
+        )
     # The run's engine uses W.serving_mesh (None = one device): a 1-device "tensor" mesh places
     # everything the same way on the topology's first chip.
-    mesh = W.serving_mesh(icfg.tensor_parallel, list(topo.devices)) or Mesh(np.array(topo.devices[:1]), ("tensor",))
+    mesh = W.serving_mesh(icfg.tensor_parallel, list(topo.devices), icfg.expert_parallel) or Mesh(np.array(topo.devices[:1]), ("tensor",))
     graphdef, state = nnx.split(trainer_model)  # the engine serves the trainer's model (jaxrl.rl)
     shardings = W.state_shardings(state, W.param_sharding_fn(mesh))
     weights = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings)

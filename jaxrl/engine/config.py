@@ -73,6 +73,12 @@ class EngineConfig(BaseModel):
     """Devices the embedded engine shards weights and KV cache over (heads, MLP and vocabulary
     split along a "tensor" mesh axis made of the first N devices)."""
 
+    expert_parallel: int = Field(1, ge=1)
+    """Devices a mixture-of-experts model's experts are split over (an "expert" mesh axis; each
+    device holds num_experts / expert_parallel of them and computes their share of every token,
+    summed over the axis). The engine's mesh is expert_parallel x tensor_parallel devices; the
+    experts must divide by it (checked at load)."""
+
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """KV cache dtype; "auto" uses the model's compute dtype (``[model] dtype``)."""
 

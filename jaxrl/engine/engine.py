@@ -59,6 +59,7 @@ from jaxrl.engine.weight_swap import WeightSwaps, _Update
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.decoder import Decoder, KVCache
 from jaxrl.models.hf_io import load_decoder
+from jaxrl.parallel.rules import check_expert_parallel
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,8 @@ class Engine(WeightSwaps, Recovery):
             )
         self.config = config
         self.arch = arch
-        self.mesh = mesh if mesh is not None else W.serving_mesh(config.tensor_parallel)
+        check_expert_parallel(getattr(arch, "num_experts", 0), config.expert_parallel, field="inference.expert_parallel")
+        self.mesh = mesh if mesh is not None else W.serving_mesh(config.tensor_parallel, expert_parallel=config.expert_parallel)
         mesh = self.mesh
         self._sharding_fn = W.param_sharding_fn(mesh)
         graphdef, state = nnx.split(model)
@@ -136,7 +138,7 @@ class Engine(WeightSwaps, Recovery):
         if dtype not in DTYPES:
             raise ValueError(f"model dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
         dt = DTYPES[dtype]
-        mesh = mesh if mesh is not None else W.serving_mesh(config.tensor_parallel)
+        mesh = mesh if mesh is not None else W.serving_mesh(config.tensor_parallel, expert_parallel=config.expert_parallel)
         model = load_decoder(model_dir, param_dtype=dt, dtype=dt, sharding_fn=W.param_sharding_fn(mesh))
         return cls(model, config, mesh=mesh)
 

@@ -29,17 +29,19 @@ from jaxrl.models.hf_io import param_name
 
 ShardingFn = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]
 
-def serving_mesh(tensor_parallel: int, devices: list[Any] | None = None) -> Mesh | None:
-    """A 1-D "tensor" mesh over the first ``tensor_parallel`` of ``devices`` (default: JAX's),
-    None for one device."""
-    if tensor_parallel == 1:
+def serving_mesh(tensor_parallel: int, devices: list[Any] | None = None, expert_parallel: int = 1) -> Mesh | None:
+    """An ("expert", "tensor") mesh over the first ``expert_parallel * tensor_parallel`` of
+    ``devices`` (default: JAX's), None for one device."""
+    size = expert_parallel * tensor_parallel
+    if size == 1:
         return None
     devices = jax.devices() if devices is None else devices
-    if tensor_parallel > len(devices):
+    if size > len(devices):
         raise ValueError(
-            f"inference.tensor_parallel = {tensor_parallel} but only {len(devices)} devices are visible"
+            f"inference.expert_parallel * inference.tensor_parallel = {expert_parallel} * {tensor_parallel} "
+            f"but only {len(devices)} devices are visible"
         )
-    return Mesh(np.array(devices[:tensor_parallel]), ("tensor",))
+    return Mesh(np.array(devices[:size]).reshape(expert_parallel, tensor_parallel), ("expert", "tensor"))
 
 
 def param_sharding_fn(mesh: Mesh | None) -> ShardingFn:

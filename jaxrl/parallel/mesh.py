@@ -1,4 +1,4 @@
-"""The training device mesh (data, fsdp, context, tensor) and the shardings of its host-fed inputs.
+"""The training device mesh (data, fsdp, expert, context, tensor) and the shardings of its host-fed inputs.
 
 Where each logical axis lives on it is ``jaxrl.parallel.rules`` (shared with the serving mesh).
 """
@@ -22,6 +22,14 @@ class MeshConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     data: int = Field(1, description="Pure data-parallel replicas.")
     fsdp: int = Field(-1, description="Fully-sharded data parallel (parameters sharded on embed).")
+    expert: int = Field(
+        1,
+        ge=1,
+        description="Expert parallel: a mixture-of-experts model's experts split over this many devices "
+        "(each holds num_experts / expert of them; tokens are all-gathered to them and the results "
+        "reduce-scattered back). Outside the expert layers the axis is data-parallel: "
+        "trainer.micro_batch_rows must divide by data*fsdp*expert. The experts must divide by it.",
+    )
     context: int = Field(
         1,
         ge=1,
@@ -34,9 +42,9 @@ class MeshConfig(BaseModel):
         None, ge=1, description="Use only the first N devices (default: all), e.g. to leave some to the engine."
     )
 
-    def resolve(self, num_devices: int) -> tuple[int, int, int, int]:
-        """(data, fsdp, context, tensor) sizes for ``num_devices`` devices."""
-        sizes = [self.data, self.fsdp, self.context, self.tensor]
+    def resolve(self, num_devices: int) -> tuple[int, int, int, int, int]:
+        """(data, fsdp, expert, context, tensor) sizes for ``num_devices`` devices."""
+        sizes = [self.data, self.fsdp, self.expert, self.context, self.tensor]
         if sum(s == -1 for s in sizes) > 1:
             raise ValueError("trainer.mesh: at most one of data/fsdp/tensor may be -1")
         if any(s == 0 or s < -1 for s in sizes):
@@ -48,10 +56,10 @@ class MeshConfig(BaseModel):
             sizes[sizes.index(-1)] = num_devices // known
         if math.prod(sizes) != num_devices:
             raise ValueError(
-                f"trainer.mesh: data*fsdp*context*tensor = {math.prod(sizes)} but {num_devices} devices are "
+                f"trainer.mesh: data*fsdp*expert*context*tensor = {math.prod(sizes)} but {num_devices} devices are "
                 "visible; set one axis to -1 or make the product match"
             )
-        return sizes[0], sizes[1], sizes[2], sizes[3]
+        return sizes[0], sizes[1], sizes[2], sizes[3], sizes[4]
 
 
 def make_mesh(cfg: MeshConfig, devices: list[Any] | None = None) -> Mesh:
@@ -66,7 +74,7 @@ def make_mesh(cfg: MeshConfig, devices: list[Any] | None = None) -> Mesh:
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Rows over (data, fsdp), the sequence (dimension 1) over context, the rest replicated."""
+    """Rows over (data, fsdp, expert), the sequence (dimension 1) over context, the rest replicated."""
     seq = [SEQ_AXIS if mesh.shape.get(SEQ_AXIS, 1) > 1 else None][: max(ndim - 1, 0)]
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *seq, *([None] * (ndim - 1 - len(seq)))))
 

@@ -27,6 +27,7 @@ from jaxrl.models.arch import ModelArch
 from jaxrl.models.decoder import Decoder, LayerAdapters
 from jaxrl.models.sharding import state_shardings
 from jaxrl.parallel.mesh import batch_sharding, replicated
+from jaxrl.parallel.rules import check_expert_parallel
 from jaxrl.samples import TrainingSample
 from jaxrl.trainer import lora
 from jaxrl.trainer import loss as L
@@ -201,12 +202,13 @@ class TrainPrograms:
     def build(cls, model: Decoder, cfg: TrainerConfig, mesh: Mesh) -> TrainPrograms:
         """Programs for ``model`` on ``mesh``; sets ``model.remat`` from ``cfg.remat`` (resolved for
         the mesh's platform)."""
-        dp = mesh.shape["data"] * mesh.shape["fsdp"]
+        dp = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape.get("expert", 1)
         if cfg.micro_batch_rows % dp:
             raise ValueError(
                 f"trainer.micro_batch_rows = {cfg.micro_batch_rows} must be a multiple of "
-                f"data*fsdp = {dp} (each data-parallel shard gets whole rows)"
+                f"data*fsdp*expert = {dp} (each data-parallel shard gets whole rows)"
             )
+        check_expert_parallel(getattr(model.arch, "num_experts", 0), mesh.shape.get("expert", 1), field="trainer.mesh.expert")
         check_context_parallel(model.arch, cfg, mesh)
         platform = mesh.devices.flat[0].platform
         model.remat = cfg.remat_policy(platform)

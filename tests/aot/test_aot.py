@@ -35,11 +35,11 @@ def test_small_model_whole_step_and_engine_compile_and_fit(topology: str) -> Non
         assert f.fits and 0 < f.total_bytes < topo.hbm_per_device
         assert f.total_bytes == f.argument_bytes + f.output_bytes - f.alias_bytes + f.temp_bytes + f.resident_other_bytes
     step = by_name["train_micro_step[4x512]"]
-    assert step.mesh == {"data": 1, "fsdp": 2, "context": 1, "tensor": 2}
+    assert step.mesh == {"data": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
     assert step.alias_bytes > 0  # the gradient accumulator is donated and updated in place
     assert step.temp_bytes > 0
     decode = by_name["engine_decode[16x512]"]
-    assert decode.mesh == {"tensor": 2}
+    assert decode.mesh == {"expert": 1, "tensor": 2}
     # The KV cache (bf16, 2 layers x 16 rows x 512 x 2 kv heads x 128, k and v) is split over
     # the 2 kv heads: 2 MiB... per chip, donated (aliased) to the updated cache.
     cache_per_chip = 2 * (2 * 16 * 512 * 2 * 128 * 2) // 2

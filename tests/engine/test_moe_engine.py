@@ -3,6 +3,7 @@ sampled log-probs equal the trainer's."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -53,3 +54,24 @@ def test_greedy_tokens_match_transformers_generate(moe_dir, make_config, score, 
     for prompt, out in zip(prompts, sampled, strict=True):
         logp = score(model, prompt, out.token_ids, 1.0)
         assert np.abs(logp - np.asarray(out.logprobs)).max() < 1e-5 and kl(logp, out.logprobs) <= 1e-6
+
+
+def test_expert_parallel_engine_greedy_tokens_match_generate(moe_dir, make_config) -> None:
+    """inference.expert_parallel = 2: each device holds 4 of the 8 experts (the expert MLP sums
+    the two devices' shares), and greedy decoding is still exactly transformers' (as the
+    one-device engine is, above); an expert count the axis cannot split fails at load."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(moe_dir).float().eval()
+    engine = Engine.from_pretrained(moe_dir, make_config(expert_parallel=2))
+    assert dict(engine.mesh.shape) == {"expert": 2, "tensor": 1}
+    experts = [sh.spec for path, sh in jax.tree_util.tree_leaves_with_path(engine._param_shardings)
+               if "moe_gate" in jax.tree_util.keystr(path)]  # fmt: skip
+    assert experts and all(tuple(s)[:2] == (None, "expert") for s in experts)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 265, int(n)).tolist() for n in (7, 30, 12)]
+    outs = engine.generate([Request(p, SamplingParams(temperature=0.0, max_tokens=12)) for p in prompts])
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None)
+        assert out.token_ids == want[0, len(prompt) :].tolist()
+    with pytest.raises(ValueError, match="inference.expert_parallel = 3 does not divide the model's 8 experts"):
+        Engine.from_pretrained(moe_dir, make_config(expert_parallel=3))

@@ -10,31 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import PartitionSpec
+from helpers import micro_batch_run as _run
 from helpers import random_samples, tiny_model
+from jax.sharding import PartitionSpec
 
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.sharding import shard_params
-from jaxrl.parallel.mesh import MeshConfig, batch_sharding, make_mesh
+from jaxrl.parallel.mesh import MeshConfig, make_mesh
 from jaxrl.trainer.config import TrainerConfig
-from jaxrl.trainer.packing import component_counts, pack
-from jaxrl.trainer.step import Trainer, micro_batch_loss, micro_batch_shapes, packed_logprobs
-
-
-def _run(model, samples, cfg, mesh=None, seq_len=64, rows=4):
-    graphdef, params = nnx.split(model)
-    batch = pack(samples, seq_len, rows_multiple=rows)
-    assert batch.segment_ids.max() >= 3  # several sequences share a row
-    counts = {k: jnp.float32(v) for k, v in component_counts(batch).items()}
-    mb = {k: jnp.asarray(v) for k, v in batch.as_dict().items()}
-    kernels = Kernels.create("reference", field="trainer.kernels", mesh=mesh)
-    if mesh is not None:
-        params = shard_params(params, mesh)
-        mb = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in mb.items()}
-    logp = jax.jit(lambda p, b: packed_logprobs(nnx.merge(graphdef, p), b, kernels, cfg.vocab_block)[0])(params, mb)
-    fn = jax.jit(jax.value_and_grad(lambda p, b, c: micro_batch_loss(p, graphdef, b, c, cfg, kernels), has_aux=True))
-    (loss, _), grads = fn(params, mb, counts)
-    return np.asarray(logp), float(loss), grads
+from jaxrl.trainer.step import Trainer, micro_batch_loss, micro_batch_shapes
 
 
 @pytest.mark.parametrize(("mesh_kw", "kv_heads"), [
@@ -71,7 +55,7 @@ def test_memory_per_device_falls_as_context_grows() -> None:
         counts = {k: jnp.float32(1) for k in ("rl", "ce", "ref_kl")}
         grad = jax.jit(jax.grad(lambda p, b: micro_batch_loss(p, graphdef, b, counts, cfg, kernels)[0]))
         shapes = micro_batch_shapes(mesh, 2, 512)
-        assert shapes["tokens"].sharding.spec == PartitionSpec(("data", "fsdp"), "context" if context > 1 else None)
+        assert shapes["tokens"].sharding.spec == PartitionSpec(("data", "fsdp", "expert"), "context" if context > 1 else None)
         compiled = grad.lower(shard_params(params, mesh), shapes).compile()
         temps[context] = compiled.memory_analysis().temp_size_in_bytes
         assert ("all-to-all" in compiled.as_text()) == (context > 1)
