@@ -4,6 +4,7 @@ at float precision, at most as far off as recomputing the routing (measured besi
 
 from __future__ import annotations
 
+import base64
 import json
 
 import jax
@@ -16,6 +17,7 @@ from jaxrl.engine.scheduler import Request
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.parallel.mesh import MeshConfig, make_mesh
 from jaxrl.samples import TrainingSample
+from jaxrl.serving.server import EngineServer
 from jaxrl.trainer.config import TrainerConfig
 from jaxrl.trainer.step import Trainer
 
@@ -46,10 +48,14 @@ def moe_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def completions(moe_dir, make_config):
+def engine(moe_dir, make_config):
+    return Engine.from_pretrained(moe_dir, make_config(max_seqs=4))
+
+
+@pytest.fixture(scope="module")
+def completions(engine):
     """Four sampled completions: two share a prompt (the second reuses the first's cached
     prefix, so its prompt's routing comes from the copied row), one is a next turn."""
-    engine = Engine.from_pretrained(moe_dir, make_config(max_seqs=4))
     rng = np.random.default_rng(0)
     p1, p2 = rng.integers(0, 265, 40).tolist(), rng.integers(0, 265, 9).tolist()
     reqs = [Request(p, SamplingParams(max_tokens=12, seed=i)) for i, p in enumerate([p1, p1, p2])]
@@ -109,3 +115,42 @@ def test_replay_mismatch_is_float_precision_and_at_most_recompute(completions, m
     assert result["replay"]["mismatch_kl"] <= result["recompute"]["mismatch_kl"] + 1e-9
     assert 0 < result["replay"]["router_entropy"] <= np.log(EXPERTS) + 1e-5
     assert result["replay"]["expert_load_max_mean"] >= 1.0
+
+
+def test_generate_returns_routed_experts_as_vllm_does(engine, completions, tokenizer_dir) -> None:
+    """Over real HTTP: with ``inference.server.return_routed_experts`` every generate choice
+    carries base64 ``routed_experts`` (what renderers / verifiers parse) equal to the engine's
+    record from ``routed_experts_prompt_start`` on; a start past the prompt is a 400 naming it."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    prompts, outs = completions
+    srv = EngineServer(engine, AutoTokenizer.from_pretrained(tokenizer_dir), return_routed_experts=True)
+    srv.start()
+    try:
+        body = {"token_ids": prompts[0], "sampling_params": {"max_tokens": 12, "seed": 0, "routed_experts_prompt_start": 5}}
+        r = httpx.post(srv.url + "/inference/v1/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert b'"routed_experts":{"data":"' in r.content  # the prefix renderers splices on
+        choice = r.json()["choices"][0]
+        assert choice["token_ids"] == outs[0].token_ids
+        rx = choice["routed_experts"]
+        arr = np.frombuffer(base64.b64decode(rx["data"]), np.dtype(rx["dtype"])).reshape(rx["shape"])
+        assert rx["start"] == 5 and arr.shape == (len(prompts[0]) + 12 - 1 - 5, len(SPARSE), K)
+        np.testing.assert_array_equal(arr, outs[0].routed_experts[5:])
+        off = {"token_ids": prompts[0], "sampling_params": {"max_tokens": 2, "return_routed_experts": False}}
+        assert "routed_experts" not in httpx.post(srv.url + "/inference/v1/generate", json=off, timeout=120).json()["choices"][0]
+        bad = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2, "routed_experts_prompt_start": 3}}
+        r = httpx.post(srv.url + "/inference/v1/generate", json=bad, timeout=120)
+        assert r.status_code == 400 and "routed_experts_prompt_start" in r.text
+    finally:
+        srv.stop()
+
+
+def test_dense_model_refuses_routing(model_dir, make_config, tokenizer_dir) -> None:
+    """A dense model has no experts: the server flag fails at start, in one line naming it."""
+    from transformers import AutoTokenizer
+
+    dense = Engine.from_pretrained(model_dir, make_config())
+    with pytest.raises(ValueError, match="return_routed_experts = true needs a mixture-of-experts model"):
+        EngineServer(dense, AutoTokenizer.from_pretrained(tokenizer_dir), return_routed_experts=True)
