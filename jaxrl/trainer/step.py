@@ -241,6 +241,8 @@ class TrainPrograms:
                 f"data*fsdp = {dp} (each data-parallel shard gets whole rows)"
             )
         check_context_parallel(model.arch, cfg, mesh)
+        if cfg.moe_routing == "replay" and not model.arch.is_moe:
+            raise ValueError('trainer.moe_routing = "replay" needs a mixture-of-experts model; this one is dense')
         platform = mesh.devices.flat[0].platform
         model.remat = cfg.remat_policy(platform)
         kernels = Kernels.create(cfg.kernels, field="trainer.kernels", mesh=mesh)
@@ -333,15 +335,13 @@ class Trainer:
         the router), and on a dense model none does."""
         arch = self.arch
         routed = [s for s in samples if s.routed_experts is not None]
-        if not routed:
-            return
-        if not arch.is_moe:
+        if routed and not arch.is_moe:
             raise ValueError("samples carry routed_experts but the trained model is dense: they come from another model")
         for s in routed:
             check_routing(s.routed_experts, len(arch.moe_layers), arch.num_experts_per_tok, arch.num_experts, "sample")
         if self.cfg.moe_routing != "recompute":
             missing = sum(1 for s in samples if s.routed_experts is None and bool(s.rl_w[1:].any()))
-            if missing:
+            if missing and (routed or self.cfg.moe_routing == "replay"):
                 raise ValueError(
                     f"{missing} of {len(samples)} RL samples carry no routed_experts under trainer.moe_routing = "
                     '"replay": their rollout backend did not return routing; set trainer.moe_routing = "recompute"'

@@ -154,3 +154,19 @@ def test_dense_model_refuses_routing(model_dir, make_config, tokenizer_dir) -> N
     dense = Engine.from_pretrained(model_dir, make_config())
     with pytest.raises(ValueError, match="return_routed_experts = true needs a mixture-of-experts model"):
         EngineServer(dense, AutoTokenizer.from_pretrained(tokenizer_dir), return_routed_experts=True)
+
+
+def test_replay_config_errors_are_one_line(model_dir, moe_dir, completions) -> None:
+    """Replay on a dense model fails at build; replay with RL samples lacking routing fails at the
+    step, naming the fix."""
+    mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+    with pytest.raises(ValueError, match='moe_routing = "replay" needs a mixture-of-experts model; this one is dense'):
+        Trainer(load_decoder(model_dir), TrainerConfig(seq_len=128, moe_routing="replay"), mesh)
+    samples = _samples(*completions)
+    samples[0].routed_experts = None
+    trainer = Trainer(load_decoder(moe_dir), TrainerConfig(seq_len=128, micro_batch_rows=2, moe_routing="replay"), mesh)
+    with pytest.raises(ValueError, match="1 of 4 RL samples carry no routed_experts"):
+        trainer.pack(samples)
+    samples[1].routed_experts = samples[1].routed_experts + EXPERTS
+    with pytest.raises(ValueError, match=r"routed_experts holds ids outside \[0, 8\)"):
+        trainer.pack(samples)
