@@ -7,7 +7,13 @@ call per site, never by parameters of the decoder. The call sites: the trainer's
 attention over the engine's KV cache, its projections, embedding lookup and logits. Each asks a
 ``Kernels`` object, made once at start-up from ``trainer.kernels`` / ``inference.kernels``, and gets
 back a function, or None for "keep your own reference" (so this module imports neither the
-trainer nor the engine, which must not depend on each other):
+trainer nor the engine, which must not depend on each other). A mixture-of-experts model's
+sparse layers ask for their expert MLP (``Kernels.expert_mlp``): the reference is
+``jaxrl_kernels.moe.expert_mlp_reference`` (tokens sorted by expert, a grouped matmul, no capacity
+drop), whose grouped matmul is XLA's ragged dot; GPU runs exactly that (XLA:GPU's native ragged
+dot); CPU ("auto" and "reference" alike) swaps in ``moe.tiled_gmm``, because XLA:CPU has no ragged
+dot and jax lowers it there as a masked dense dot against every expert (E times the FLOPs); TPU
+runs the reference until a Megablox grouped matmul is wired here:
 
 * ``"auto"``: what ``jaxrl_kernels.select`` picks for the platform. TPU: the Pallas kernels. GPU
   (CUDA): the training attention by cuDNN's fused flash attention
@@ -72,12 +78,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
-
-from jaxrl.parallel.rules import SEQ_AXIS, logical_to_spec
 from jaxrl_kernels import cudnn_attention, select
-from jaxrl_kernels.attention import blocked_segment_attention_reference, segment_attention, tpu_segment_attention
+from jaxrl_kernels.attention import (
+    blocked_segment_attention_reference,
+    segment_attention,
+    tpu_segment_attention,
+)
 from jaxrl_kernels.decode_attention import decode_attention
 from jaxrl_kernels.logprobs import logprobs as pallas_logprobs
+from jaxrl_kernels.moe import expert_mlp_reference, tiled_gmm
+
+from jaxrl.parallel.rules import SEQ_AXIS, logical_to_spec
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +103,8 @@ CacheAttend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 Project = Callable[[jax.Array], list[jax.Array]]
 # (hidden [N, D], lm_head [D, V], targets [N], temperature [N], *, block_size) -> (logp, entropy).
 LogprobsFn = Callable[..., tuple[jax.Array, jax.Array]]
+# (x [N, D], expert_ids [N, k], gates [N, k], w_gate, w_up [E, D, F], w_down [E, F, D]) -> [N, D].
+ExpertMlp = Callable[..., jax.Array]
 
 
 def resolve(choice: KernelChoice, platform: str, *, field: str) -> Impl:
@@ -319,6 +332,15 @@ class Kernels:
             return fn(q, k, v, layer, rows, index, *extra)
 
         return attend
+
+    def expert_mlp(self) -> ExpertMlp | None:
+        """The sparse layers' routed-expert MLP, with ``jaxrl_kernels.moe.expert_mlp_reference``'s
+        arguments; None means that reference (grouped matmul = XLA's ragged dot), which is what
+        GPU runs. On CPU the reference with ``tiled_gmm`` (same result, without XLA:CPU's
+        every-expert dense lowering of the ragged dot), whatever the choice: no kernel runs
+        there, only a better pure-JAX form of the same product."""
+        platform = self.mesh.devices.flat[0].platform if self.mesh is not None else select.current_platform()
+        return partial(expert_mlp_reference, gmm=tiled_gmm) if platform == "cpu" else None
 
     # -- projections (serving layouts) ---------------------------------------------------------
 

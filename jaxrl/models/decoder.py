@@ -1,8 +1,16 @@
-"""The decoder shared by the trainer and the rollout engine (Qwen3 / Llama 3 / Qwen2.5).
+"""The decoder shared by the trainer and the rollout engine (Qwen3 / Qwen3-MoE / Llama 3 / Qwen2.5).
 
 Layer weights are stacked on a leading ``layers`` axis and the forward is a ``lax.scan`` over
 them: one layer body is compiled, whatever the depth. Every weight has logical axis names
 (``PARAM_LOGICAL_AXES``); ``jaxrl.parallel`` maps those names to mesh axes in one place.
+
+Mixture of experts (``arch.is_moe``): a sparse layer's MLP is a router and routed experts
+(``jaxrl_kernels.moe``; the platform's expert kernel by ``Kernels.expert_mlp``). The dense MLP
+weights are stacked over the dense layers only and the experts' over the sparse layers only, so a
+model that mixes the two kinds (``decoder_sparse_step`` > 1, ``mlp_only_layers``) is scanned as
+contiguous runs of one kind (``ModelArch.layer_runs``): exact, one compiled body per run. A dense
+model is one run, the program it always was. The forward can take each token's experts
+(``routing``, routing replay) and return the experts it used with router statistics (``MoeAux``).
 
 The same ``__call__`` serves training (packed rows, attention restricted by ``segment_ids``)
 and inference (a KV cache addressed by cache row and absolute position), so trainer and
@@ -14,11 +22,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jaxrl_kernels.moe import expert_mlp_reference, route
 
 from jaxrl.models.arch import ModelArch
 
@@ -44,7 +54,14 @@ PARAM_LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "w_gate": ("layers", "embed", "mlp"),
     "w_up": ("layers", "embed", "mlp"),
     "w_down": ("layers", "mlp", "embed"),
+    # Mixture of experts: "layers" here is the sparse layers' stack (``ModelArch.moe_layers``).
+    "router": ("layers", "embed", "experts"),
+    "moe_gate": ("layers", "experts", "embed", "moe_mlp"),
+    "moe_up": ("layers", "experts", "embed", "moe_mlp"),
+    "moe_down": ("layers", "experts", "moe_mlp", "embed"),
 }
+DENSE_MLP = ("w_gate", "w_up", "w_down")  # stacked over ``ModelArch.dense_layers``
+EXPERT_WEIGHTS = ("router", "moe_gate", "moe_up", "moe_down")  # stacked over ``ModelArch.moe_layers``
 
 # What the backward pass keeps of each layer's forward (``jax.checkpoint`` on the scanned layer):
 # "none" keeps every activation (fastest, most memory: at Qwen3-0.6B x 4 rows x 4096 tokens about
@@ -299,6 +316,49 @@ def lora_merge(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Ar
 
 @jax.tree_util.register_dataclass
 @dataclass
+class MoeAux:
+    """What the sparse layers did, from ``Decoder.__call__(..., with_moe_aux=True)``.
+
+    ``experts`` int32 [B, T, n_moe_layers, k]: the experts each token used (what routing replay
+    records and feeds back as ``routing``); ``router_entropy`` f32 [B, T, n_moe_layers]: the
+    entropy of each token's router distribution; ``expert_counts`` f32 [n_moe_layers, E]: the
+    (token, expert) assignments per expert over tokens whose segment id is > 0 (expert load);
+    ``load_balance_loss`` f32 scalar: transformers' ``load_balancing_loss_func`` (Switch
+    Transformer) over those tokens, from the experts used: ``E * sum_e f_e * P_e`` with ``f_e``
+    the share of assignments and ``P_e`` the mean router probability of expert e, each averaged
+    over the sparse layers. Not multiplied by ``router_aux_loss_coef``.
+    """
+
+    experts: jax.Array
+    router_entropy: jax.Array
+    expert_counts: jax.Array
+    load_balance_loss: jax.Array
+
+
+def _rows(v: jax.Array, *, lo: int, n: int) -> jax.Array:
+    return v[lo : lo + n]
+
+
+def _moe_aux(arch: ModelArch, parts: list[Any], b: int, t: int, n_valid: jax.Array) -> MoeAux:
+    """``MoeAux`` from the sparse runs' stacked per-layer outputs (layer-major)."""
+    k, e = max(arch.num_experts_per_tok, 1), max(arch.num_experts, 1)
+    if not parts:  # a dense model
+        zeros = jnp.zeros((b, t, 0), jnp.float32)
+        return MoeAux(jnp.zeros((b, t, 0, k), jnp.int32), zeros, jnp.zeros((0, e), jnp.float32), jnp.float32(0))
+    ids, entropy, counts, prob_sum = (jnp.concatenate(xs) for xs in zip(*parts, strict=True))
+    rows = jnp.maximum(n_valid, 1.0) * counts.shape[0]
+    share = jnp.sum(counts, axis=0) / rows
+    mean_prob = jnp.sum(prob_sum, axis=0) / rows
+    return MoeAux(
+        experts=jnp.moveaxis(ids, 0, 2),
+        router_entropy=jnp.moveaxis(entropy, 0, 2),
+        expert_counts=counts,
+        load_balance_loss=arch.num_experts * jnp.sum(share * mean_prob),
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclass
 class LayerAdapters:
     """LoRA adapters (decoder weight name -> ``{"a": [L, *in, r], "b": [L, r, *out]}``) that the
     training forward merges into each layer's weights inside its layer scan: one layer's merged
@@ -354,20 +414,31 @@ class Decoder(nnx.Module):
         if arch.qk_norm:
             self.q_norm = param((L, Dh), "ones")
             self.k_norm = param((L, Dh), "ones")
-        self.w_gate = param((L, D, F))
-        self.w_up = param((L, D, F))
-        self.w_down = param((L, F, D))
+        dense = len(arch.dense_layers)
+        if dense:
+            self.w_gate = param((dense, D, F))
+            self.w_up = param((dense, D, F))
+            self.w_down = param((dense, F, D))
         self.final_norm = param((D,), "ones")
         if not arch.tie_word_embeddings:
             self.lm_head = param((D, V))
-
+        if arch.is_moe:
+            S, E, Fe = len(arch.moe_layers), arch.num_experts, arch.moe_intermediate_size
+            self.router = param((S, D, E))
+            self.moe_gate = param((S, E, D, Fe))
+            self.moe_up = param((S, E, D, Fe))
+            self.moe_down = param((S, E, Fe, D))
 
     def _layer_weights(self) -> dict[str, jax.Array]:
-        names = ["attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"]
+        names = ["attn_norm", "mlp_norm", "wq", "wk", "wv", "wo"]
+        if self.arch.dense_layers:
+            names += list(DENSE_MLP)
         if self.arch.qkv_bias:
             names += ["bq", "bk", "bv"]
         if self.arch.qk_norm:
             names += ["q_norm", "k_norm"]
+        if self.arch.is_moe:
+            names += list(EXPERT_WEIGHTS)
         return {n: getattr(self, n)[...] for n in names}
 
     def lm_head_weight(self) -> jax.Array:
@@ -400,22 +471,38 @@ class Decoder(nnx.Module):
         cache_rows: jax.Array | None = None,
         kernels: Kernels | None = None,
         lora: LayerAdapters | None = None,
-    ) -> tuple[jax.Array, KVCache | None]:
+        routing: jax.Array | None = None,
+        with_moe_aux: bool = False,
+    ) -> tuple[jax.Array, KVCache | None] | tuple[jax.Array, KVCache | None, MoeAux]:
         """tokens, positions, segment_ids: int [B, T].
 
         Without a cache, attention is causal within each segment. With a cache, row b writes
         its keys/values into cache row ``cache_rows[b]`` at ``positions[b, t]`` and attends to
         every cached position <= its own (the engine guarantees those are this sequence's).
         ``kernels`` (``jaxrl.kernel_dispatch``) may swap in an attention, a projection, the
-        embedding lookup with the same semantics (default: ours); the engine's kernels also carry
-        its serving layout, which the decoder never sees.
+        embedding lookup, the expert MLP with the same semantics (default: ours); the engine's
+        kernels also carry its serving layout, which the decoder never sees.
         ``lora`` (training forward only): adapters merged into each layer's weights in the scan.
+        ``routing`` (MoE only) int [B, T, n_moe_layers, k]: each token's experts per sparse layer,
+        ids in [0, num_experts) (``check_routing``), used instead of the router's top k; the gates
+        still come from this router (routing replay). ``with_moe_aux``: also return ``MoeAux``
+        (``(hidden, cache, aux)``; without it ``(hidden, cache)``).
         """
         arch = self.arch
+        b, t = tokens.shape
+        if routing is not None:
+            want = (b, t, len(arch.moe_layers), arch.num_experts_per_tok)
+            if not arch.is_moe or tuple(routing.shape) != want:
+                raise ValueError(f"routing must be int [B, T, n_moe_layers, k] = {list(want)}, got {list(routing.shape)}")
+            routing = jnp.moveaxis(routing, 2, 0)  # sparse-layer-major, as the expert weights
+        valid = None
+        if with_moe_aux:
+            valid = jnp.ones((b, t), bool) if segment_ids is None else segment_ids > 0
         lookup = kernels.embedding() if kernels is not None else None
         x = lookup(tokens).astype(self.dtype) if lookup is not None else self.embed[...].astype(self.dtype)[tokens]
         cos, sin = rope_tables(positions, jnp.asarray(arch.inv_freq()), arch.rope_attention_scale())
         weights = self._layer_weights()
+        mlp = partial(self._mlp, kernels=kernels, valid=valid, with_aux=with_moe_aux)
         if cache is None:
             seg = jnp.ones_like(tokens) if segment_ids is None else segment_ids
             mask = packed_causal_mask(seg)
@@ -427,27 +514,28 @@ class Decoder(nnx.Module):
                     return kernel(q, k, v)
                 return attention(q, k, v, mask, causal_block=CAUSAL_BLOCK)
 
-            def body(carry: tuple[jax.Array, jax.Array], xs: tuple[dict[str, jax.Array], Any]):  # type: ignore[no-untyped-def]
+            def body(carry, xs, *, sparse: bool, mlp_offset: int):  # type: ignore[no-untyped-def]
                 h, layer = carry
-                w, adapters = xs
+                w, adapters, forced = xs
                 if lora is not None:
                     w = {
                         n: lora_merge(v, adapters[n]["a"], adapters[n]["b"], lora.scale) if n in adapters else v
                         for n, v in w.items()
                     }
-                return (self._block(h, w, cos, sin, attend, self._projector(w, kernels, layer)), layer + 1), None
+                project = self._projector(w, kernels, layer, layer + mlp_offset if mlp_offset else layer)
+                h, aux = mlp(self._block(h, w, cos, sin, attend, project), w, project, sparse=sparse, forced=forced)
+                return (h, layer + 1), aux
 
-            if self.remat != "none":
-                body = jax.checkpoint(body, prevent_cse=False, policy=REMAT_POLICIES[self.remat])
-            xs = (weights, {} if lora is None else lora.adapters)
-            (h, _), _ = jax.lax.scan(body, (x, jnp.int32(0)), xs)
+            adapters = {} if lora is None else lora.adapters
+            (h, _), parts = self._scan_runs(body, (x, jnp.int32(0)), weights, adapters, routing)
         else:
             assert lora is None, "the cached (serving) forward runs merged weights"
             rows = jnp.arange(tokens.shape[0]) if cache_rows is None else cache_rows
             kernel = kernels.cached_attention(positions, rows) if kernels is not None else None
 
-            def body(carry, w):  # type: ignore[no-untyped-def]
+            def body(carry, xs, *, sparse: bool, mlp_offset: int):  # type: ignore[no-untyped-def]
                 h, kc, vc, layer = carry
+                w, _, forced = xs
 
                 def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
                     nonlocal kc, vc
@@ -463,25 +551,60 @@ class Decoder(nnx.Module):
                         return kernel(q, kc, vc, layer)
                     return cached_attention(q, kc, vc, layer, rows, positions)
 
-                h = self._block(h, w, cos, sin, attend, self._projector(w, kernels, layer))
-                return (h, kc, vc, layer + 1), None
+                project = self._projector(w, kernels, layer, layer + mlp_offset if mlp_offset else layer)
+                h, aux = mlp(self._block(h, w, cos, sin, attend, project), w, project, sparse=sparse, forced=forced)
+                return (h, kc, vc, layer + 1), aux
 
-            (h, kc, vc, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), weights)
+            (h, kc, vc, _), parts = self._scan_runs(body, (x, cache.k, cache.v, jnp.int32(0)), weights, {}, routing)
             cache = KVCache(kc, vc)
-        return rms_norm(h, self.final_norm[...], arch.rms_norm_eps), cache
+        hidden = rms_norm(h, self.final_norm[...], arch.rms_norm_eps)
+        if not with_moe_aux:
+            return hidden, cache
+        n_valid = jnp.sum(valid.astype(jnp.float32))
+        return hidden, cache, _moe_aux(arch, parts, b, t, n_valid)
+
+    def _scan_runs(self, body, carry, weights, adapters, routing):  # type: ignore[no-untyped-def]
+        """``lax.scan`` of ``body`` over the layers, one scan per run of one kind
+        (``ModelArch.layer_runs``; a dense model is one run over the whole stacks). Each run gets
+        its layers' slice of every stack (all layers' weights, the dense MLPs', the experts', the
+        adapters and the forced routing), and the layer counter in ``carry`` (its last element)
+        runs on. Returns the final carry and the sparse runs' stacked per-layer outputs."""
+        parts = []
+        for sparse, start, stop, first in self.arch.layer_runs():
+
+            def cut(name: str, value: Any, *, sparse=sparse, start=start, stop=stop, first=first) -> Any:
+                lo = first if name in DENSE_MLP or name in EXPERT_WEIGHTS else start
+                whole = lo == 0 and stop - start == jax.tree.leaves(value)[0].shape[0]
+                return value if whole else jax.tree.map(partial(_rows, lo=lo, n=stop - start), value)
+
+            def ours(name: str, *, sparse=sparse) -> bool:
+                return name not in (DENSE_MLP if sparse else EXPERT_WEIGHTS)
+
+            w = {n: cut(n, v) for n, v in weights.items() if ours(n)}
+            ad = {n: cut(n, v) for n, v in adapters.items() if ours(n)}
+            forced = cut("router", routing) if sparse and routing is not None else None
+            fn = partial(body, sparse=sparse, mlp_offset=first - start)
+            if self.remat != "none":
+                fn = jax.checkpoint(fn, prevent_cse=False, policy=REMAT_POLICIES[self.remat])
+            carry, ys = jax.lax.scan(fn, carry, (w, ad, forced))
+            if sparse and ys is not None:
+                parts.append(ys)
+        return carry, parts
 
     def _projector(
-        self, w: dict[str, jax.Array], kernels: Kernels | None, layer: jax.Array
+        self, w: dict[str, jax.Array], kernels: Kernels | None, layer: jax.Array, mlp_layer: jax.Array
     ) -> Callable[[jax.Array, tuple[str, ...]], list[jax.Array]]:
         """``(h, names) -> [h @ w[name] for name in names]`` for weights that multiply the same
         input (head weights stored [D, heads, head_dim] are one [D, heads * head_dim] matmul), from
         ``kernels`` where it has a projection for ``names`` (``Kernels.projection``), else ``dense``.
-        A kernel reads layer ``layer`` of its own copy of the weights: its projected weights in
-        ``w`` are then unused (the engine's rebuild of them is dropped as dead code)."""
+        A kernel reads layer ``layer`` of its own copy of the weights (``mlp_layer`` of the dense
+        MLPs' stack for those): its projected weights in ``w`` are then unused (the engine's
+        rebuild of them is dropped as dead code)."""
         dt = self.dtype
 
         def project(h: jax.Array, names: tuple[str, ...]) -> list[jax.Array]:
-            fn = kernels.projection(names, layer) if kernels is not None else None
+            index = mlp_layer if names[0] in DENSE_MLP else layer
+            fn = kernels.projection(names, index) if kernels is not None else None
             if fn is not None:
                 return [y.astype(dt) for y in fn(h)]
             return [dense(h, w[n].astype(dt).reshape(h.shape[-1], -1)) for n in names]
@@ -489,8 +612,8 @@ class Decoder(nnx.Module):
         return project
 
     def _block(self, x, w, cos, sin, attend, project):  # type: ignore[no-untyped-def]
-        """One layer; ``attend(q, k, v)`` is the attention (and, with a cache, its writes),
-        ``project(h, names)`` the projections (``_projector``)."""
+        """One layer's attention half; ``attend(q, k, v)`` is the attention (and, with a cache,
+        its writes), ``project(h, names)`` the projections (``_projector``)."""
         arch, dt = self.arch, self.dtype
         eps = arch.rms_norm_eps
         b, t, _ = x.shape
@@ -504,7 +627,31 @@ class Decoder(nnx.Module):
             q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = attend(q, k, v)
-        x = x + project(attn.reshape(b, t, H * Dh), ("wo",))[0]
-        h = rms_norm(x, w["mlp_norm"], eps)
-        gate, up = project(h, ("w_gate", "w_up"))
-        return x + project(jax.nn.silu(gate) * up, ("w_down",))[0]
+        return x + project(attn.reshape(b, t, H * Dh), ("wo",))[0]
+
+    def _mlp(self, x, w, project, *, sparse, forced, kernels, valid, with_aux):  # type: ignore[no-untyped-def]
+        """One layer's MLP half: the dense SwiGLU MLP, or (``sparse``) the router and routed
+        experts, which also return their per-layer statistics when ``with_aux`` (else None)."""
+        arch, dt = self.arch, self.dtype
+        h = rms_norm(x, w["mlp_norm"], arch.rms_norm_eps)
+        if not sparse:
+            gate, up = project(h, ("w_gate", "w_up"))
+            return x + project(jax.nn.silu(gate) * up, ("w_down",))[0], None
+        b, t, d = x.shape
+        k = arch.num_experts_per_tok
+        flat = h.reshape(b * t, d)
+        ids, gates, probs = route(
+            flat, w["router"], k, arch.norm_topk_prob, None if forced is None else forced.reshape(b * t, k)
+        )
+        experts = kernels.expert_mlp() if kernels is not None else None
+        y = (experts or expert_mlp_reference)(
+            flat, ids, gates, w["moe_gate"].astype(dt), w["moe_up"].astype(dt), w["moe_down"].astype(dt)
+        )
+        out = x + y.reshape(b, t, d).astype(dt)
+        if not with_aux:
+            return out, None
+        m = valid.reshape(-1).astype(jnp.float32)
+        counts = jnp.zeros(arch.num_experts, jnp.float32).at[ids.reshape(-1)].add(jnp.repeat(m, k))
+        prob_sum = jnp.sum(probs * m[:, None], axis=0)
+        entropy = -jnp.sum(jax.scipy.special.xlogy(probs, probs), axis=-1)
+        return out, (ids.reshape(b, t, k), entropy.reshape(b, t), counts, prob_sum)

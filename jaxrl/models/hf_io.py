@@ -3,6 +3,13 @@
 Loading builds every weight with ``jax.make_array_from_callback``: each device's shard is cut
 from the (memory-mapped) safetensors file on the host, so no device ever holds an unsharded
 copy of a sharded weight. Export writes HF names and layouts that ``transformers`` loads.
+
+Qwen3-MoE experts: the released checkpoints (and transformers 5's ``save_pretrained``, which
+converts back to them) store one tensor per expert, ``mlp.experts.{e}.{gate,up,down}_proj.weight``;
+transformers 5 with ``save_original_format=False`` stores its in-memory fused layout,
+``mlp.experts.gate_up_proj`` [E, 2F, D] (gate rows first) and ``mlp.experts.down_proj`` [E, D, F].
+Both load; export writes the per-expert layout (what vLLM and older transformers read). An expert
+weight's shard reads only the experts it holds.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxrl.models.arch import ModelArch, load_arch
-from jaxrl.models.decoder import Decoder, RematPolicy, param_name
+from jaxrl.models.decoder import DENSE_MLP, EXPERT_WEIGHTS, Decoder, RematPolicy, param_name
 
 ShardingFn = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]
 
@@ -77,7 +84,26 @@ WEIGHT_MAP: dict[str, tuple[str, Any]] = {
     "w_gate": (_H + "mlp.gate_proj.weight", _T),
     "w_up": (_H + "mlp.up_proj.weight", _T),
     "w_down": (_H + "mlp.down_proj.weight", _T),
+    "router": (_H + "mlp.gate.weight", _T),
 }
+# Expert weights [E, *ours] per layer: (per-expert HF name, fused HF name, rows of the fused tensor
+# (None: all), and whether ours is the HF matrix transposed).
+_EXPERT = _H + "mlp.experts."
+EXPERT_MAP: dict[str, tuple[str, str, str | None]] = {
+    "moe_gate": (_EXPERT + "{e}.gate_proj.weight", _EXPERT + "gate_up_proj", "first"),
+    "moe_up": (_EXPERT + "{e}.up_proj.weight", _EXPERT + "gate_up_proj", "second"),
+    "moe_down": (_EXPERT + "{e}.down_proj.weight", _EXPERT + "down_proj", None),
+}
+
+
+def stack_layers(name: str, arch: ModelArch) -> tuple[int, ...]:
+    """The HF layer index of each entry of weight ``name``'s stack: the dense layers for the dense
+    MLP of a mixture-of-experts model, the sparse layers for its experts, else every layer."""
+    if name in EXPERT_WEIGHTS:
+        return arch.moe_layers
+    if name in DENSE_MLP:
+        return arch.dense_layers
+    return tuple(range(arch.num_layers))
 
 
 class SafetensorsDir:
@@ -108,10 +134,28 @@ class SafetensorsDir:
         return self._files[file].get_tensor(name)
 
 
+def _experts(src: SafetensorsDir, name: str, i: int, experts: range) -> np.ndarray:
+    """Layer ``i``'s ``experts`` of expert weight ``name`` in our layout [e, D, F] / [e, F, D],
+    from either HF layout (the per-expert tensors, or the fused ones)."""
+    per_expert, fused, rows = EXPERT_MAP[name]
+    if per_expert.format(i=i, e=experts.start) in src:
+        return np.stack([src.get(per_expert.format(i=i, e=e)).T for e in experts])
+    if fused.format(i=i) not in src:
+        raise KeyError(f"{src.dir}: neither {per_expert.format(i=i, e=experts.start)!r} nor {fused.format(i=i)!r}")
+    w = src.get(fused.format(i=i))[experts.start : experts.stop]
+    if rows is not None:
+        half = w.shape[1] // 2
+        w = w[:, :half] if rows == "first" else w[:, half:]
+    return np.swapaxes(w, 1, 2)
+
+
 def _stacked_loader(src: SafetensorsDir, name: str, arch: ModelArch, dtype: Any):
     """Callback for make_array_from_callback: builds one shard, one layer at a time."""
+    if name in EXPERT_MAP:
+        return _expert_loader(src, name, arch, dtype)
     template, (to_ours, _) = WEIGHT_MAP[name]
     per_layer = "{i}" in template
+    hf_layers = stack_layers(name, arch)
     cache: dict[int, np.ndarray] = {}  # a weight's layers are reused across devices' shards
 
     def layer(i: int | None) -> np.ndarray:
@@ -124,8 +168,25 @@ def _stacked_loader(src: SafetensorsDir, name: str, arch: ModelArch, dtype: Any)
     def callback(index: tuple[slice, ...]) -> np.ndarray:
         if not per_layer:
             return layer(None)[index]
-        layers = range(arch.num_layers)[index[0]]
-        return np.stack([layer(i)[index[1:]] for i in layers])
+        return np.stack([layer(i)[index[1:]] for i in hf_layers[index[0]]])
+
+    return callback
+
+
+def _expert_loader(src: SafetensorsDir, name: str, arch: ModelArch, dtype: Any):
+    """Callback for an expert weight [S, E, ...]: a shard reads only its layers' and experts' rows."""
+    hf_layers = stack_layers(name, arch)
+    cache: dict[tuple[int, int, int], np.ndarray] = {}
+
+    def callback(index: tuple[slice, ...]) -> np.ndarray:
+        experts = range(arch.num_experts)[index[1]]
+        out = []
+        for i in hf_layers[index[0]]:
+            key = (i, experts.start, experts.stop)
+            if key not in cache:
+                cache[key] = _experts(src, name, i, experts).astype(dtype)
+            out.append(cache[key][(slice(None), *index[2:])])
+        return np.stack(out)
 
     return callback
 
@@ -178,10 +239,17 @@ def iter_hf_tensors(model: Decoder) -> Iterator[tuple[str, np.ndarray]]:
             continue
         host = host_array(getattr(model, name)[...])
         if "{i}" in template:
-            for i in range(arch.num_layers):
-                yield template.format(i=i), np.ascontiguousarray(from_ours(host[i], arch))
+            for j, i in enumerate(stack_layers(name, arch)):
+                yield template.format(i=i), np.ascontiguousarray(from_ours(host[j], arch))
         else:
             yield template, np.ascontiguousarray(from_ours(host, arch))
+    for name, (per_expert, _, _) in EXPERT_MAP.items():
+        if not hasattr(model, name):
+            continue
+        host = host_array(getattr(model, name)[...])
+        for j, i in enumerate(stack_layers(name, arch)):
+            for e in range(arch.num_experts):
+                yield per_expert.format(i=i, e=e), np.ascontiguousarray(host[j, e].T)
 
 
 def export_hf(

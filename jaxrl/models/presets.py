@@ -20,7 +20,14 @@ _QWEN3 = {
     "Qwen3-32B": (5120, 25600, 64, 64, 8, False),
 }
 
-PRESETS = tuple(_QWEN3)
+# Qwen3-MoE: name -> (hidden, layers, heads, kv_heads, experts, experts per token, expert width)
+# (every layer sparse, norm_topk_prob true, untied, as the released config.json files have them).
+_QWEN3_MOE = {
+    "Qwen3-30B-A3B": (2048, 48, 32, 4, 128, 8, 768),
+    "Qwen3-235B-A22B": (4096, 94, 64, 4, 128, 8, 1536),
+}
+
+PRESETS = (*_QWEN3, *_QWEN3_MOE)
 
 
 def preset_heads(name: str) -> tuple[int, int] | None:
@@ -28,6 +35,8 @@ def preset_heads(name: str) -> tuple[int, int] | None:
     matches it); None when it is not one of ``PRESETS``. Needs nothing beyond the standard
     library, so ``launch/gke/render.py`` can size vLLM's tensor parallelism from it."""
     key = name.rstrip("/").split("/")[-1]
+    if key in _QWEN3_MOE:
+        return _QWEN3_MOE[key][2], _QWEN3_MOE[key][3]
     return (_QWEN3[key][3], _QWEN3[key][4]) if key in _QWEN3 else None
 
 
@@ -35,6 +44,8 @@ def preset_hf_config(name: str) -> dict[str, Any] | None:
     """config.json of the released checkpoint ``name`` ("Qwen3-8B", "Qwen/Qwen3-8B" or a path
     ending in it); None when it is not one of ``PRESETS``."""
     key = name.rstrip("/").split("/")[-1]
+    if key in _QWEN3_MOE:
+        return _qwen3_moe_preset(key)
     if key not in _QWEN3:
         return None
     from jaxrl.models.tiny import qwen3_config
@@ -51,6 +62,31 @@ def preset_hf_config(name: str) -> dict[str, Any] | None:
         max_position_embeddings=40960,
         rms_norm_eps=1e-6,
         tie_word_embeddings=tie,
+        rope_theta=1000000.0,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    ).to_dict()
+
+
+def _qwen3_moe_preset(key: str) -> dict[str, Any]:
+    from jaxrl.models.tiny import qwen3_moe_config
+
+    d, layers, heads, kv, experts, top_k, width = _QWEN3_MOE[key]
+    return qwen3_moe_config(
+        vocab_size=151936,
+        hidden_size=d,
+        intermediate_size=3 * d,  # unused: every layer is sparse (the released configs say 6144 / 12288)
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=128,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=width,
+        norm_topk_prob=True,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
         rope_theta=1000000.0,
         bos_token_id=151643,
         eos_token_id=151645,

@@ -1,5 +1,5 @@
-"""The one way jaxrl, its tests and its benchmarks describe a Qwen3-shaped model and write a
-random checkpoint of it.
+"""The one way jaxrl, its tests and its benchmarks describe a Qwen3-shaped model (dense, or
+Qwen3-MoE) and write a random checkpoint of it.
 
 The config is transformers' own ``Qwen3Config`` (so every loader, ours, transformers' and
 vLLM's, reads the same file); the random weights are written by transformers too, which needs
@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig, Qwen3Config
+    from transformers import PretrainedConfig, Qwen3Config, Qwen3MoeConfig
+
+# The reverse_text main job's dense model (configs/reverse_text/sft.toml [model.scratch]) and its
+# mixture-of-experts twin with the same ACTIVE parameter count (for the learning comparison):
+# 12 experts, 2 per token, each 190 wide: 2 * 3 * 128 * 190 + the router's 128 * 12 = 3 * 128 * 384,
+# so a token runs exactly as many weights as in the dense MLP (``ModelArch.num_active_params``).
+REVERSE_TEXT_DENSE = {"hidden_size": 128, "intermediate_size": 384, "num_layers": 4, "num_heads": 4,
+                      "num_kv_heads": 2, "head_dim": 32}  # fmt: skip
+REVERSE_TEXT_MOE = {**REVERSE_TEXT_DENSE, "num_experts": 12, "num_experts_per_tok": 2, "moe_intermediate_size": 190}
 
 
 def qwen3_config(
@@ -46,6 +54,54 @@ def qwen3_config(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim or hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        **extra,
+    )
+
+
+def qwen3_moe_config(
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    num_experts: int,
+    num_experts_per_tok: int,
+    moe_intermediate_size: int,
+    head_dim: int | None = None,
+    intermediate_size: int | None = None,
+    norm_topk_prob: bool = True,
+    decoder_sparse_step: int = 1,
+    mlp_only_layers: tuple[int, ...] = (),
+    max_position_embeddings: int = 1024,
+    tie_word_embeddings: bool = True,
+    rope_theta: float = 1e6,
+    **extra: Any,
+) -> Qwen3MoeConfig:
+    """A Qwen3-MoE config (transformers' ``Qwen3MoeConfig``): ``qwen3_config``'s fields plus the
+    experts. ``norm_topk_prob`` defaults to True, as the released Qwen3-MoE checkpoints set it
+    (transformers' own default is False); ``intermediate_size`` (the dense layers' MLP, used only
+    with ``decoder_sparse_step`` > 1 or ``mlp_only_layers``) defaults to 3 x hidden."""
+    from transformers import Qwen3MoeConfig
+
+    extra.setdefault("architectures", ["Qwen3MoeForCausalLM"])
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 3 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim or hidden_size // num_heads,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        moe_intermediate_size=moe_intermediate_size,
+        norm_topk_prob=norm_topk_prob,
+        decoder_sparse_step=decoder_sparse_step,
+        mlp_only_layers=list(mlp_only_layers),
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},

@@ -35,6 +35,8 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "q_heads": ("tensor",),
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),
+    "experts": (),  # MoE experts: whole on every device until an expert mesh axis holds them
+    "moe_mlp": ("tensor",),  # each expert's hidden width, Megatron-style like "mlp"
     "head_dim": (),
     "layers": (),
     "norm": (),

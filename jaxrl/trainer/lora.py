@@ -101,6 +101,12 @@ def _weights(params: nnx.State, cfg: LoraConfig) -> dict[str, Any]:
     names = {TARGETS[m][0] for m in cfg.target_modules}
     found: dict[str, Any] = {}
     jax.tree_util.tree_map_with_path(lambda p, x: found.__setitem__(param_name(p), x), params)
+    missing = [m for m in cfg.target_modules if TARGETS[m][0] not in found]
+    if missing:  # a mixture-of-experts model whose every layer is sparse has no dense MLP
+        raise ValueError(
+            f"trainer.lora.target_modules: this model has no {', '.join(missing)} (its MLPs are routed experts, "
+            "which LoRA does not adapt); target the attention projections (q_proj, k_proj, v_proj, o_proj)"
+        )
     return {n: found[n] for n in sorted(names)}
 
 
