@@ -23,7 +23,6 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxrl.engine.engine import Engine
 from jaxrl.engine.sampling import SamplingParams
@@ -67,8 +66,9 @@ def measure(model_dir: str, dtype: str, requests: int, max_tokens: int) -> list[
     sampled = batch.loss_mask[:, 1:] & (batch.rl_w[:, 1:] > 0)
     rows = []
     for mode in ("replay", "recompute"):
-        logp, _ = jax.jit(lambda m: packed_logprobs(model, m, kernels, 4096, replay=mode == "replay"))(mb)
-        _, aux = routed_forward(model, mb, kernels, None, replay=mode == "replay")
+        replay = mode == "replay"
+        logp, _ = jax.jit(lambda m, replay=replay: packed_logprobs(model, m, kernels, 4096, replay=replay))(mb)
+        _, aux = routed_forward(model, mb, kernels, None, replay=replay)
         d = (np.asarray(logp, np.float64) - batch.logq[:, 1:].astype(np.float64))[sampled]
         kl = float(np.mean(np.exp(d) - d - 1))
         used, eng = np.sort(np.asarray(aux.experts), -1), np.sort(batch.routing, -1)

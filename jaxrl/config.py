@@ -48,6 +48,13 @@ class ScratchModelConfig(BaseModel):
     max_position_embeddings: int = 1024
     rope_theta: float = 1e6
     tie_word_embeddings: bool = True
+    num_experts: int = Field(0, ge=0, le=1024)
+    """> 0: a Qwen3-MoE model, every MLP a router over this many experts (0: dense)."""
+    num_experts_per_tok: int = Field(2, ge=1)
+    """Experts each token is routed to (MoE only; at most num_experts)."""
+    moe_intermediate_size: int = Field(190, ge=1)
+    """Each expert's MLP width (MoE only). 12 experts of 190, 2 per token, match the default dense
+    MLP's active parameters (``jaxrl.models.tiny.REVERSE_TEXT_MOE``)."""
     seed: int = 0
     """Initialisation seed."""
 

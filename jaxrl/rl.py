@@ -95,7 +95,7 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
         cfg = cfg.model_copy(update={"inference": cfg.inference.model_copy(
             update={"server": cfg.inference.server.model_copy(update={"return_routed_experts": True})}
         )})  # fmt: skip
-    elif run.trainer.arch.is_moe and leader and cfg.trainer.moe_routing is None:
+    elif run.trainer.arch.is_moe and is_main_process() and cfg.trainer.moe_routing is None:
         print(f"[jaxrl] MoE policy on the {cfg.inference.backend.type} backend: the trainer recomputes routing "
               "(samples carry no routed_experts); routing_changed_frac is not measured", flush=True)  # fmt: skip
     leader = is_main_process()  # runs the orchestrator and env servers; every process trains

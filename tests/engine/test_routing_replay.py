@@ -35,7 +35,7 @@ def make_tiny_moe(out_dir) -> None:
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=EXPERTS, num_experts_per_tok=K,
         norm_topk_prob=True, mlp_only_layers=[1], max_position_embeddings=256, tie_word_embeddings=False,
         architectures=["Qwen3MoeForCausalLM"],
-    )  # noqa: C408  # fmt: skip
+    )  # fmt: skip
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).float().eval().save_pretrained(out_dir)
 
@@ -94,7 +94,7 @@ def _samples(prompts, outs) -> list[TrainingSample]:
             TrainingSample(
                 np.asarray(prompt + c.token_ids), sampled, logq, sampled.astype(np.float32), np.zeros(n, np.float32),
                 advantage=1.0, routed_experts=routing,
-            )  # fmt: skip
+            )
         )
     return samples
 
