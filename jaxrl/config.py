@@ -48,15 +48,40 @@ class ScratchModelConfig(BaseModel):
     max_position_embeddings: int = 1024
     rope_theta: float = 1e6
     tie_word_embeddings: bool = True
-    num_experts: int = Field(0, ge=0, le=1024)
-    """> 0: a Qwen3-MoE model, every MLP a router over this many experts (0: dense)."""
-    num_experts_per_tok: int = Field(2, ge=1)
-    """Experts each token is routed to (MoE only; at most num_experts)."""
-    moe_intermediate_size: int = Field(190, ge=1)
-    """Each expert's MLP width (MoE only). 12 experts of 190, 2 per token, match the default dense
-    MLP's active parameters (``jaxrl.models.tiny.REVERSE_TEXT_MOE``)."""
     seed: int = 0
     """Initialisation seed."""
+    num_experts: int = Field(0, ge=0, le=4096)
+    """Mixture of experts (a Qwen3-MoE model): routed experts per layer in place of the MLP; 0 = dense."""
+    num_experts_per_tok: int | None = Field(None, ge=1)
+    """MoE: experts per token (k); default 2."""
+    moe_intermediate_size: int | None = Field(None, ge=1)
+    """MoE: each expert's MLP width; default: the width that makes the active MLP weights (k experts
+    plus the router) equal to the dense `intermediate_size` MLP's, where one exists."""
+    norm_topk_prob: bool | None = None
+    """MoE: renormalise the k routing weights to sum to 1 (default true, as Qwen3-MoE)."""
+
+    @model_validator(mode="after")
+    def _experts(self) -> ScratchModelConfig:
+        moe_fields = ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+        if self.num_experts == 0:
+            set_ = [f for f in moe_fields if getattr(self, f) is not None]
+            if set_:
+                raise ValueError(f"{', '.join(set_)} set but num_experts = 0 (a dense model); set num_experts")
+            return self
+        k = self.num_experts_per_tok or 2
+        if k > self.num_experts:
+            raise ValueError(f"num_experts_per_tok = {k} must be <= num_experts = {self.num_experts}")
+        if self.moe_intermediate_size is None:
+            width, rest = divmod(3 * self.intermediate_size - self.num_experts, 3 * k)
+            if rest or width < 1:
+                raise ValueError(
+                    f"no expert width gives the active parameters of intermediate_size = {self.intermediate_size} "
+                    f"with {self.num_experts} experts, {k} per token; set moe_intermediate_size"
+                )
+            self.moe_intermediate_size = width
+        self.num_experts_per_tok = k
+        self.norm_topk_prob = True if self.norm_topk_prob is None else self.norm_topk_prob
+        return self
 
 
 class ModelConfig(BaseModel):

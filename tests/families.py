@@ -15,13 +15,19 @@ import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from jaxrl.models.tiny import qwen3_config, save_random_checkpoint
+from jaxrl.models.tiny import qwen3_config, qwen3_moe_config, save_random_checkpoint
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 
 QWEN_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 FAMILIES = {
     "qwen3": dict(
+        template="qwen3.jinja",
+        specials=QWEN_TOKENS + ["<think>", "</think>", "<tool_response>", "</tool_response>"],
+        eos="<|im_end|>", pad="<|endoftext|>", bos=None, renderer="qwen3",
+    ),
+    # Qwen3-MoE ships Qwen3's tokenizer and template; renderer "auto" picks qwen3 by model_type.
+    "qwen3_moe": dict(  # noqa: C408
         template="qwen3.jinja",
         specials=QWEN_TOKENS + ["<think>", "</think>", "<tool_response>", "</tool_response>"],
         eos="<|im_end|>", pad="<|endoftext|>", bos=None, renderer="qwen3",
@@ -73,6 +79,12 @@ def build_family_model(out_dir: Path, family: str, *, seed: int = 0) -> Path:
         cfg = qwen3_config(
             vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
             head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False, **ids,
+        )  # fmt: skip
+    elif family == "qwen3_moe":  # 4 experts of width 64, 2 per token: as many active MLP weights as the others
+        cfg = qwen3_moe_config(
+            vocab_size=vocab, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=64, max_position_embeddings=1024, tie_word_embeddings=False,
+            **ids,
         )  # fmt: skip
     elif family == "qwen2.5":
         cfg = transformers.Qwen2Config(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **common, **ids)

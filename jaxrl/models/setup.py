@@ -30,19 +30,14 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def scratch_hf_config(scratch: Any, vocab_size: int) -> dict[str, Any]:
-    """config.json of a new Qwen3-shaped model (Qwen3-MoE with ``num_experts`` > 0), written by
+    """config.json of a new Qwen3-shaped model (Qwen3-MoE with ``num_experts``), written by
     transformers itself."""
     moe = {}
-    make = qwen3_config
     if scratch.num_experts:
-        if scratch.num_experts_per_tok > scratch.num_experts:
-            raise ValueError(
-                f"model.scratch.num_experts_per_tok = {scratch.num_experts_per_tok} exceeds num_experts = {scratch.num_experts}"
-            )
-        make = qwen3_moe_config
         moe = {"num_experts": scratch.num_experts, "num_experts_per_tok": scratch.num_experts_per_tok,
-               "moe_intermediate_size": scratch.moe_intermediate_size}  # fmt: skip
-    cfg = make(
+               "moe_intermediate_size": scratch.moe_intermediate_size, "norm_topk_prob": scratch.norm_topk_prob}  # fmt: skip
+    cfg = (qwen3_moe_config if moe else qwen3_config)(
+        **moe,
         vocab_size=vocab_size,
         hidden_size=scratch.hidden_size,
         intermediate_size=scratch.intermediate_size,
@@ -54,7 +49,6 @@ def scratch_hf_config(scratch: Any, vocab_size: int) -> dict[str, Any]:
         tie_word_embeddings=scratch.tie_word_embeddings,
         rope_theta=scratch.rope_theta,
         bos_token_id=None,
-        **moe,
     )
     return cfg.to_dict()
 

@@ -1,4 +1,4 @@
-"""Qwen3, Qwen2.5 and Llama 3 checkpoints, each with its real chat template, through SFT and RL.
+"""Qwen3, Qwen3-MoE, Qwen2.5 and Llama 3 checkpoints, each with its real chat template, through SFT and RL.
 
 Per family (tiny random checkpoint, tests/families.py): ``[model] renderer = "auto"`` picks
 the family's renderer from config.json; SFT rendering (the run's grain pipeline) gives the
@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 
 TRAINER = {"seq_len": 256, "seq_len_buckets": [256], "micro_batch_rows": 4, "mesh": {"num_devices": 1},
            "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"}}  # fmt: skip
-TEMPLATE_KWARGS = {"qwen3": {"enable_thinking": False}, "qwen2.5": {}, "llama3": {"date_string": "26 Jul 2024"}}
+TEMPLATE_KWARGS = {"qwen3": {"enable_thinking": False}, "qwen3_moe": {"enable_thinking": False}, "qwen2.5": {},
+                   "llama3": {"date_string": "26 Jul 2024"}}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -44,7 +45,8 @@ def test_family_sft_and_rl_step_use_its_chat_template(family, tmp_path) -> None:
     # The loss covers the answer and its end of turn, nothing of the prompt. Qwen3's renderer
     # also marks the (deterministic) empty think block; the template-verbatim Qwen2.5 renderer
     # the newline after <|im_end|>.
-    before, after = {"qwen3": ("<think>\n\n</think>\n\n", ""), "qwen2.5": ("", "\n"), "llama3": ("", "")}[family]
+    qwen3 = ("<think>\n\n</think>\n\n", "")
+    before, after = {"qwen3": qwen3, "qwen3_moe": qwen3, "qwen2.5": ("", "\n"), "llama3": ("", "")}[family]
     trained = tok.decode(sample.token_ids[sample.ce_w > 0])
     assert trained == before + messages[-1]["content"] + tok.eos_token + after
 

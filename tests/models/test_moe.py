@@ -115,12 +115,18 @@ def test_cached_forward_matches_full_forward_and_reports_the_same_experts(tmp_pa
     model = load_decoder(tmp_path)
     seq = np.random.default_rng(2).integers(0, VOCAB, (1, 10))
     full, _, aux = _forward(model, seq, with_moe_aux=True)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit  # one compile for the four decode steps
+    def cached(state, tokens, positions, cache):  # type: ignore[no-untyped-def]
+        m = nnx.merge(graphdef, state)
+        return m(tokens, positions, cache=cache, cache_rows=jnp.array([1]), with_moe_aux=True)
+
     cache = KVCache.zeros(model.arch, rows=2, max_len=16)
-    row = jnp.array([1])
-    h, cache, first = model(jnp.asarray(seq[:, :6]), jnp.arange(6)[None], cache=cache, cache_rows=row, with_moe_aux=True)
+    h, cache, first = cached(state, jnp.asarray(seq[:, :6]), jnp.arange(6)[None], cache)
     hs, experts = [h], [first.experts]
     for t in range(6, 10):
-        h, cache, step = model(jnp.asarray(seq[:, t : t + 1]), jnp.array([[t]]), cache=cache, cache_rows=row, with_moe_aux=True)
+        h, cache, step = cached(state, jnp.asarray(seq[:, t : t + 1]), jnp.array([[t]]), cache)
         hs.append(h)
         experts.append(step.experts)
     np.testing.assert_allclose(np.concatenate(hs, axis=1), np.asarray(full), atol=1e-5)
@@ -195,3 +201,56 @@ def test_config_fields_and_active_parameter_count() -> None:
     assert arch.num_params() - arch.num_active_params() == 2 * (8 - 2) * expert
     dense = arch_from_hf_config({**cfg, "num_local_experts": 0})
     assert not dense.is_moe and dense.num_params() - arch.num_active_params() == 2 * (3 * 32 * 48 - 2 * expert - 32 * 8)
+
+
+def test_scratch_moe_twin_of_the_main_job_has_its_active_parameter_count() -> None:
+    """``[model.scratch] num_experts = 12``: the main job's model with 12 experts, 2 per token, of the
+    width that keeps the active parameters equal (190); MoE fields without experts fail in one line."""
+    from jaxrl.config import build_config
+    from jaxrl.models.setup import scratch_hf_config
+    from jaxrl.models.tiny import REVERSE_TEXT_MOE
+
+    dense = build_config({"model": {"scratch": {}}}, []).model.scratch
+    moe = build_config({"model": {"scratch": {"num_experts": 12}}}, []).model.scratch
+    assert (moe.num_experts_per_tok, moe.moe_intermediate_size, moe.norm_topk_prob) == (2, 190, True)
+    assert moe.moe_intermediate_size == REVERSE_TEXT_MOE["moe_intermediate_size"]
+    a, b = (arch_from_hf_config(scratch_hf_config(s, vocab_size=320)) for s in (dense, moe))
+    assert b.model_type == "qwen3_moe" and b.num_active_params() == a.num_params() and b.num_params() > 4 * a.num_params()
+    for bad, needle in [
+        ({"num_experts_per_tok": 2}, "num_experts_per_tok set but num_experts = 0"),
+        ({"num_experts": 13}, "no expert width gives the active parameters of intermediate_size = 384"),
+        ({"num_experts": 4, "num_experts_per_tok": 5}, "num_experts_per_tok = 5 must be <= num_experts = 4"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            build_config({"model": {"scratch": bad}}, [])
+
+
+def test_sharded_moe_loss_and_gradients_equal_one_device() -> None:
+    """Expert weights under the data x fsdp x tensor rules (experts whole, embed over fsdp, each
+    expert's width over tensor): loss and every gradient as on one device, a mixed model, with the
+    load-balance loss in the objective so the router gets both gradients."""
+    from jaxrl.models.decoder import Decoder
+    from jaxrl.models.sharding import shard_params
+    from jaxrl.models.tiny import qwen3_moe_config
+    from jaxrl.parallel.mesh import MeshConfig, make_mesh
+
+    cfg = qwen3_moe_config(vocab_size=96, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, num_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=2)  # fmt: skip
+    graphdef, state = nnx.split(Decoder(arch_from_hf_config(cfg.to_dict()), rngs=nnx.Rngs(0)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 96, (4, 16)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(16), tokens.shape)
+
+    def run(mesh):  # type: ignore[no-untyped-def]
+        kernels = Kernels.create("auto", field="trainer.kernels", mesh=mesh)
+
+        def loss(state):  # type: ignore[no-untyped-def]
+            m = nnx.merge(graphdef, state)
+            hidden, _, aux = m(tokens, positions, kernels=kernels, with_moe_aux=True)
+            return jnp.mean(m.logits(hidden) ** 2) + 0.01 * aux.load_balance_loss
+
+        return jax.jit(jax.value_and_grad(loss))(state if mesh is None else shard_params(state, mesh))
+
+    (want, want_g), (got, got_g) = run(None), run(make_mesh(MeshConfig(data=2, fsdp=2, tensor=2), jax.devices()[:8]))
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(want_g), jax.tree.leaves(got_g), strict=True):
+        assert float(jnp.abs(a - b).max()) <= 1e-5 * float(jnp.abs(a).max()) + 1e-9
