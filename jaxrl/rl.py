@@ -110,7 +110,14 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     if leader:  # a free port by default: say which
         print(f"[jaxrl] rollout server at {backend.endpoint.base_url} (ready in {time.perf_counter() - t0:.1f} s)", flush=True)
     orch = (
-        Orchestrator(ocfg, backend.endpoint, output_dir=run.out, seed=cfg.seed, policy_version=lambda: backend.policy_version)
+        Orchestrator(
+            ocfg,
+            backend.endpoint,
+            output_dir=run.out,
+            seed=cfg.seed,
+            policy_version=lambda: backend.policy_version,
+            token_versions=backend.token_versions,
+        )
         if leader
         else None
     )

@@ -90,7 +90,7 @@ class EngineConfig(BaseModel):
     """When new weights take effect. "drain": admission pauses, requests in flight finish on the
     old weights, then the swap happens (no request ever mixes two policies). "immediate": the swap
     happens between two engine steps and requests in flight continue on the new weights (their
-    responses report both versions)."""
+    responses report the version of every token: ``token_versions``)."""
 
     warmup: bool = True
     """Compile every device program (``program_bound()`` of them) when the HTTP server starts,

@@ -53,6 +53,7 @@ from jaxrl.engine.scheduler import (
     Scheduler,
     SchedulerStats,
     Sequence,
+    TokenDelta,
 )
 from jaxrl.engine.weight_swap import WeightSwaps, _Update
 from jaxrl.kernel_dispatch import Kernels
@@ -416,7 +417,10 @@ class Engine(WeightSwaps, Recovery):
             args = self._put((plan.tokens, plan.positions, plan.rows, plan.last, plan.sampling))
             self._cache, tokens, logprobs, experts = self._prefill_fn(self._state, self._cache, self._counts, *args)
             tokens, logprobs, experts = jax.device_get((tokens, logprobs, experts))
-        self._deliver(self._sched.finish_prefill(plan, tokens, logprobs, self._version, experts))
+        marks = [len(seq.tokens) for seq in plan.seqs]
+        done = self._sched.finish_prefill(plan, tokens, logprobs, self._version, experts)
+        self._stream(plan.seqs, marks)
+        self._deliver(done)
 
     def _run_decode(self, plan: DecodePlan) -> None:
         with self._device_timer("decode"):
@@ -425,7 +429,23 @@ class Engine(WeightSwaps, Recovery):
                 plan.steps, self._state, self._cache, self._counts, *args
             )
             tokens, logprobs, experts = jax.device_get((tokens, logprobs, experts))
-        self._deliver(self._sched.finish_decode(plan, tokens, logprobs, self._version, experts))
+        marks = [len(seq.tokens) for seq in plan.seqs]
+        done = self._sched.finish_decode(plan, tokens, logprobs, self._version, experts)
+        self._stream(plan.seqs, marks)
+        self._deliver(done)
+
+    @staticmethod
+    def _stream(seqs: list[Sequence], marks: list[int]) -> None:
+        """Hand each streaming request (``Request.on_tokens``) the tokens this device call sampled
+        for it (those past ``marks``), before any of them completes."""
+        for seq, mark in zip(seqs, marks):
+            on_tokens = seq.request.on_tokens
+            if on_tokens is None or len(seq.tokens) == mark:
+                continue
+            try:
+                on_tokens(TokenDelta(seq.tokens[mark:], seq.logprobs[mark:], seq.versions[mark:]))
+            except Exception:  # the reader's bug: its request goes on, the others are untouched
+                log.exception("on_tokens of request %s failed", seq.request.request_id)
 
     def _deliver(self, seqs: list[Sequence]) -> None:
         for seq in seqs:

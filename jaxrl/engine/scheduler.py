@@ -53,6 +53,21 @@ class Request:
     session_id: str | None = None
     stop_fn: Callable[[list[int]], bool] | None = None
     """Extra host-side stop test on the completion so far (e.g. stop strings); True = stop."""
+    on_tokens: Callable[[TokenDelta], None] | None = None
+    """Streaming: called on the engine thread after each device call that sampled tokens for this
+    request, with those tokens, before the request's future completes. It must return at once
+    (hand the delta to another thread: the engine loop waits for it); what it raises is logged
+    and the request goes on."""
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """Completion tokens sampled by one engine device call (a prefill's first token, or up to
+    ``decode_steps`` decode tokens), with their log-probs and the weights version that drew them."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
 
 
 @dataclass
@@ -71,6 +86,9 @@ class Completion:
     routed_experts: np.ndarray | None = None
     """MoE models: uint8/uint16 [prompt + completion - 1, n_moe_layers, k], the experts each fed
     token used per sparse layer (the last completion token is never fed); None for dense ones."""
+    token_versions: list[int] = field(default_factory=list)
+    """The weights version that sampled each completion token (``weight_update = "immediate"``
+    swaps weights between engine steps, so one completion can span versions)."""
 
 
 class Sequence:
@@ -89,7 +107,7 @@ class Sequence:
         self.fed = 0  # completion tokens whose keys/values are in the row
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
-        self.versions: tuple[int, int] | None = None
+        self.versions: list[int] = []  # the weights version that sampled each token
         self.finish_reason: str | None = None
         self.stop_token: int | None = None
         self.routing: list[np.ndarray] = []  # chunks of routing records of the row's positions, in order
@@ -126,7 +144,7 @@ class Sequence:
         """Record a sampled token; returns True when the sequence is finished."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
-        self.versions = (version, version) if self.versions is None else (self.versions[0], version)
+        self.versions.append(version)
         stop_fn = self.request.stop_fn
         if token in self.stop_ids:
             self.finish_reason, self.stop_token = "stop", token
@@ -137,7 +155,8 @@ class Sequence:
         return self.finish_reason is not None
 
     def completion(self, version: int) -> Completion:
-        first, last = self.versions or (version, version)
+        """The result so far (``version``: the one served, for a request aborted before its first token)."""
+        first, last = (self.versions[0], self.versions[-1]) if self.versions else (version, version)
         return Completion(
             request_id=self.request.request_id,
             prompt_token_ids=list(self.request.prompt),
@@ -149,6 +168,7 @@ class Sequence:
             cached_prompt_tokens=self.cached_prompt,
             stop_token=self.stop_token,
             routed_experts=self.routed_experts(),
+            token_versions=list(self.versions),
         )
 
 

@@ -2,9 +2,9 @@
 thread and take effect between engine steps only.
 
 ``weight_update`` = "drain": admission pauses and requests in flight finish on the old weights
-first; "immediate": at the next step (requests in flight continue on the new weights and report
-both versions). The policy version counter starts at 0 and every completion records the
-version(s) that sampled it. Cached prefixes are dropped on every update: their keys/values came
+first; "immediate": at the next step (requests in flight continue on the new weights). The policy
+version counter starts at 0 and every completion records the version that sampled each of its
+tokens (``Completion.token_versions``). Cached prefixes are dropped on every update: their keys/values came
 from the old weights.
 """
 

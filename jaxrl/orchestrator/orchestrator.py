@@ -41,7 +41,7 @@ from jaxrl.orchestrator.env_process import EnvServerDead
 from jaxrl.orchestrator.env_server import EnvServer, start_env_servers
 from jaxrl.orchestrator.env_tasks import task_data
 from jaxrl.orchestrator.tasks import TaskSampler
-from jaxrl.orchestrator.traces import Rollout
+from jaxrl.orchestrator.traces import Rollout, attach_token_versions
 from jaxrl.sampling_ranges import JSON_INT64_MAX
 
 logger = logging.getLogger(__name__)
@@ -136,12 +136,16 @@ class Orchestrator:
         output_dir: str | Path,
         seed: int,
         policy_version: Callable[[], int],
+        token_versions: Callable[[str], list[list[int]] | None] | None = None,
     ):
         self.cfg = cfg
         self.endpoint = endpoint
         self.output_dir = Path(output_dir)
         self.seed = seed
         self.policy_version = policy_version
+        self.token_versions = token_versions
+        """Per trace id, the engine's per-token versions of its answers (``attach_token_versions``);
+        None: every token carries its rollout's dispatch version."""
         self.groups_per_step = cfg.batch_size // cfg.group_size
         self.algorithms: dict[str, Algorithm] = {e.name: make_algorithm(e.algo) for e in cfg.train.env}
         self.group_sizes = {e.name: e.group_size or cfg.group_size for e in cfg.train.env}
@@ -260,6 +264,9 @@ class Orchestrator:
                 self._fatal = self._fatal or e
                 self._cond.notify_all()
             return
+        if self.token_versions is not None:
+            for rollout in rollouts:
+                attach_token_versions(rollout, self.token_versions)
         group = Group(env, step, rollouts, version, time.perf_counter() - t0)
         with self._cond:
             self._queues[step].groups.append(group)

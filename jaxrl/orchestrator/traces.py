@@ -18,7 +18,7 @@ hand-built traces and never imports verifiers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,9 @@ class Branch:
     routed_experts: np.ndarray | None = None
     """[L, n_moe_layers, k]: the experts the engine routed each token to (MoE engines asked for
     them; verifiers attaches each node's slice), None unless every node of the branch has its own."""
+    versions: np.ndarray | None = None
+    """int32[L]: the policy version that sampled each sampled token where the engine reported it
+    (``attach_token_versions``), -1 elsewhere; None when no node of the branch carries any."""
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -154,6 +157,7 @@ def trace_branches(trace: Mapping[str, Any]) -> list[Branch]:
         ids: list[int] = []
         mask: list[bool] = []
         logprobs: list[float] = []
+        versions: list[int] = []
         content: list[bool] = []
         spans: list[NodeSpan] = []
         call_names: dict[str, str] = {}
@@ -165,6 +169,8 @@ def trace_branches(trace: Mapping[str, Any]) -> list[Branch]:
             mask += m
             it = iter(lp)
             logprobs += [next(it) if s else 0.0 for s in m]
+            node_versions = iter(node.get("token_versions") or [-1] * len(lp))
+            versions += [next(node_versions) if s else -1 for s in m]
             content += c if c else [True] * len(t)
             message = node["message"]
             spans.append(
@@ -195,6 +201,7 @@ def trace_branches(trace: Mapping[str, Any]) -> list[Branch]:
                 trainable=bool(sampled.any()) and (not compaction_attempt or leaf in accepted_compactions),
                 owned=np.zeros(len(ids), dtype=bool),
                 routed_experts=_branch_routing(nodes, _path(nodes, leaf)),
+                versions=np.asarray(versions, np.int32) if any(v >= 0 for v in versions) else None,
             )
         )
     _assign_ownership(branches)
@@ -254,6 +261,27 @@ def episode_traceback(episode: Mapping[str, Any] | None) -> str | None:
     failed = (t.get("errors") or [] for t in episode.get("traces") or [] if not t.get("ok", False))
     errors = episode.get("errors") or next(failed, [])  # the error episode_error names
     return errors[-1].get("traceback") if errors else None
+
+
+def attach_token_versions(rollout: Rollout, answers_of: Callable[[str], list[list[int]] | None]) -> int:
+    """Put the engine's per-token policy versions on each trace's sampled nodes, as
+    ``node["token_versions"]`` (one per sampled token, the layout of ``logprobs``), from
+    ``answers_of(trace id)``: the versions of each generate answer of that session, in order
+    (``RolloutBackend.token_versions``). A trace whose answers do not match its sampled nodes one
+    to one (count and lengths) is left as it is: its tokens keep the rollout's dispatch version.
+    Returns the number of nodes annotated."""
+    annotated = 0
+    for trace in rollout.traces:
+        answers = answers_of(str(trace.get("id")))
+        sampled = [n for n in trace.get("nodes") or [] if any(n.get("mask") or [])]
+        if not answers or len(answers) != len(sampled):
+            continue
+        if any(len(a) != sum(n["mask"]) for a, n in zip(answers, sampled)):
+            continue
+        for node, versions in zip(sampled, answers):
+            node["token_versions"] = list(versions)
+        annotated += len(sampled)
+    return annotated
 
 
 @dataclass
@@ -367,6 +395,7 @@ def branch_sample(
         advantage=float(advantage),
         policy_version=rollout.policy_version,
         routed_experts=branch.routed_experts,
+        token_versions=None if branch.versions is None else np.where(branch.versions >= 0, branch.versions, rollout.policy_version),
         metadata={
             "env": rollout.env,
             "group_id": rollout.group_id,

@@ -57,4 +57,10 @@ class RolloutBackend(Protocol):
         """The serving engine's own counters, when it exposes them in jaxrl's form."""
         ...
 
+    def token_versions(self, session_id: str) -> list[list[int]] | None:
+        """The policy version of each token of each generate answer sent for ``session_id``
+        (verifiers' trace id), in answer order, taken once; None where the backend does not know
+        (each token then carries its rollout's dispatch version)."""
+        ...
+
     def stop(self) -> None: ...

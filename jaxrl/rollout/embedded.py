@@ -53,6 +53,9 @@ class EmbeddedBackend:
     def metrics(self) -> EngineMetrics | None:
         return self.engine.metrics()
 
+    def token_versions(self, session_id: str) -> list[list[int]] | None:
+        return self.server.session_versions.take(session_id)
+
     def stop(self) -> None:
         self.server.stop()
         self.engine.stop()

@@ -180,6 +180,9 @@ class ExternalBackend:
         """Each server has its own ``GET /metrics``; the RL loop logs no ``engine/...`` keys."""
         return
 
+    def token_versions(self, session_id: str) -> None:
+        """Not fetched from remote servers (yet): each token carries its rollout's dispatch version."""
+
     # -- weights ---------------------------------------------------------------------------
 
     @property

@@ -271,6 +271,9 @@ class VLLMBackend:
         ``/metrics`` speaks another format), so the RL loop logs no ``engine/...`` keys."""
         return
 
+    def token_versions(self, session_id: str) -> None:
+        """vLLM reports no per-token versions: each token carries its rollout's dispatch version."""
+
     def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
         resp = self._http.request(method, f"{self.upstream}{path}", **kw)
         if resp.status_code >= 400:

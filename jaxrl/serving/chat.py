@@ -10,7 +10,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from functools import partial
 from typing import Any
 
@@ -20,6 +20,7 @@ from jaxrl.engine.scheduler import Completion
 from jaxrl.serving import protocol
 from jaxrl.serving.completions import CompletionServing, stop_strings, usage
 from jaxrl.serving.errors import BadRequest
+from jaxrl.serving.streaming import chat_chunks
 from jaxrl.serving.template_sandbox import TemplateBudgetError, render_in_sandbox
 
 _MAX_CACHED_RENDERERS = 16
@@ -102,6 +103,15 @@ class ChatServing:
         self._renderers: dict[str, Any] = {}
         self._sandbox_slots = asyncio.Semaphore(SANDBOX_SLOTS)
         self._max_prompt_chars = PROMPT_CHARS_PER_TOKEN * completion.engine.max_model_len
+
+    async def chat_stream(self, body: protocol.ChatCompletionRequest, session: str | None) -> AsyncIterator[dict[str, Any]]:
+        """``stream: true``: the chat is rendered and submitted now (a refused request raises,
+        before any chunk); the chunks follow the engine (``streaming.chat_chunks``)."""
+        prompt, renderer = await self.render(body)
+        params = self.completion.params(body, len(prompt), body.max_completion_tokens or body.max_tokens)
+        stops = stop_strings(body)
+        stream = self.completion.stream(prompt, params, session, stops)
+        return chat_chunks(self, stream, body, prompt, renderer, stops)
 
     async def chat(self, body: protocol.ChatCompletionRequest, session: str | None) -> dict[str, Any]:
         prompt, renderer = await self.render(body)
@@ -222,9 +232,27 @@ class ChatServing:
         renderer: Any = None,
         prompt: list[int] | None = None,
     ) -> dict[str, Any]:
-        """One chat choice: content (control tokens dropped), reasoning, tool calls (parsed by
-        the run's renderer, else Qwen/Hermes blocks when the request offers tools), log-probs."""
+        """One chat choice: the message (``message``), finish reason and log-probs."""
         ids, text = self.completion.visible(c, stops)
+        message = self.message(ids, text, body, renderer, prompt)
+        finish = "tool_calls" if "tool_calls" in message and c.finish_reason == "stop" else c.finish_reason
+        logprobs = {"content": self.logprob_entries(ids, c.logprobs)} if body.logprobs else None
+        choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        if body.return_token_ids:
+            choice["token_ids"] = c.token_ids
+        return choice
+
+    def message(
+        self,
+        ids: list[int],
+        text: str,
+        body: protocol.ChatCompletionRequest,
+        renderer: Any = None,
+        prompt: list[int] | None = None,
+    ) -> dict[str, Any]:
+        """The assistant message of completion tokens ``ids`` (``text``: as the client sees them):
+        content (control tokens dropped), reasoning, tool calls (parsed by the run's renderer,
+        else Qwen/Hermes blocks when the request offers tools)."""
         reasoning = None
         no_calls = body.tool_choice == "none"  # a call the model writes stays in the content as text
         tools = None if no_calls else body.tools
@@ -243,15 +271,12 @@ class ChatServing:
             message["reasoning_content"] = reasoning
         if tool_calls:
             message["tool_calls"] = tool_calls
-        finish = "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason
-        logprobs = None
-        if body.logprobs:
-            entries = []
-            for t, lp in zip(ids, c.logprobs):
-                piece = self.completion.piece(t)
-                entries.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []})
-            logprobs = {"content": entries}
-        choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
-        if body.return_token_ids:
-            choice["token_ids"] = c.token_ids
-        return choice
+        return message
+
+    def logprob_entries(self, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
+        """OpenAI chat log-prob entries of ``ids`` (only the sampled token's: ``top_logprobs`` empty)."""
+        entries = []
+        for t, lp in zip(ids, logprobs):
+            piece = self.completion.piece(t)
+            entries.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []})
+        return entries

@@ -9,14 +9,16 @@ import asyncio
 import base64
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from jaxrl.engine.engine import Engine
 from jaxrl.engine.sampling import SamplingParams
-from jaxrl.engine.scheduler import Completion
+from jaxrl.engine.scheduler import Completion, TokenDelta
 from jaxrl.engine.scheduler import Request as EngineRequest
 from jaxrl.serving import protocol
 from jaxrl.serving.errors import BadRequest, Unavailable
@@ -61,6 +63,57 @@ def usage(prompt_len: int, completions: list[Completion]) -> dict[str, Any]:
         "total_tokens": prompt_len + out,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+class ChoiceStream:
+    """The tokens of a streamed request's choices, handed from the engine thread to the event
+    loop as they are sampled. The engine side only schedules a queue put on the loop
+    (``call_soon_threadsafe``): a slow reader never holds the engine loop up, it just finds
+    more tokens waiting. Reading stops early (the client went away: the handler is cancelled)
+    aborts the choices still running, which frees their cache rows."""
+
+    def __init__(self, engine: Engine, n: int):
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[tuple[int, TokenDelta | Future[Completion]]] = asyncio.Queue()
+        self._reqs: list[EngineRequest] = []
+        self._n = n
+
+    def on_tokens(self, choice: int, delta: TokenDelta) -> None:  # engine thread
+        self._put((choice, delta))
+
+    def _put(self, item: tuple[int, TokenDelta | Future[Completion]]) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop closed (server shut down): nobody reads any more
+            pass
+
+    def watch(self, reqs: list[EngineRequest], futures: list[Future[Completion]]) -> None:
+        self._reqs = reqs
+        for i, f in enumerate(futures):  # the engine streams a choice's tokens before completing it
+            f.add_done_callback(partial(lambda i, f: self._put((i, f)), i))
+
+    async def events(self) -> AsyncIterator[list[tuple[int, list[TokenDelta], Completion | None]]]:
+        """Batches of (choice, new token deltas, its completion once done): everything that
+        arrived since the last batch, so a reader that falls behind catches up in one step."""
+        running = set(range(self._n))
+        try:
+            while running:
+                items = [await self._queue.get()]
+                while not self._queue.empty():
+                    items.append(self._queue.get_nowait())
+                batch: dict[int, tuple[list[TokenDelta], Completion | None]] = {}
+                for i, item in items:
+                    deltas, _ = batch.setdefault(i, ([], None))
+                    if isinstance(item, TokenDelta):
+                        deltas.append(item)
+                    else:
+                        running.discard(i)
+                        batch[i] = (deltas, item.result())  # an engine failure raises here
+                yield [(i, deltas, done) for i, (deltas, done) in batch.items()]
+        finally:
+            for i in running:  # the reader stopped early: free the rows
+                self._engine.abort(self._reqs[i].request_id)
 
 
 class CompletionServing:
@@ -116,14 +169,26 @@ class CompletionServing:
         except ValueError as e:
             raise BadRequest(str(e)) from None
 
-    async def complete(
-        self, prompt: list[int], params: list[SamplingParams], session: str | None, stops: list[str]
-    ) -> list[Completion]:
-        """Submit one engine request per choice and await them all; a cancelled handler (client
-        gone, shutdown) aborts its requests."""
+    def submit(
+        self,
+        prompt: list[int],
+        params: list[SamplingParams],
+        session: str | None,
+        stops: list[str],
+        on_tokens: Callable[[int, TokenDelta], None] | None = None,
+    ) -> tuple[list[EngineRequest], list[Future[Completion]]]:
+        """One engine request per choice; a request the engine refuses is a 400 (503 when the
+        engine cannot take requests) and takes back the choices already submitted.
+        ``on_tokens(choice, delta)``: streaming (``Request.on_tokens``, on the engine thread)."""
         stop_fn = make_stop_fn(self.tokenizer, stops) if stops else None
-        reqs = [EngineRequest(prompt, p, session_id=session, stop_fn=stop_fn) for p in params]
-        futures = []
+        reqs = [
+            EngineRequest(
+                prompt, p, session_id=session, stop_fn=stop_fn,
+                on_tokens=None if on_tokens is None else partial(on_tokens, i),
+            )
+            for i, p in enumerate(params)
+        ]  # fmt: skip
+        futures: list[Future[Completion]] = []
         try:
             for r in reqs:
                 futures.append(self.engine.submit(r))
@@ -131,12 +196,30 @@ class CompletionServing:
             for r in reqs[: len(futures)]:
                 self.engine.abort(r.request_id)
             raise (BadRequest if isinstance(e, ValueError) else Unavailable)(str(e)) from None
+        return reqs, futures
+
+    async def complete(
+        self, prompt: list[int], params: list[SamplingParams], session: str | None, stops: list[str]
+    ) -> list[Completion]:
+        """Submit one engine request per choice and await them all; a cancelled handler (client
+        gone, shutdown) aborts its requests."""
+        reqs, futures = self.submit(prompt, params, session, stops)
         try:
             return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
         except asyncio.CancelledError:
             for r in reqs:
                 self.engine.abort(r.request_id)
             raise
+
+    def stream(
+        self, prompt: list[int], params: list[SamplingParams], session: str | None, stops: list[str]
+    ) -> ChoiceStream:
+        """Submit the choices now (a refused request is an error answer, not a stream) and
+        return what reads their tokens as the engine samples them."""
+        events = ChoiceStream(self.engine, len(params))
+        reqs, futures = self.submit(prompt, params, session, stops, events.on_tokens)
+        events.watch(reqs, futures)
+        return events
 
     def visible(self, c: Completion, stops: list[str]) -> tuple[list[int], str]:
         """Completion tokens and text as a client sees them: without the matched stop token,
@@ -174,6 +257,7 @@ class CompletionServing:
                     "finish_reason": c.finish_reason,
                     "policy_version": c.policy_version,
                     "policy_version_final": c.policy_version_final,
+                    "token_versions": c.token_versions,
                 }
             )
             if routing_start is not None:
@@ -201,10 +285,12 @@ class CompletionServing:
 
     # -- /v1/completions -----------------------------------------------------------------------
 
-    async def completions(self, body: protocol.CompletionRequest, session: str | None) -> dict[str, Any]:
+    def text_request(self, body: protocol.CompletionRequest) -> tuple[list[int], list[SamplingParams], list[str]]:
         prompt = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
-        params = self.params(body, len(prompt), body.max_tokens)
-        stops = stop_strings(body)
+        return prompt, self.params(body, len(prompt), body.max_tokens), stop_strings(body)
+
+    async def completions(self, body: protocol.CompletionRequest, session: str | None) -> dict[str, Any]:
+        prompt, params, stops = self.text_request(body)
         done = await self.complete(prompt, params, session, stops)
         choices = []
         for i, c in enumerate(done):

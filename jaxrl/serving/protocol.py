@@ -8,9 +8,8 @@ number (an integer field also takes ``35.0``, as JSON Schema's integer does). Ch
 "text"}``) take only what this server does: a named or required tool choice and JSON output need
 constrained decoding, which it does not do, so they are refused, not ignored. ``stream: true``
 answers as OpenAI and vLLM do (server-sent events, ``data: [DONE]`` last, usage in a last chunk
-when ``stream_options.include_usage``); each choice's chunks are sent once it is complete (the
-engine delivers whole completions), so a stream's first chunk comes no sooner than the whole
-answer. Every sampling field a request names is honoured or refused, never ignored: those of
+when ``stream_options.include_usage``), token by token as the engine samples them
+(``streaming``). Every sampling field a request names is honoured or refused, never ignored: those of
 ``jaxrl.engine.sampling.SamplingParams`` (penalties included, with vLLM's semantics and
 ranges) plus ``n`` (choice i uses seed + i when a seed is given), ``stop`` strings,
 ``ignore_eos`` (drop the tokenizer's EOS from the stop tokens) and ``logprobs``; ``min_p`` and
@@ -260,6 +259,9 @@ class GenerateChoice(BaseModel):
     policy_version: int
     policy_version_final: int
     routed_experts: RoutedExperts | None = None
+    token_versions: list[int]
+    """The policy version that sampled each of ``token_ids`` (``weight_update = "immediate"``
+    swaps weights mid-completion: early tokens carry the old version, later ones the new)."""
 
 
 class GenerateResponse(BaseModel):

@@ -44,6 +44,7 @@ from jaxrl.serving.completions import CompletionServing
 from jaxrl.serving.config import ServerConfig
 from jaxrl.serving.errors import BadRequest, Unavailable
 from jaxrl.serving.http_thread import BackgroundServer
+from jaxrl.serving.session_versions import SessionVersions
 
 SESSION_HEADER = "x-session-id"
 
@@ -85,6 +86,9 @@ class EngineServer:
             request_template_timeout_s=request_template_timeout_s,
         )
         self.graceful_shutdown_s = graceful_shutdown_s
+        self.session_versions = SessionVersions()
+        """Per ``X-Session-ID``, the per-token policy versions of its generate answers (the RL loop
+        takes them: verifiers' traces cannot carry them)."""
         self.created = int(time.time())
         self.app = self._build_app()
         self._http = BackgroundServer(
@@ -216,17 +220,23 @@ class EngineServer:
 
         @app.post("/inference/v1/generate", responses=answers(protocol.GenerateResponse))
         async def generate(body: protocol.GenerateRequest, request: Request) -> JSONResponse:
-            return JSONResponse(await self.completion.generate(body, session(request)))
+            out = await self.completion.generate(body, session(request))
+            if (sid := session(request)) is not None:
+                for choice in out["choices"]:
+                    self.session_versions.record(sid, choice["token_versions"])
+            return JSONResponse(out)
 
         @app.post("/v1/chat/completions", responses=answers(protocol.ChatCompletionResponse, stream=True))
         async def chat(body: protocol.ChatCompletionRequest, request: Request) -> Response:
-            out = await self.chat.chat(body, session(request))
-            return streaming.sse(streaming.chat_chunks(out, body)) if body.stream else JSONResponse(out)
+            if body.stream:
+                return streaming.sse(await self.chat.chat_stream(body, session(request)))
+            return JSONResponse(await self.chat.chat(body, session(request)))
 
         @app.post("/v1/completions", responses=answers(protocol.CompletionResponse, stream=True))
         async def completions(body: protocol.CompletionRequest, request: Request) -> Response:
-            out = await self.completion.completions(body, session(request))
-            return streaming.sse(streaming.completion_chunks(out, body)) if body.stream else JSONResponse(out)
+            if body.stream:
+                return streaming.sse(streaming.completion_stream(self.completion, body, session(request)))
+            return JSONResponse(await self.completion.completions(body, session(request)))
 
         error_body = {"model": protocol.ErrorResponse}
 

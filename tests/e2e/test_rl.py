@@ -220,14 +220,14 @@ def _steps_done(out: Path) -> int:
 def test_off_policy_losses_run_async_with_their_metrics(warm_start, tmp_path) -> None:
     """GSPO with a geometric MIS mask, per-token staleness down-weighting and dynamic sampling,
     at max_async_level 2: the whole path (versions through packing, sequence normalisation, the
-    refill loop) runs, and the off-policy metrics describe the batch. (A rollout's version is
-    the one it was dispatched under, so with the trainer faster than rollouts most tokens lag
-    by 2 here: ``mode = "drop"`` with ``max_lag = 1`` would drop whole batches.)"""
+    refill loop) runs, and the off-policy metrics describe the batch. (Each token carries the
+    version that sampled it, which with the trainer faster than rollouts is mostly 2 behind
+    here: ``mode = "drop"`` with ``max_lag = 1`` would drop whole batches.)"""
     out = tmp_path / "gspo"
     loss = {"type": "gspo", "mis": {"level": "geometric", "low": 0.5, "high": 2.0},
             "staleness": {"max_lag": 1, "mode": "downweight", "decay": 0.5}}  # fmt: skip
     cfg = rl_config(warm_start, out, trainer={"steps": 4, "loss": loss}, orchestrator={
-        "max_async_level": 2, "dynamic_sampling": {"max_refills": 2}})  # fmt: skip
+        "max_async_level": 2, "dynamic_sampling": {"max_refills": 2}}, log={"rollout_episodes": True})  # fmt: skip
     del cfg["orchestrator"]["eval"]
     run_rl(build_config(cfg, []))
     rows = read_metrics(out / "metrics.jsonl")
@@ -241,6 +241,11 @@ def test_off_policy_losses_run_async_with_their_metrics(warm_start, tmp_path) ->
         assert r["train/ratio_min"] <= r["train/ratio_mean"] <= r["train/ratio_max"]
         assert 0 <= r["train/mis_rejected_frac"] <= 1 and math.isfinite(r["train/rl_loss"])
         assert r["train/dynamic_refills"] <= 2
+    # every sampled node carries the engine's per-token versions, none older than its dispatch
+    records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    nodes = [(r, n) for r in records for t in r["episode"]["traces"] for n in t["nodes"] if any(n["mask"])]
+    assert nodes and all(len(n["token_versions"]) == sum(n["mask"]) for _, n in nodes)
+    assert all(min(n["token_versions"]) >= r["policy_version"] for r, n in nodes)
     # step 1 trains on version-0 rollouts with version-0 weights: the ratio is 1 to fp32 precision
     assert rows[0]["train/stale_lag0_frac"] == 1.0
     assert abs(rows[0]["train/ratio_mean"] - 1.0) < 1e-3 and rows[0]["train/grad_norm"] > 0

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.engine.engine import Engine
 from jaxrl.engine.sampling import SamplingParams
-from jaxrl.engine.scheduler import Request
+from jaxrl.engine.scheduler import Request, TokenDelta
 from jaxrl.models.hf_io import copy_model_dir, load_decoder
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -157,15 +157,26 @@ def test_drain_finishes_requests_in_flight_on_the_old_weights(
 
 
 def test_immediate_update_switches_requests_in_flight(model_dir, other_model_dir, make_config) -> None:
+    """An immediate update mid-completion: each token reports the version that sampled it (old
+    ones first, then new), in the completion and in the tokens streamed as they are sampled."""
     engine = Engine.from_pretrained(model_dir, make_config(weight_update="immediate", decode_steps=1))
+    streamed: list[TokenDelta] = []
+    request = _req(max_tokens=120)
+    request.on_tokens = streamed.append
     engine.start()
     try:
         before = engine.stats.generated_tokens
-        future = engine.submit(_req(max_tokens=120))
+        future = engine.submit(request)
         _wait_for_tokens(engine, before)
         assert engine.update_weights_from_path(other_model_dir) == 1
         out = future.result(120)
         assert (out.policy_version, out.policy_version_final) == (0, 1)
+        switch = out.token_versions.index(1)
+        assert 0 < switch < len(out.token_ids) == len(out.token_versions)
+        assert out.token_versions == [0] * switch + [1] * (len(out.token_ids) - switch)
+        assert [t for d in streamed for t in d.token_ids] == out.token_ids
+        assert [v for d in streamed for v in d.versions] == out.token_versions
+        assert [x for d in streamed for x in d.logprobs] == out.logprobs
     finally:
         engine.stop()
 

@@ -93,7 +93,8 @@ class FakeEngine:
 
     async def _generate(self, request: Request) -> JSONResponse:
         body = await request.json()
-        self.requests.append({"body": body, "headers": dict(request.headers)})
+        record = {"body": body, "headers": dict(request.headers)}
+        self.requests.append(record)
         prompt = body["token_ids"]
         try:
             messages = self.parse(self.tokenizer.decode(prompt, skip_special_tokens=False))
@@ -105,6 +106,7 @@ class FakeEngine:
         finish = "stop"
         if max_tokens is not None and len(ids) > max_tokens:
             ids, finish = ids[:max_tokens], "length"
+        record["answer"] = ids  # the completion token ids answered
         content = [
             {"token": f"token_id:{t}", "token_id": t, "logprob": logprob_at(i)} for i, t in enumerate(ids)
         ]

@@ -12,7 +12,7 @@ from jaxrl.orchestrator.algo import EchoConfig, make_algorithm
 from jaxrl.orchestrator.config import EnvConfig
 from jaxrl.orchestrator.env_server import EnvServer
 from jaxrl.orchestrator.env_tasks import task_data
-from jaxrl.orchestrator.traces import trace_branches
+from jaxrl.orchestrator.traces import attach_token_versions, branch_sample, trace_branches
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def server(loop, output_dir):
     loop.run_until_complete(server.aclose())
 
 
-def test_scripted_user_turns_extend_one_branch(loop, server, endpoint, tokenizer):
+def test_scripted_user_turns_extend_one_branch(loop, server, engine, endpoint, tokenizer):
     tasks = [task_data(t) for t in server.taskset().take(2)]
     groups = loop.run_until_complete(gather(*(server.run_group(t, endpoint, SAMPLING, 2) for t in tasks)))
     for task, group in zip(tasks, groups):
@@ -49,6 +49,16 @@ def test_scripted_user_turns_extend_one_branch(loop, server, endpoint, tokenizer
         replies = alphabet_sort.AlphabetSortData(turns=task["turns"]).expected()
         # one byte token per character of each reply, plus its <|im_end|>
         assert sample.sampled_mask.sum() == sum(len("\n".join(r)) + 1 for r in replies)
+    # Per-token versions: the answers the engine gave each session (the trace id, sent as
+    # X-Session-ID), in order, land on the trace's sampled nodes (here turn t "sampled at" 10 + t).
+    rollout = groups[0][0]
+    session = rollout.traces[0]["id"]
+    answers = [r["answer"] for r in engine.requests if r["headers"].get("x-session-id") == session]
+    assert len(answers) == 3 and attach_token_versions(rollout, lambda s: [[10 + t] * len(a) for t, a in enumerate(answers)] if s == session else None) == 3  # fmt: skip
+    sample = branch_sample(trace_branches(rollout.traces[0])[0], rollout, advantage=0.0)
+    turns = [10 + t for t, a in enumerate(answers) for _ in a]
+    np.testing.assert_array_equal(sample.versions()[sample.sampled_mask], turns)
+    assert (sample.versions()[~sample.sampled_mask] == rollout.policy_version).all()
 
 
 def test_pool_shuts_down_with_its_workers(loop, server, output_dir):

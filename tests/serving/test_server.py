@@ -16,11 +16,13 @@ from transformers import AutoTokenizer
 
 from jaxrl.engine.engine import Engine
 from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.scheduler import Completion, TokenDelta
 from jaxrl.engine.scheduler import Request as EngineRequest
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.serving import protocol
-from jaxrl.serving.chat import parse_tool_calls, renderer_tool_calls
+from jaxrl.serving.chat import ChatServing, parse_tool_calls, renderer_tool_calls
 from jaxrl.serving.server import EngineServer
+from jaxrl.serving.streaming import chat_chunks
 
 MAX_LEN = 1024
 
@@ -386,7 +388,108 @@ def test_streamed_chat_and_completions_match_the_whole_answers(server) -> None:
     assert all(p.usage is None for p in pieces)  # not asked for: no usage chunk
     raw = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True}, timeout=60)
     assert raw.headers["content-type"].startswith("text/event-stream")
-    assert raw.text.endswith("data: [DONE]\n\n") and raw.text.count("data: ") == 3  # text, finish, [DONE]
+    events = raw.text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: {") for e in events[:-2])
+    streamed = [json.loads(e.removeprefix("data: "))["choices"][0] for e in events[:-2]]
+    assert sum(len(c["token_ids"]) for c in streamed) == 2 and streamed[-1]["finish_reason"] == "length"
+
+
+def _gate_decode(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Hold the engine thread after each decode call until the returned event is set: what a
+    client receives before that was sent while the answer was still being generated."""
+    gate, decode = threading.Event(), engine._run_decode
+
+    def gated(plan):  # type: ignore[no-untyped-def]
+        decode(plan)
+        gate.wait(60)
+
+    monkeypatch.setattr(engine, "_run_decode", gated)
+    return gate
+
+
+def test_streams_token_by_token_and_a_gone_client_frees_its_row(server, monkeypatch) -> None:
+    """Chunks leave as the engine samples: the first content chunk arrives while the engine is
+    held after its first decode call (so max_tokens is far), and the deltas add up to the
+    non-streamed answer (same seed). A client that goes away mid-stream aborts its request: the
+    engine stops generating for it and its row is free."""
+    engine = server.engine
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    common = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 400, "seed": 3, "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**common).choices[0].text
+    gate = _gate_decode(engine, monkeypatch)
+    before = engine.stats.generated_tokens
+    with client.completions.create(**common, stream=True) as stream:
+        pieces = iter(stream)
+        first = next(p for p in pieces if p.choices[0].text)
+        assert engine.stats.generated_tokens - before <= 1 + engine.config.decode_steps  # still far from 400
+        gate.set()
+        text = first.choices[0].text + "".join(p.choices[0].text for p in pieces)
+    assert text == whole
+
+    gate.clear()
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Go on."}], "max_completion_tokens": 400,
+            "seed": 4, "stream": True, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    before = engine.stats.generated_tokens
+    with client.chat.completions.create(**chat) as stream:
+        next(c for c in stream if c.choices and c.choices[0].delta.content)  # then the client leaves
+    deadline = time.monotonic() + 60
+    while not engine._aborts and time.monotonic() < deadline:  # the server saw the client go
+        time.sleep(0.01)
+    gate.set()
+    while engine.metrics().running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.metrics().running == 0, "the request of the gone client still runs"
+    assert engine.stats.generated_tokens - before <= 1 + 2 * engine.config.decode_steps  # aborted, not run to 400
+
+
+class _ScriptedTokens:
+    """The reading side of ``ChoiceStream`` over scripted tokens, one per batch (the engine's side
+    is tested above): the chunk builder sees text a random tiny model would never write."""
+
+    def __init__(self, ids: list[int], done: Completion):
+        self.ids, self.done = ids, done
+
+    async def events(self):  # type: ignore[no-untyped-def]
+        for t in self.ids:
+            yield [(0, [TokenDelta([t], [-0.5], [0])], None)]
+        yield [(0, [], self.done)]
+
+
+@pytest.mark.parametrize("with_renderer", [True, False])
+def test_streamed_reasoning_content_and_tool_calls_add_up_to_the_answer(server, tokenizer, with_renderer) -> None:
+    """Token by token, with the run's renderer (reasoning, then content, then a tool call) and with
+    the tokenizer's template and a stop string: the deltas of each field concatenate to the
+    non-streamed choice, content streams before the end, and the call comes whole, once."""
+    chat = ChatServing(server.completion, renderer={"name": "qwen3"}) if with_renderer else server.chat
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    if with_renderer:
+        text = '<think>\nlet me think</think>\n\nHello world <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+        extra, stops = {"tools": tools}, []
+    else:
+        text, extra, stops = " Hello, wide world! And more", {"stop": ["world!"]}, ["world!"]
+    ids = tokenizer.encode(text, add_special_tokens=False) + [end]
+    body = protocol.ChatCompletionRequest(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True, logprobs=True, **extra
+    )
+    done = Completion("r", [1], ids, [-0.5] * len(ids), "stop", 0, 0, 0, stop_token=end, token_versions=[0] * len(ids))
+    renderer = chat._chat_renderer({}) if with_renderer else None
+    final = chat.choice(0, done, stops, body, renderer, [1])
+
+    async def collect() -> list[dict]:
+        return [c async for c in chat_chunks(chat, _ScriptedTokens(ids, done), body, [1], renderer, stops)]
+
+    chunks = [c["choices"][0] for c in asyncio.run(collect())]
+    assert chunks[0]["delta"] == {"role": "assistant", "content": ""}
+    deltas = [c["delta"] for c in chunks[1:]]
+    for field in ("reasoning_content", "content"):
+        assert "".join(d.get(field, "") for d in deltas) == (final["message"].get(field) or "")
+    assert final["message"]["content"] and sum(1 for d in deltas[:-2] if d.get("content")) >= 3  # streamed, not whole
+    calls = [[{k: v for k, v in call.items() if k != "id"} for call in d["tool_calls"]] for d in deltas if "tool_calls" in d]
+    assert calls == ([[{"index": 0, "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]] if with_renderer else [])
+    assert [c["finish_reason"] for c in chunks if c["finish_reason"]] == [final["finish_reason"]]
+    logprobs = [e for c in chunks if c["logprobs"] for e in c["logprobs"]["content"]]
+    assert logprobs == final["logprobs"]["content"]
 
 
 def test_tool_choice_none_leaves_a_written_call_as_text(server, tokenizer) -> None:
@@ -578,6 +681,7 @@ def test_update_weights_over_http_loses_no_request(server, other_model_dir) -> N
         choice = r.json()["choices"][0]
         assert len(choice["token_ids"]) == len(choice["logprobs"]["content"]) == 60
         assert choice["policy_version"] == choice["policy_version_final"]
+        assert choice["token_versions"] == [choice["policy_version"]] * 60  # drain: one version per answer
         versions.append(choice["policy_version"])
     assert 0 in versions  # some were in flight during the update, and finished on the old weights
     assert after.json()["choices"][0]["policy_version"] == 1
