@@ -83,8 +83,21 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
             check_envs(ocfg)  # an env that cannot load fails now, not after the engine's warm-up
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if cfg.trainer.moe_routing == "replay" and cfg.inference.backend.type == "vllm":
+        raise ConfigError(
+            'trainer.moe_routing = "replay" needs routing from the rollout backend; the vllm backend does not '
+            'return it: use inference.backend.type = "embedded" (or "external" jaxrl servers) or moe_routing = "recompute"'
+        )
     run = TrainingRun(cfg, plot_keys=PLOT_KEYS)
     meta = run.maybe_resume(resume)
+    if run.trainer.arch.is_moe and cfg.trainer.moe_routing != "recompute" and cfg.inference.backend.type == "embedded":
+        # routing replay: the engine's server returns every token's experts (verifiers puts them on the trace)
+        cfg = cfg.model_copy(update={"inference": cfg.inference.model_copy(
+            update={"server": cfg.inference.server.model_copy(update={"return_routed_experts": True})}
+        )})  # fmt: skip
+    elif run.trainer.arch.is_moe and is_main_process() and cfg.trainer.moe_routing is None:
+        print(f"[jaxrl] MoE policy on the {cfg.inference.backend.type} backend: the trainer recomputes routing "
+              "(samples carry no routed_experts); routing_changed_frac is not measured", flush=True)  # fmt: skip
     leader = is_main_process()  # runs the orchestrator and env servers; every process trains
     if leader:  # the engine compiles every program before it serves: say so, or minutes pass silently
         print(f"[jaxrl] starting the rollout server ({cfg.inference.backend}): compiling its programs ...", flush=True)

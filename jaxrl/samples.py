@@ -37,6 +37,10 @@ class TrainingSample:
     token_versions: np.ndarray | None = None
     """int32[L]: the policy version that sampled each token, where the engine swapped weights
     mid-sequence; None: ``policy_version`` on every token."""
+    routed_experts: np.ndarray | None = None
+    """uint8/uint16 [L, n_moe_layers, k] (mixture-of-experts policies): the experts the engine
+    routed each token to per sparse layer, which ``[trainer] moe_routing = "replay"`` makes the
+    trainer use; the last token's row is a placeholder (no forward follows it). None: not recorded."""
 
     def __post_init__(self) -> None:
         self.token_ids = np.asarray(self.token_ids, dtype=np.int32)
@@ -50,6 +54,12 @@ class TrainingSample:
             self.logr = np.asarray(self.logr, dtype=np.float32)
         if self.token_versions is not None:
             self.token_versions = np.asarray(self.token_versions, dtype=np.int32)
+        if self.routed_experts is not None:
+            self.routed_experts = np.asarray(self.routed_experts)
+            if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != n:
+                raise ValueError(
+                    f"TrainingSample.routed_experts has shape {self.routed_experts.shape}; expected ({n}, layers, k)"
+                )
         optional = tuple(k for k in ("logr", "token_versions") if getattr(self, k) is not None)
         for name in ("sampled_mask", "logprobs", "rl_w", "ce_w", "ref_kl_w", *optional):
             arr = getattr(self, name)

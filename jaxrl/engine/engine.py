@@ -417,20 +417,22 @@ class Engine(WeightSwaps, Recovery):
     def _run_prefill(self, plan: PrefillPlan) -> None:
         with self._device_timer("prefill"):
             args = self._put((plan.tokens, plan.positions, plan.rows, plan.last, plan.sampling))
-            self._cache, tokens, logprobs = self._prefill_fn(self._state, self._cache, self._counts, *args)
-            tokens, logprobs = jax.device_get((tokens, logprobs))
+            self._cache, tokens, logprobs, experts = self._prefill_fn(self._state, self._cache, self._counts, *args)
+            tokens, logprobs, experts = jax.device_get((tokens, logprobs, experts))
         marks = [len(seq.tokens) for seq in plan.seqs]
-        done = self._sched.finish_prefill(plan, tokens, logprobs, self._version)
+        done = self._sched.finish_prefill(plan, tokens, logprobs, self._version, experts)
         self._stream(plan.seqs, marks)
         self._deliver(done)
 
     def _run_decode(self, plan: DecodePlan) -> None:
         with self._device_timer("decode"):
             args = self._put((plan.tokens, plan.positions, plan.rows, plan.sampling, (plan.share_rows, plan.share_lens)))
-            self._cache, self._counts, tokens, logprobs = self._decode_fn(plan.steps, self._state, self._cache, self._counts, *args)
-            tokens, logprobs = jax.device_get((tokens, logprobs))
+            self._cache, self._counts, tokens, logprobs, experts = self._decode_fn(
+                plan.steps, self._state, self._cache, self._counts, *args
+            )
+            tokens, logprobs, experts = jax.device_get((tokens, logprobs, experts))
         marks = [len(seq.tokens) for seq in plan.seqs]
-        done = self._sched.finish_decode(plan, tokens, logprobs, self._version)
+        done = self._sched.finish_decode(plan, tokens, logprobs, self._version, experts)
         self._stream(plan.seqs, marks)
         self._deliver(done)
 

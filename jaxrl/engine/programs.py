@@ -39,11 +39,29 @@ def _prefill(graphdef, state, cache, counts, tokens, positions, rows, last, samp
     attention is the reference on every backend (``Kernels.cached_attention`` takes one-token
     steps only)."""
     model, kernels = kernels.bind(graphdef, state)
-    hidden, cache = model(tokens, positions, cache=cache, cache_rows=rows, kernels=kernels)
+    hidden, cache, experts = _forward(model, tokens, positions, cache, rows, kernels)
     h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
     logits = penalize(model.logits_f32(h_last, kernels), counts, rows, sampling)
     next_tokens, logprobs = sample(logits, sampling)
-    return cache, next_tokens, logprobs
+    return cache, next_tokens, logprobs, experts
+
+
+def routing_dtype(num_experts: int) -> Any:
+    """The compact host dtype of routing records: uint8 up to 256 experts, else uint16 (what
+    vLLM and verifiers carry)."""
+    return jnp.uint8 if num_experts <= 256 else jnp.uint16
+
+
+def _forward(model, tokens, positions, cache, rows, kernels):  # type: ignore[no-untyped-def]
+    """The cached forward; for a mixture-of-experts model also each token's experts per sparse
+    layer (``[B, T, n_moe_layers, k]`` in ``routing_dtype``: routing replay records them), for a
+    dense model an empty ``[B, T, 0, 0]``."""
+    arch = model.arch
+    if not arch.is_moe:
+        hidden, cache = model(tokens, positions, cache=cache, cache_rows=rows, kernels=kernels)
+        return hidden, cache, jnp.zeros((*tokens.shape, 0, 0), jnp.uint8)
+    hidden, cache, aux = model(tokens, positions, cache=cache, cache_rows=rows, kernels=kernels, with_moe_aux=True)
+    return hidden, cache, aux.experts.astype(routing_dtype(arch.num_experts))
 
 
 def _decode(graphdef, steps, state, cache, counts, tokens, positions, rows, sampling, shared, *, kernels):  # type: ignore[no-untyped-def]
@@ -62,14 +80,14 @@ def _decode(graphdef, steps, state, cache, counts, tokens, positions, rows, samp
     def body(carry, _):  # type: ignore[no-untyped-def]
         cache, counts, tok, pos, index = carry
         counts = counts.count(rows, tok)
-        hidden, cache = model(tok[:, None], pos[:, None], cache=cache, cache_rows=rows, kernels=kernels)
+        hidden, cache, experts = _forward(model, tok[:, None], pos[:, None], cache, rows, kernels)
         logits = penalize(model.logits_f32(hidden[:, 0], kernels), counts, rows, sampling)
         new, logp = sample(logits, replace(sampling, draw_position=index))
-        return (cache, counts, new, pos + 1, index + 1), (new, logp)
+        return (cache, counts, new, pos + 1, index + 1), (new, logp, experts[:, 0])
 
     carry = (cache, counts, tokens, positions, sampling.draw_position)
-    (cache, counts, *_), (new_tokens, logprobs) = jax.lax.scan(body, carry, None, length=steps)
-    return cache, counts, new_tokens, logprobs
+    (cache, counts, *_), (new_tokens, logprobs, experts) = jax.lax.scan(body, carry, None, length=steps)
+    return cache, counts, new_tokens, logprobs, experts
 
 
 def _reset_counts(counts: TokenCounts, row: jax.Array, prompt_mask: jax.Array) -> TokenCounts:
@@ -183,13 +201,13 @@ def engine_programs(graphdef: nnx.GraphDef, layout: EngineLayout, kernels: Kerne
     prefill = jax.jit(
         traces.wrap(partial(_prefill, graphdef, kernels=kernels)),
         donate_argnums=(1,),
-        out_shardings=(cache_out, inputs_sh, inputs_sh),
+        out_shardings=(cache_out, inputs_sh, inputs_sh, inputs_sh),
     )
     decode = jax.jit(
         traces.wrap(partial(_decode, graphdef, kernels=kernels)),
         static_argnums=(0,),  # steps
         donate_argnums=(2, 3),
-        out_shardings=(cache_out, counts_out, inputs_sh, inputs_sh),
+        out_shardings=(cache_out, counts_out, inputs_sh, inputs_sh, inputs_sh),
     )
     copy = jax.jit(traces.wrap(_copy_row), donate_argnums=(0,), out_shardings=cache_out)
     reset = jax.jit(traces.wrap(_reset_counts), donate_argnums=(0,), out_shardings=counts_out)

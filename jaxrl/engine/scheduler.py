@@ -14,6 +14,12 @@ conversation, reused at any prefix length), a row still in use is copied (the re
 GRPO group share one prompt). A request whose prefix is about to be cached by a prompt being
 prefilled right now waits a step for it instead of computing it twice.
 
+Routing records (mixture-of-experts models, routing replay). The engine hands back the experts
+each fed token used per sparse layer; each sequence keeps them for the positions its row holds
+(``Sequence.routing``), and a reused prefix takes them from the row it reuses, as it takes the
+keys/values (a warm row keeps its last owner's records), so every position of a completion has
+the routing that actually produced its keys/values.
+
 Shared prefixes. Copies and takeovers leave many rows holding the same keys/values over their
 first positions (a GRPO group's prompt; an env's system prompt and tool specs in every row).
 Each row records where its leading positions came from (``RowTable.origin``: one prefill's id
@@ -77,6 +83,9 @@ class Completion:
     policy_version_final: int  # ... and the last (differs only with weight_update = "immediate")
     cached_prompt_tokens: int  # prompt tokens whose keys/values came from the prefix cache
     stop_token: int | None = None  # the stop token id that ended the completion (its last token)
+    routed_experts: np.ndarray | None = None
+    """MoE models: uint8/uint16 [prompt + completion - 1, n_moe_layers, k], the experts each fed
+    token used per sparse layer (the last completion token is never fed); None for dense ones."""
     token_versions: list[int] = field(default_factory=list)
     """The weights version that sampled each completion token (``weight_update = "immediate"``
     swaps weights between engine steps, so one completion can span versions)."""
@@ -101,6 +110,21 @@ class Sequence:
         self.versions: list[int] = []  # the weights version that sampled each token
         self.finish_reason: str | None = None
         self.stop_token: int | None = None
+        self.routing: list[np.ndarray] = []  # chunks of routing records of the row's positions, in order
+
+    def routed_experts(self) -> np.ndarray | None:
+        """The routing records of the positions this sequence's row holds (None: none recorded)."""
+        if not self.routing:
+            return None
+        if len(self.routing) > 1:
+            self.routing = [np.concatenate(self.routing)]
+        return self.routing[0]
+
+    def record_routing(self, experts: np.ndarray) -> None:
+        """Append the routing of positions just written to the row (``[n, n_moe_layers, k]``; a
+        dense model's are empty and not kept)."""
+        if experts.size:
+            self.routing.append(experts)
 
     @property
     def prefilling(self) -> bool:
@@ -143,6 +167,7 @@ class Sequence:
             policy_version_final=last,
             cached_prompt_tokens=self.cached_prompt,
             stop_token=self.stop_token,
+            routed_experts=self.routed_experts(),
             token_versions=list(self.versions),
         )
 
@@ -164,6 +189,7 @@ class RowTable:
     def __init__(self, rows: int):
         self.owner: list[Sequence | None] = [None] * rows
         self.warm: list[np.ndarray] = [np.zeros(0, np.int32)] * rows  # tokens cached in unowned rows
+        self.warm_routing: list[np.ndarray | None] = [None] * rows  # ... and their routing records
         self.session: list[str | None] = [None] * rows
         self.last_used = [0] * rows
         self._clock = 0
@@ -204,6 +230,11 @@ class RowTable:
         owner = self.owner[row]
         return owner.cached_tokens() if owner is not None else self.warm[row]
 
+    def routing(self, row: int) -> np.ndarray | None:
+        """Routing records of the positions ``row`` holds (None: none recorded)."""
+        owner = self.owner[row]
+        return owner.routed_experts() if owner is not None else self.warm_routing[row]
+
     def cached_len(self, row: int) -> int:
         owner = self.owner[row]
         return owner.position if owner is not None else len(self.warm[row])
@@ -218,6 +249,7 @@ class RowTable:
     def assign(self, row: int, seq: Sequence) -> None:
         self.owner[row] = seq
         self.warm[row] = np.zeros(0, np.int32)
+        self.warm_routing[row] = None
         self.session[row] = seq.request.session_id
         seq.row = row
 
@@ -225,6 +257,7 @@ class RowTable:
         self._clock += 1
         self.owner[seq.row] = None
         self.warm[seq.row] = seq.cached_tokens()
+        self.warm_routing[seq.row] = seq.routed_experts()
         self.last_used[seq.row] = self._clock
 
     def invalidate_warm(self) -> None:
@@ -232,6 +265,7 @@ class RowTable:
         for r, o in enumerate(self.owner):
             if o is None:
                 self.warm[r] = np.zeros(0, np.int32)
+                self.warm_routing[r] = None
 
 
 @dataclass
@@ -357,8 +391,11 @@ class Scheduler:
             row = self.rows.free_row()
             assert row is not None
             best = common_prefix(self.rows.tokens(row), prompt)
+        source_routing = self.rows.routing(copy[0] if copy != (-1, -1) else row)
         self.rows.assign(row, seq)
         seq.prefilled = seq.cached_prompt = min(best, len(prompt) - 1)
+        if source_routing is not None and seq.prefilled:  # the kept positions' routing follows their keys/values
+            seq.record_routing(source_routing[: seq.prefilled])
         self.rows.set_origin(row, seq, copy[0] if copy != (-1, -1) else row, fresh=not reuse)
         self.running.append(seq)
         self.stats.prompt_tokens += len(prompt)
@@ -398,14 +435,17 @@ class Scheduler:
         return PrefillPlan(chosen, chunk, tokens, positions, rows, last, sampling)
 
     def finish_prefill(
-        self, plan: PrefillPlan, tokens: np.ndarray, logprobs: np.ndarray, version: int
+        self, plan: PrefillPlan, tokens: np.ndarray, logprobs: np.ndarray, version: int, experts: np.ndarray | None = None
     ) -> list[Sequence]:
-        """Advance prefill; sequences whose prompt is complete get their first token."""
+        """Advance prefill; sequences whose prompt is complete get their first token.
+        ``experts`` [B, T, n_moe_layers, k]: the chunk's routing (empty for a dense model)."""
         self.stats.prefill_calls += 1
         done: list[Sequence] = []
         for i, (seq, n) in enumerate(zip(plan.seqs, plan.chunk)):
             if seq.finish_reason is not None:  # aborted meanwhile
                 continue
+            if experts is not None:
+                seq.record_routing(experts[i, :n])
             seq.prefilled += n
             self.stats.prefill_tokens += n
             if not seq.prefilling:
@@ -444,16 +484,20 @@ class Scheduler:
         return share_rows, share_lens
 
     def finish_decode(
-        self, plan: DecodePlan, tokens: np.ndarray, logprobs: np.ndarray, version: int
+        self, plan: DecodePlan, tokens: np.ndarray, logprobs: np.ndarray, version: int, experts: np.ndarray | None = None
     ) -> list[Sequence]:
-        """Consume ``tokens``/``logprobs`` [steps, B]; tokens drawn after a sequence finished are
-        discarded (their cache writes lie beyond the row's recorded tokens, so they are harmless)."""
+        """Consume ``tokens``/``logprobs`` [steps, B] and ``experts`` [steps, B, n_moe_layers, k]
+        (the routing of the token fed at each step; empty for a dense model); tokens drawn after
+        a sequence finished are discarded (their cache writes lie beyond the row's recorded
+        tokens, so they are harmless)."""
         self.stats.decode_calls += 1
         done: list[Sequence] = []
         for i, seq in enumerate(plan.seqs):
             if seq.finish_reason is not None:
                 continue
             for k in range(tokens.shape[0]):
+                if experts is not None:
+                    seq.record_routing(experts[k, i : i + 1])
                 seq.fed += 1
                 self.stats.generated_tokens += 1
                 if seq.append(int(tokens[k, i]), float(logprobs[k, i]), version):

@@ -60,6 +60,9 @@ class Branch:
     owned: np.ndarray
     """bool[L]: tokens of the nodes this branch owns (it is the first trainable branch holding
     them); weights elsewhere are zeroed so a shared node trains once."""
+    routed_experts: np.ndarray | None = None
+    """[L, n_moe_layers, k]: the experts the engine routed each token to (MoE engines asked for
+    them; verifiers attaches each node's slice), None unless every node of the branch has its own."""
     versions: np.ndarray | None = None
     """int32[L]: the policy version that sampled each sampled token where the engine reported it
     (``attach_token_versions``), -1 elsewhere; None when no node of the branch carries any."""
@@ -105,6 +108,32 @@ def _node_arrays(node: Mapping, nid: int) -> tuple[list[int], list[bool], list[f
             "(the engine must return one logprob per sampled token)"
         )
     return token_ids, mask, logprobs, is_content
+
+
+def _node_routing(node: Mapping, nid: int) -> np.ndarray | None:
+    """A node's ``routed_experts``: verifiers' raw-bytes ``__nd__`` dict on the msgpack wire (or
+    an array), one row per token; None when absent."""
+    value = node.get("routed_experts")
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        if not value.get("__nd__") or not isinstance(value.get("data"), bytes | bytearray | memoryview):
+            return None  # the JSON record form drops the bytes: nothing to replay
+        value = np.frombuffer(value["data"], dtype=np.dtype(value["dtype"])).reshape(value["shape"])
+    arr = np.asarray(value)
+    n = len(node.get("token_ids") or [])
+    if arr.ndim != 3 or arr.shape[0] != n:
+        raise ValueError(f"trace node {nid}: routed_experts has shape {list(arr.shape)} for {n} token_ids")
+    return arr
+
+
+def _branch_routing(nodes: Sequence[Mapping], path: list[int]) -> np.ndarray | None:
+    """The branch's routing rows, when every node with tokens carries its own (as verifiers'
+    ``Trace.routed_experts``: partial routing is none)."""
+    parts = [_node_routing(nodes[nid], nid) for nid in path if nodes[nid].get("token_ids")]
+    if not parts or any(p is None for p in parts) or len({p.shape[1:] for p in parts}) != 1:
+        return None
+    return np.concatenate(parts)
 
 
 def _tool_name(node: Mapping, call_names: Mapping[str, str]) -> str | None:
@@ -171,6 +200,7 @@ def trace_branches(trace: Mapping[str, Any]) -> list[Branch]:
                 spans=spans,
                 trainable=bool(sampled.any()) and (not compaction_attempt or leaf in accepted_compactions),
                 owned=np.zeros(len(ids), dtype=bool),
+                routed_experts=_branch_routing(nodes, _path(nodes, leaf)),
                 versions=np.asarray(versions, np.int32) if any(v >= 0 for v in versions) else None,
             )
         )
@@ -364,6 +394,7 @@ def branch_sample(
         temperature=rollout.temperature,
         advantage=float(advantage),
         policy_version=rollout.policy_version,
+        routed_experts=branch.routed_experts,
         token_versions=None if branch.versions is None else np.where(branch.versions >= 0, branch.versions, rollout.policy_version),
         metadata={
             "env": rollout.env,

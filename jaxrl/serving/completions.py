@@ -6,12 +6,15 @@ responses. ``chat`` builds the chat endpoint on the same ``CompletionServing``."
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from functools import partial
 from typing import Any
+
+import numpy as np
 
 from jaxrl.engine.engine import Engine
 from jaxrl.engine.sampling import SamplingParams
@@ -34,6 +37,21 @@ def make_stop_fn(tokenizer: Any, stops: list[str]) -> Callable[[list[int]], bool
 
 def stop_strings(body: protocol.SamplingFields) -> list[str]:
     return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+
+
+def routed_experts_payload(c: Completion, start: int) -> dict[str, Any] | None:
+    """``protocol.RoutedExperts`` of positions ``start`` on (None when the request was aborted
+    before any forward pass). ``data`` first: renderers finds the base64 string by its prefix
+    ``"routed_experts":{"data":"`` in the raw body and never JSON-decodes it."""
+    if c.routed_experts is None:
+        return None
+    rows = np.ascontiguousarray(c.routed_experts[start:])
+    return {
+        "data": base64.b64encode(rows.tobytes()).decode("ascii"),
+        "shape": list(rows.shape),
+        "start": start,
+        "dtype": str(rows.dtype),
+    }
 
 
 def usage(prompt_len: int, completions: list[Completion]) -> dict[str, Any]:
@@ -101,7 +119,19 @@ class ChoiceStream:
 class CompletionServing:
     """Runs requests on ``engine`` and shapes what the generating endpoints answer."""
 
-    def __init__(self, engine: Engine, tokenizer: Any, model_name: str, default_stop_ids: Sequence[int]):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        model_name: str,
+        default_stop_ids: Sequence[int],
+        return_routed_experts: bool = False,
+    ):
+        if return_routed_experts and not engine.arch.is_moe:
+            raise ValueError(
+                "inference.server.return_routed_experts = true needs a mixture-of-experts model; this one is dense"
+            )
+        self.return_routed_experts = return_routed_experts
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -209,6 +239,7 @@ class CompletionServing:
     async def generate(self, body: protocol.GenerateRequest, session: str | None) -> dict[str, Any]:
         sp = body.sampling_params
         params = self.params(sp, len(body.token_ids), sp.max_tokens)
+        routing_start = self._routing_start(sp, len(body.token_ids))
         completions = await self.complete(body.token_ids, params, session, stop_strings(sp))
         choices = []
         for i, c in enumerate(completions):
@@ -229,12 +260,28 @@ class CompletionServing:
                     "token_versions": c.token_versions,
                 }
             )
+            if routing_start is not None:
+                choices[-1]["routed_experts"] = routed_experts_payload(c, routing_start)
         return {
             "request_id": body.request_id or f"gen-{uuid.uuid4().hex}",
             "prompt_token_ids": body.token_ids,
             "choices": choices,
             "usage": usage(len(body.token_ids), completions),
         }
+
+    def _routing_start(self, sp: protocol.GenerateSamplingParams, prompt_len: int) -> int | None:
+        """The first position whose routing the response carries; None: no routing asked for."""
+        asked = self.return_routed_experts if sp.return_routed_experts is None else sp.return_routed_experts
+        if not asked:
+            return None
+        if not self.engine.arch.is_moe:
+            raise BadRequest("sampling_params.return_routed_experts: the served model is dense (it routes no experts)")
+        start = sp.routed_experts_prompt_start or 0
+        if start > prompt_len:
+            raise BadRequest(
+                f"sampling_params.routed_experts_prompt_start = {start} exceeds the prompt's {prompt_len} tokens"
+            )
+        return start
 
     # -- /v1/completions -----------------------------------------------------------------------
 

@@ -41,6 +41,13 @@ class ServerConfig(BaseModel):
     request_template_timeout_s: float = Field(2.0, gt=0, le=60)
     """Wall-clock budget of rendering one request-supplied chat template."""
 
+    return_routed_experts: bool = False
+    """Mixture-of-experts models: every ``/inference/v1/generate`` choice carries
+    ``routed_experts``, the experts each token was routed to (vLLM's
+    ``--enable-return-routed-experts``; verifiers attaches them to the trace for routing replay).
+    A request's ``sampling_params.return_routed_experts`` overrides it. RL runs with
+    ``[trainer] moe_routing = "replay"`` turn it on for their own server."""
+
     keep_alive_s: float = Field(600.0, gt=0)
     """How long an idle client connection stays open. Long on purpose: env servers pool their
     connections and do not retry, and uvicorn's 5 s default closes them while rollouts wait

@@ -206,6 +206,12 @@ class _Streaming(_Body):
 class GenerateSamplingParams(SamplingFields):
     max_tokens: MaxTokensInt | None = None  # None: up to max_model_len
     logprobs: LogprobCountInt | None = None  # None: no log-probs in the response
+    return_routed_experts: bool | None = None
+    """Mixture-of-experts models: return each choice's ``routed_experts`` (None: the server's
+    ``inference.server.return_routed_experts``); refused on a dense model."""
+    routed_experts_prompt_start: Annotated[int, _JsonInt] | None = Field(None, ge=0, le=JSON_INT64_MAX)
+    """First sequence position whose routing is returned (verifiers sends the length of the
+    trace it already holds, minus one); at most the prompt's length. None: 0."""
 
 
 class GenerateRequest(_Body):
@@ -233,6 +239,18 @@ class Usage(BaseModel):
     prompt_tokens_details: dict[str, int] | None = None  # {"cached_tokens": n}
 
 
+class RoutedExperts(BaseModel):
+    """The experts each fed token used per sparse layer (vLLM's and verifiers' wire form):
+    ``data`` is base64 of a C-order ``dtype`` array of ``shape`` [tokens, n_moe_layers, k], row i
+    being sequence position ``start + i``; it covers the prompt and the completion but its last
+    token (which no forward pass follows)."""
+
+    data: str
+    shape: list[int]
+    start: int
+    dtype: Literal["uint8", "uint16"]
+
+
 class GenerateChoice(BaseModel):
     index: int
     token_ids: list[int]  # the matched stop token included
@@ -240,6 +258,7 @@ class GenerateChoice(BaseModel):
     finish_reason: Literal["stop", "length", "abort"]
     policy_version: int
     policy_version_final: int
+    routed_experts: RoutedExperts | None = None
     token_versions: list[int]
     """The policy version that sampled each of ``token_ids`` (``weight_update = "immediate"``
     swaps weights mid-completion: early tokens carry the old version, later ones the new)."""

@@ -68,6 +68,7 @@ class EngineServer:
         allow_request_chat_template: bool = False,
         request_template_timeout_s: float = 2.0,
         renderer: Mapping[str, Any] | None = None,
+        return_routed_experts: bool = False,
     ):
         self.engine = engine
         self.api_key = auth.control_key(host, api_key)
@@ -77,7 +78,7 @@ class EngineServer:
         self.model_name = model_name
         eos = tokenizer.eos_token_id
         default_stops = list(stop_token_ids) if stop_token_ids is not None else ([eos] if eos is not None else [])
-        self.completion = CompletionServing(engine, tokenizer, model_name, default_stops)
+        self.completion = CompletionServing(engine, tokenizer, model_name, default_stops, return_routed_experts)
         self.chat = ChatServing(
             self.completion,
             renderer=renderer,
@@ -125,6 +126,7 @@ class EngineServer:
             weights_root=config.weights_root,
             allow_request_chat_template=config.allow_request_chat_template,
             request_template_timeout_s=config.request_template_timeout_s,
+            return_routed_experts=config.return_routed_experts,
             renderer=renderer,
         )
 

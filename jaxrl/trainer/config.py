@@ -44,6 +44,22 @@ class TrainerConfig(BaseModel):
     """``[trainer.lora]``: train low-rank adapters on the attention/MLP projections with the base
     weights frozen (``jaxrl.trainer.lora``); unset: full fine-tuning."""
     loss: LossConfig = LossConfig()
+    moe_routing: Literal["replay", "recompute"] | None = None
+    """Mixture-of-experts models: which experts each trained token goes to. "replay" (routing
+    replay, "R3"): the experts the engine used when it sampled the token (the samples'
+    ``routed_experts``; the gates still come from the trainer's router, which keeps its
+    gradient), so engine and trainer log-probs agree to float precision; "recompute": the
+    trainer's router chooses (engine/trainer routing mismatch shows in ``routing_changed_frac``
+    and ``mismatch_kl``). None: "replay" for an MoE model whose rollout backend returns routing
+    (the embedded engine, external jaxrl servers), else "recompute". Samples without routing
+    (SFT) are always routed by the router. "replay" on a dense model is an error."""
+    moe_aux_loss_coef: float = Field(0.0, ge=0.0, le=1.0)
+    """Weight of the load-balancing auxiliary loss (transformers' ``load_balancing_loss_func``,
+    Switch Transformer) added to the loss of MoE models; its value is logged as
+    ``moe_aux_loss`` whatever this is. 0 by default for RL: the term pulls the policy toward
+    balanced routing, away from the reward objective, and under replay the sampled tokens'
+    experts are fixed by the engine anyway, so it only moves the gates. Pretraining-style SFT
+    may set the model's ``router_aux_loss_coef`` (0.001 for Qwen3-MoE)."""
     mesh: MeshConfig = MeshConfig()
     peak_tflops: float | None = None
     """Peak FLOP/s per device for MFU (e.g. 197 for a TPU v5e chip). None: measured once at

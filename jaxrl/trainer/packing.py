@@ -34,16 +34,22 @@ class PackedBatch:
     ref_kl_w: np.ndarray  # float32
     logr: np.ndarray  # float32 reference (teacher) logprobs, 0 where unscored
     policy_version: np.ndarray  # int32 version of the policy that sampled each token (0 on padding)
+    routing: np.ndarray | None = None
+    """int32 [rows, seq_len, n_moe_layers, k]: the engine's experts per token (routing replay), -1
+    on padding and on samples without them; None when no sample carries routing."""
 
     @property
     def num_rows(self) -> int:
         return int(self.tokens.shape[0])
 
     def rows(self, start: int, stop: int) -> "PackedBatch":
-        return PackedBatch(**{f.name: getattr(self, f.name)[start:stop] for f in fields(self)})
+        return PackedBatch(
+            **{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[start:stop] for f in fields(self)}
+        )
 
     def as_dict(self) -> dict[str, np.ndarray]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The arrays (``routing`` only when present)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 
 def choose_bucket(samples: Sequence[TrainingSample], buckets: Sequence[int], rows_multiple: int = 1) -> int:
@@ -100,6 +106,9 @@ def pack(samples: Sequence[TrainingSample], seq_len: int, rows_multiple: int = 1
         logr=np.zeros(shape, np.float32),
         policy_version=np.zeros(shape, np.int32),
     )
+    routed = [s.routed_experts for s in samples if s.routed_experts is not None]
+    if routed:
+        out.routing = np.full((*shape, *routed[0].shape[1:]), -1, np.int32)
     for r, members in enumerate(rows):
         offset = 0
         for seg, i in enumerate(members, start=1):
@@ -119,6 +128,13 @@ def pack(samples: Sequence[TrainingSample], seq_len: int, rows_multiple: int = 1
             if s.logr is not None:
                 out.logr[r, sl] = s.logr
             out.policy_version[r, sl] = s.versions()
+            if out.routing is not None and s.routed_experts is not None:
+                if s.routed_experts.shape[1:] != out.routing.shape[2:]:
+                    raise ValueError(
+                        f"samples carry routed_experts of different shapes {list(s.routed_experts.shape[1:])} and "
+                        f"{list(out.routing.shape[2:])} (layers, k): they come from different models"
+                    )
+                out.routing[r, sl] = s.routed_experts
             offset += n
     return out
 

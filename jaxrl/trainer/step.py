@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.arch import ModelArch
-from jaxrl.models.decoder import Decoder, LayerAdapters
+from jaxrl.models.decoder import Decoder, LayerAdapters, MoeAux
 from jaxrl.models.sharding import state_shardings
 from jaxrl.parallel.mesh import batch_sharding, replicated
 from jaxrl.parallel.rules import check_expert_parallel
@@ -33,6 +33,7 @@ from jaxrl.trainer import lora
 from jaxrl.trainer import loss as L
 from jaxrl.trainer.config import TrainerConfig
 from jaxrl.trainer.logprobs import token_logprobs
+from jaxrl.trainer.moe_routing import check_routing, moe_metrics, moe_sums
 from jaxrl.trainer.optim import make_optimizer
 from jaxrl.trainer.packing import PackedBatch, choose_bucket, component_counts, pack
 
@@ -63,10 +64,36 @@ def packed_logprobs(
     kernels: Kernels,
     vocab_block: int,
     lora: LayerAdapters | None = None,
+    *,
+    replay: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """(log-prob, entropy) of every token of packed rows at its temperature, ``[B, T - 1]``:
-    entry t - 1 is token t predicted from position t - 1 (column 0 has no prediction)."""
-    hidden, _ = model(mb["tokens"], mb["positions"], mb["segment_ids"], kernels=kernels, lora=lora)
+    entry t - 1 is token t predicted from position t - 1 (column 0 has no prediction).
+    ``replay``: route with ``mb["routing"]`` where the batch has it (``routed_forward``)."""
+    return _scored(model, mb, kernels, vocab_block, lora, replay)[:2]
+
+
+def routed_forward(
+    model: Decoder, mb: dict[str, jax.Array], kernels: Kernels, lora: LayerAdapters | None, replay: bool
+) -> tuple[jax.Array, MoeAux | None]:
+    """The training forward of packed rows: hidden states, and for an MoE model its ``MoeAux``.
+    ``replay`` with a ``routing`` in ``mb``: each token uses the engine's experts (padding's -1
+    entries become experts 0..k-1; their outputs are in no loss)."""
+    if not model.arch.is_moe:
+        hidden, _ = model(mb["tokens"], mb["positions"], mb["segment_ids"], kernels=kernels, lora=lora)
+        return hidden, None
+    routing = mb.get("routing") if replay else None
+    if routing is not None:
+        routing = jnp.where(routing >= 0, routing, jnp.arange(routing.shape[-1], dtype=routing.dtype))
+    hidden, _, aux = model(
+        mb["tokens"], mb["positions"], mb["segment_ids"], kernels=kernels, lora=lora, routing=routing, with_moe_aux=True
+    )
+    return hidden, aux
+
+
+def _scored(model, mb, kernels, vocab_block, lora, replay):  # type: ignore[no-untyped-def]
+    """``packed_logprobs`` plus the forward's ``MoeAux`` (None for a dense model)."""
+    hidden, aux = routed_forward(model, mb, kernels, lora, replay)
     b, t, d = hidden.shape
     if kernels.context_parallel:
         # Every position is scored against the next token (the last against the row's first,
@@ -83,7 +110,7 @@ def packed_logprobs(
         temperature.reshape(-1),
         block_size=vocab_block,
     )
-    return logp.reshape(b, n)[:, : t - 1], entropy.reshape(b, n)[:, : t - 1]
+    return logp.reshape(b, n)[:, : t - 1], entropy.reshape(b, n)[:, : t - 1], aux
 
 
 def micro_batch_loss(
@@ -109,7 +136,8 @@ def micro_batch_loss(
     if frozen is not None:  # merged layer by layer inside the decoder's scan
         assert cfg.lora is not None
         params, adapters = frozen, LayerAdapters(params, cfg.lora.scale)
-    logp, entropy = packed_logprobs(nnx.merge(graphdef, params), mb, kernels, cfg.vocab_block, adapters)
+    model = nnx.merge(graphdef, params)
+    logp, entropy, aux = _scored(model, mb, kernels, cfg.vocab_block, adapters, cfg.moe_routing != "recompute")
     version = counts.get("trainer_version")
     sums = L.loss_sums(
         logp,
@@ -127,7 +155,12 @@ def micro_batch_loss(
         policy_version=mb["policy_version"][:, 1:] if "policy_version" in mb else None,
         trainer_version=None if version is None else version.astype(jnp.int32),
     )
-    return L.normalized_loss(sums, counts), sums
+    loss = L.normalized_loss(sums, counts)
+    if aux is not None:
+        sums |= moe_sums(aux, mb["segment_ids"], mb.get("routing"))
+        if cfg.moe_aux_loss_coef:  # per micro-batch, as transformers adds it per forward
+            loss = loss + cfg.moe_aux_loss_coef * aux.load_balance_loss
+    return loss, sums
 
 
 def _micro_step_impl(params, grad_acc, sums_acc, mb, counts, frozen=None, *, graphdef, cfg, kernels):  # type: ignore[no-untyped-def]
@@ -141,7 +174,7 @@ def _apply_impl(params, opt_state, grads, total, *, tx):  # type: ignore[no-unty
     the compiled program, because ~30 eager scalar ops per micro-batch cost seconds per
     step on a busy CPU host (measured: 3-4 s of a 4 s SFT step)."""
     updates, opt_state = tx.update(grads, opt_state, params)
-    metrics = L.metrics(total) | {"grad_norm": optax.tree.norm(grads)}
+    metrics = L.metrics(total) | moe_metrics(total) | {"grad_norm": optax.tree.norm(grads)}
     return optax.apply_updates(params, updates), opt_state, metrics
 
 
@@ -210,6 +243,8 @@ class TrainPrograms:
             )
         check_expert_parallel(getattr(model.arch, "num_experts", 0), mesh.shape.get("expert", 1), field="trainer.mesh.expert")
         check_context_parallel(model.arch, cfg, mesh)
+        if cfg.moe_routing == "replay" and not model.arch.is_moe:
+            raise ValueError('trainer.moe_routing = "replay" needs a mixture-of-experts model; this one is dense')
         platform = mesh.devices.flat[0].platform
         model.remat = cfg.remat_policy(platform)
         kernels = Kernels.create(cfg.kernels, field="trainer.kernels", mesh=mesh)
@@ -285,16 +320,34 @@ class Trainer:
     # -- host side -------------------------------------------------------------------------
     def _device_batch(self, batch: PackedBatch) -> dict[str, jax.Array]:
         """Global arrays sharded by rows; each process supplies only its addressable shards."""
-        sharding = batch_sharding(self.mesh)
         return {
-            k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+            k: jax.make_array_from_callback(v.shape, batch_sharding(self.mesh, v.ndim), lambda idx, v=v: v[idx])
             for k, v in batch.as_dict().items()
-            if k in _MB_FIELDS
+            if k in _MB_FIELDS or (k == "routing" and self.arch.is_moe)
         }
 
     def pack(self, samples: Sequence[TrainingSample]) -> PackedBatch:
+        self._check_routing(samples)
         bucket = choose_bucket(samples, self.cfg.seq_len_buckets or [self.cfg.seq_len], self.cfg.micro_batch_rows)
         return pack(samples, bucket, rows_multiple=self.cfg.micro_batch_rows)
+
+    def _check_routing(self, samples: Sequence[TrainingSample]) -> None:
+        """Samples' ``routed_experts`` fit this model; under replay, every sample with RL tokens
+        carries them once any does (a forward cannot route some tokens by replay and others by
+        the router), and on a dense model none does."""
+        arch = self.arch
+        routed = [s for s in samples if s.routed_experts is not None]
+        if routed and not arch.is_moe:
+            raise ValueError("samples carry routed_experts but the trained model is dense: they come from another model")
+        for s in routed:
+            check_routing(s.routed_experts, len(arch.moe_layers), arch.num_experts_per_tok, arch.num_experts, "sample")
+        if self.cfg.moe_routing != "recompute":
+            missing = sum(1 for s in samples if s.routed_experts is None and bool(s.rl_w[1:].any()))
+            if missing and (routed or self.cfg.moe_routing == "replay"):
+                raise ValueError(
+                    f"{missing} of {len(samples)} RL samples carry no routed_experts under trainer.moe_routing = "
+                    '"replay": their rollout backend did not return routing; set trainer.moe_routing = "recompute"'
+                )
 
     def _step_constants(self, batch: PackedBatch) -> dict[str, jax.Array]:
         """``STEP_CONSTANTS`` of ``batch``, replicated: counts after the staleness rule, the RL

@@ -134,3 +134,21 @@ def test_a_branch_whose_sampled_nodes_are_all_shared_is_not_trainable():
     del trace["nodes"][5]  # branch 1 now ends at the tool node 4: nodes 0, 1, 4
     b0, b1 = trace_branches(trace)
     assert b0.trainable and not b1.trainable and not b1.owned.any()
+
+
+def test_branch_sample_carries_the_nodes_routed_experts():
+    """verifiers' per-node ``__nd__`` routing slices join into the sample's [L, layers, k]; a node
+    without its own slice leaves the branch without routing (partial routing is none)."""
+    trace = single_turn_trace(3, reward=1.0)
+    rows = np.arange(8 * 2 * 2, dtype=np.uint8).reshape(8, 2, 2)
+    for nid, (a, b) in enumerate([(0, 2), (2, 4), (4, 8)]):
+        part = rows[a:b]
+        trace["nodes"][nid]["routed_experts"] = {"__nd__": True, "dtype": "uint8", "shape": list(part.shape), "data": part.tobytes()}
+    r = rollout(trace)
+    (branch,) = trace_branches(r.traces[0])
+    np.testing.assert_array_equal(branch_sample(branch, r, advantage=1.0).routed_experts, rows)
+    trace["nodes"][1]["routed_experts"] = None
+    assert trace_branches(trace)[0].routed_experts is None
+    trace["nodes"][1]["routed_experts"] = {"__nd__": True, "dtype": "uint8", "shape": [3, 2, 2], "data": bytes(12)}
+    with pytest.raises(ValueError, match="trace node 1: routed_experts has shape"):
+        trace_branches(trace)
