@@ -327,12 +327,16 @@ class MoeAux:
     Transformer) over those tokens, from the experts used: ``E * sum_e f_e * P_e`` with ``f_e``
     the share of assignments and ``P_e`` the mean router probability of expert e, each averaged
     over the sparse layers. Not multiplied by ``router_aux_loss_coef``.
+    ``router_choice`` int32 [B, T, n_moe_layers, k]: the experts this router would pick itself
+    (its top-k): equal to ``experts`` unless routing was forced, and under routing replay what
+    shows how far the trainer's router has drifted from the engine's choices.
     """
 
     experts: jax.Array
     router_entropy: jax.Array
     expert_counts: jax.Array
     load_balance_loss: jax.Array
+    router_choice: jax.Array
 
 
 def _rows(v: jax.Array, *, lo: int, n: int) -> jax.Array:
@@ -344,8 +348,9 @@ def _moe_aux(arch: ModelArch, parts: list[Any], b: int, t: int, n_valid: jax.Arr
     k, e = max(arch.num_experts_per_tok, 1), max(arch.num_experts, 1)
     if not parts:  # a dense model
         zeros = jnp.zeros((b, t, 0), jnp.float32)
-        return MoeAux(jnp.zeros((b, t, 0, k), jnp.int32), zeros, jnp.zeros((0, e), jnp.float32), jnp.float32(0))
-    ids, entropy, counts, prob_sum = (jnp.concatenate(xs) for xs in zip(*parts, strict=True))
+        none = jnp.zeros((b, t, 0, k), jnp.int32)
+        return MoeAux(none, zeros, jnp.zeros((0, e), jnp.float32), jnp.float32(0), none)
+    ids, entropy, counts, prob_sum, own = (jnp.concatenate(xs) for xs in zip(*parts, strict=True))
     rows = jnp.maximum(n_valid, 1.0) * counts.shape[0]
     share = jnp.sum(counts, axis=0) / rows
     mean_prob = jnp.sum(prob_sum, axis=0) / rows
@@ -354,6 +359,7 @@ def _moe_aux(arch: ModelArch, parts: list[Any], b: int, t: int, n_valid: jax.Arr
         router_entropy=jnp.moveaxis(entropy, 0, 2),
         expert_counts=counts,
         load_balance_loss=arch.num_experts * jnp.sum(share * mean_prob),
+        router_choice=jnp.moveaxis(own, 0, 2),
     )
 
 
@@ -654,4 +660,5 @@ class Decoder(nnx.Module):
         counts = jnp.zeros(arch.num_experts, jnp.float32).at[ids.reshape(-1)].add(jnp.repeat(m, k))
         prob_sum = jnp.sum(probs * m[:, None], axis=0)
         entropy = -jnp.sum(jax.scipy.special.xlogy(probs, probs), axis=-1)
-        return out, (ids.reshape(b, t, k), entropy.reshape(b, t), counts, prob_sum)
+        own = ids if forced is None else jax.lax.top_k(probs, k)[1]
+        return out, (ids.reshape(b, t, k), entropy.reshape(b, t), counts, prob_sum, own.reshape(b, t, k))

@@ -12,9 +12,10 @@ Per-step metrics (``moe_sums`` per micro-batch, summed, then ``moe_metrics``):
 ``router_entropy`` (mean over real tokens and sparse layers of the router distribution's
 entropy), ``expert_load_max_mean`` (per sparse layer, the busiest expert's (token, expert)
 assignments over the mean expert's, averaged over layers; 1 = perfectly balanced),
-``routing_changed_frac`` (share of (token, sparse layer) pairs whose expert set the trainer
-used differs from the engine's; 0 under replay by construction, the engine/trainer routing
-mismatch under recompute; over tokens that carry engine routing and predict a next token) and ``moe_aux_loss``
+``routing_changed_frac`` (share of (token, sparse layer) pairs whose expert set the trainer's
+own router picks differs from the engine's: under recompute the experts the trainer used, under
+replay the ones it would have used had it not replayed, i.e. how often replay overrides it;
+over tokens that carry engine routing and predict a next token) and ``moe_aux_loss``
 (transformers' load-balancing loss, whatever its coefficient).
 """
 
@@ -44,7 +45,7 @@ def moe_sums(aux: MoeAux, segment_ids: jax.Array, routing: jax.Array | None) -> 
     if routing is None:
         out |= {"moe_changed_sum": jnp.float32(0.0), "moe_routed_token_layers": jnp.float32(0.0)}
         return out
-    used = jnp.sort(aux.experts, axis=-1)
+    used = jnp.sort(aux.router_choice, axis=-1)
     engine = jnp.sort(routing.astype(jnp.int32), axis=-1)
     # Tokens that predict a next token of their own sample (a sample's last token has no
     # forward in the engine: its routing row is a placeholder) and carry the engine's routing.

@@ -43,7 +43,9 @@ def test_rl_with_routing_replay(tmp_path) -> None:
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["train/rl_tokens"] > 0
-        assert r["train/routing_changed_frac"] == 0.0  # every sampled token replayed the engine's experts
+        assert 0.0 <= r["train/routing_changed_frac"] <= 1.0  # the trainer router's drift from the engine
         assert 0.0 < r["train/router_entropy"] and r["train/expert_load_max_mean"] >= 1.0
-    # on-policy step 1: the trainer scores the engine's tokens with the engine's routing (fp32)
+    # on-policy step 1: the trainer scores the engine's tokens with the engine's routing (fp32),
+    # and its own float32 router agrees with the engine's everywhere
     assert rows[0]["train/mismatch_kl"] <= 1e-6
+    assert rows[0]["train/routing_changed_frac"] == 0.0

@@ -101,7 +101,8 @@ def _samples(prompts, outs) -> list[TrainingSample]:
 
 def test_replay_mismatch_is_float_precision_and_at_most_recompute(completions, moe_dir) -> None:
     """One train step's metrics (scored before the update) under each mode: replay's mismatch KL
-    is ~0 and its routing never differs from the engine's; recompute's is measured beside it."""
+    is ~0 and (float32 on both sides, on-policy) the trainer's own router agrees with the engine's;
+    recompute's is measured beside it."""
     prompts, outs = completions
     mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
     result = {}

@@ -146,6 +146,12 @@ def test_forced_routing_replays_changes_and_trains_the_router(tmp_path) -> None:
     shifted = (aux.experts + 1) % model.arch.num_experts  # every token to other experts
     other, _ = _forward(model, tokens, routing=shifted)
     assert np.abs(np.asarray(other) - np.asarray(hidden)).max() > 1e-2
+    np.testing.assert_array_equal(np.asarray(aux.router_choice), np.asarray(aux.experts))
+    # forced: the experts used are the forced ones; the router's own pick is reported beside them
+    # (the first sparse layer sees the same input, so its own choice is the unforced one)
+    _, _, forced_aux = _forward(model, tokens, routing=shifted, with_moe_aux=True)
+    np.testing.assert_array_equal(np.asarray(forced_aux.experts), np.asarray(shifted))
+    np.testing.assert_array_equal(np.asarray(forced_aux.router_choice)[:, :, 0], np.asarray(aux.experts)[:, :, 0])
 
     graphdef, state = nnx.split(model)
 
