@@ -37,16 +37,18 @@ def qwen3_config(
     max_position_embeddings: int = 1024,
     tie_word_embeddings: bool = True,
     rope_theta: float = 1e6,
+    config_class: type[PretrainedConfig] | None = None,
     **extra: Any,
 ) -> Qwen3Config:
     """A Qwen3 config; ``head_dim`` defaults to hidden / heads and the MLP to 3 x hidden.
     ``extra`` passes any other ``Qwen3Config`` field (token ids, ``rms_norm_eps``, ...).
     ``architectures`` is always set: loaders that dispatch on it (vLLM) treat a config without
-    it as an embedding model."""
+    it as an embedding model. ``config_class``: the transformers class to build (Qwen3-MoE's
+    adds its expert fields through ``extra``)."""
     from transformers import Qwen3Config
 
     extra.setdefault("architectures", ["Qwen3ForCausalLM"])
-    return Qwen3Config(
+    return (config_class or Qwen3Config)(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 3 * hidden_size,
@@ -88,24 +90,14 @@ def qwen3_moe_config(
     from transformers import Qwen3MoeConfig
 
     extra.setdefault("architectures", ["Qwen3MoeForCausalLM"])
-    return Qwen3MoeConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 3 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim or hidden_size // num_heads,
-        num_experts=num_experts,
-        num_experts_per_tok=num_experts_per_tok,
-        moe_intermediate_size=moe_intermediate_size,
-        norm_topk_prob=norm_topk_prob,
-        decoder_sparse_step=decoder_sparse_step,
-        mlp_only_layers=list(mlp_only_layers),
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-        **extra,
+    return qwen3_config(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+        rope_theta=rope_theta, config_class=Qwen3MoeConfig, num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size,
+        norm_topk_prob=norm_topk_prob, decoder_sparse_step=decoder_sparse_step,
+        mlp_only_layers=list(mlp_only_layers), **extra,
     )
 
 
