@@ -117,11 +117,13 @@ def server_schema(
     max_model_len: int,
     allow_request_chat_template: bool,
     template_kwargs: Collection[str] | None = None,
+    routes_experts: bool = True,
 ) -> dict[str, Any]:
     """``schema`` (the app's OpenAPI document) narrowed to what one server accepts: token ids in
     its vocabulary, a token prompt shorter than ``max_model_len``, ``max_tokens`` below it (a
     prompt holds at least one token), no request-supplied chat template unless allowed, and only
-    the ``chat_template_kwargs`` keys its renderer takes (``template_kwargs``; None: any). The
+    the ``chat_template_kwargs`` keys its renderer takes (``template_kwargs``; None: any), and no
+    ``return_routed_experts: true`` from a dense model (``routes_experts`` False). The
     server enforces each of these with a 400 naming the field; what no schema can say (prompt +
     max_tokens within max_model_len, a text or chat prompt's token count, a template that fails
     on the given messages) is left to that 400 alone."""
@@ -156,6 +158,9 @@ def server_schema(
         for v in variants(defs["ChatCompletionRequest"]["properties"]["chat_template_kwargs"]):
             if v.get("type") == "object":
                 v.update({"propertyNames": {"enum": keys}} if keys else {"maxProperties": 0})
+    if not routes_experts:
+        defs["GenerateSamplingParams"]["properties"]["return_routed_experts"] = {
+            "enum": [False, None], "description": "this server's model is dense: it routes no experts"}  # fmt: skip
     return schema
 
 

@@ -189,6 +189,7 @@ class EngineServer:
             max_model_len=self.engine.max_model_len,
             allow_request_chat_template=self.chat.allow_request_chat_template,
             template_kwargs=self.chat.template_kwarg_names(),
+            routes_experts=self.engine.arch.is_moe,
         )
         errors.install(app, narrow)
 
