@@ -10,9 +10,11 @@ back a function, or None for "keep your own reference" (so this module imports n
 trainer nor the engine, which must not depend on each other). A mixture-of-experts model's
 sparse layers ask for their expert MLP (``Kernels.expert_mlp``): the reference is
 ``jaxrl_kernels.moe.expert_mlp_reference`` (tokens sorted by expert, a grouped matmul, no capacity
-drop), whose grouped matmul is XLA's ragged dot; GPU runs exactly that (XLA:GPU's native ragged
-dot); CPU ("auto" and "reference" alike) swaps in ``moe.tiled_gmm``, because XLA:CPU has no ragged
-dot and jax lowers it there as a masked dense dot against every expert (E times the FLOPs); TPU
+drop), whose grouped matmul is XLA's ragged dot; CPU and GPU ("auto" and "reference" alike) swap
+in ``moe.tiled_gmm``, because XLA lowers the ragged dot there as a masked dense dot against every
+local expert (E times the FLOPs and E copies of the tokens in memory: XLA:CPU has no ragged dot,
+and XLA:GPU's ``RaggedDotRewriter`` expands it the same way, jaxlib 0.10.2; compiled for 8 H100s,
+Qwen3-30B-A3B's SFT micro-step needed 193 GiB of scratch per GPU that way, 45.5 tiled); TPU
 ("auto", "pallas") runs it with Pallas Megablox's grouped matmul (``jaxrl_kernels.megablox``,
 tiled per shape within VMEM), "pallas_interpret" the same kernel interpreted. Under a mesh the
 expert MLP runs per shard (``jaxrl_kernels.moe_parallel``): experts split over an "expert" mesh
@@ -138,6 +140,9 @@ def _log_once(message: str) -> None:
 
 
 CPU_SERVING = "jaxrl_kernels.cpu_serving"
+# Platforms whose XLA lowers jax.lax.ragged_dot as a masked dense dot over every expert
+# (see the module docstring): the expert MLP runs moe.tiled_gmm there.
+DENSE_RAGGED_DOT_PLATFORMS = ("cpu", "gpu", "cuda", "rocm")
 
 
 @functools.cache
@@ -339,11 +344,11 @@ class Kernels:
 
     def expert_mlp(self) -> ExpertMlp | None:
         """The sparse layers' routed-expert MLP, with ``jaxrl_kernels.moe.expert_mlp_reference``'s
-        arguments; None means that reference (grouped matmul = XLA's ragged dot), which is what
-        GPU runs on one device. On CPU the reference with ``tiled_gmm`` (same result, without
-        XLA:CPU's every-expert dense lowering of the ragged dot), whatever the choice: no kernel
-        runs there, only a better pure-JAX form of the same product. On TPU the reference with
-        Megablox's grouped matmul; "pallas_interpret" that kernel interpreted, on any backend.
+        arguments; None means that reference (grouped matmul = XLA's ragged dot). On CPU and GPU
+        the reference with ``tiled_gmm`` (same result, without XLA's every-expert dense
+        lowering of the ragged dot on both), whatever the choice: no kernel runs there, only a
+        better pure-JAX form of the same product. On TPU the reference with Megablox's grouped
+        matmul; "pallas_interpret" that kernel interpreted, on any backend.
 
         Under a mesh with an "expert" axis, or for the Pallas kernel (opaque to XLA's
         partitioner), it runs per shard (``moe_parallel.sharded_expert_mlp``): tokens over the
@@ -352,7 +357,7 @@ class Kernels:
         local: ExpertMlp | None = None
         if not self.reference:
             local = partial(expert_mlp_reference, gmm=partial(megablox.gmm, interpret=self._interpret))
-        elif platform == "cpu":
+        elif platform.lower() in DENSE_RAGGED_DOT_PLATFORMS:
             local = partial(expert_mlp_reference, gmm=tiled_gmm)
         if self.mesh is None or (self.mesh.shape.get(EXPERT_AXIS, 1) == 1 and self.reference):
             return local

@@ -13,12 +13,13 @@ expert's SwiGLU MLP runs on its contiguous group of rows by a grouped matmul, an
 unsorted and summed with their gates. The grouped matmul ``gmm(lhs [M, D], rhs [E, D, F],
 group_sizes [E]) -> [M, F]`` is a parameter:
 
-* ``jax.lax.ragged_dot`` (the default): XLA's ragged dot, a native instruction on GPU and TPU.
-  XLA:CPU has none; jax lowers it there as a dense dot of every row against every expert,
-  masked, E times the FLOPs (measured: 26x a dense matmul of the same rows at E = 8).
+* ``jax.lax.ragged_dot`` (the default): XLA's ragged dot. XLA:CPU has no native form; jax
+  lowers it there as a dense dot of every row against every expert, masked, E times the FLOPs
+  (measured: 26x a dense matmul of the same rows at E = 8). XLA:GPU does the same (its
+  ``RaggedDotRewriter``, jaxlib 0.10.2: an [E, M, D] select then a dense dot, compiled for H100).
 * ``tiled_gmm``: the same product in tiles of rows that each belong to one expert (groups
   padded to the tile), as a batched matmul over tiles: about ``M + E * tile`` rows of work.
-  What CPU runs (``jaxrl.kernel_dispatch.Kernels.expert_mlp``).
+  What CPU and GPU run (``jaxrl.kernel_dispatch.Kernels.expert_mlp``); TPU runs Megablox.
 
 Imports nothing from ``jaxrl``.
 """

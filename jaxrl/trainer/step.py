@@ -53,6 +53,8 @@ _MB_DTYPES = {
     "policy_version": jnp.int32,
 }
 _MB_FIELDS = tuple(_MB_DTYPES)
+_ADD_SUMS = jax.jit(L.add_sums)  # eval_loss: micro-batch sums added in one program
+_SUMS_METRICS = jax.jit(L.metrics)
 STEP_CONSTANTS = (*L.COMPONENTS, "rl_norm", "trainer_version")
 """What the host computes once per optimizer step and every micro-step reads (``component_counts``
 with the loss config): the global component counts, the RL denominator, the trained version."""
@@ -398,12 +400,16 @@ class Trainer:
                 )[1],
                 out_shardings=replicated(self.mesh),
             )
+        # Sums are added and turned into metrics by compiled programs, one per micro-batch, never
+        # key by key in eager jax: a few dozen eager ops on mesh-wide arrays, dispatched ahead,
+        # fill XLA:CPU's per-device limit of in-flight programs (32) while the devices of one
+        # collective wait on each other, and the process aborts (a sharded eval did, in CI).
         total = None
         rows = self.cfg.micro_batch_rows
         for start in range(0, batch.num_rows, rows):
             sums = self._loss_sums(self.trainable, self._device_batch(batch.rows(start, start + rows)), counts, self.frozen)
-            total = sums if total is None else L.add_sums(total, sums)
-        metrics = jax.device_get(L.metrics(total))
+            total = sums if total is None else _ADD_SUMS(total, sums)
+        metrics = jax.device_get(_SUMS_METRICS(total))
         return {"ce_loss": float(metrics["ce_loss"]), "ce_tokens": float(metrics["ce_tokens"])}
 
     def _zeroed_accumulators(self, batch: PackedBatch) -> tuple[nnx.State, dict[str, jax.Array]]:
