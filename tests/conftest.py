@@ -1,11 +1,45 @@
-"""Test-wide setup: 8 virtual CPU devices (sharded paths run on a real 8-device mesh)."""
+"""Test-wide setup: 8 virtual CPU devices (sharded paths run on a real 8-device mesh), one
+compilation cache for the run, and compiled programs let go of after each test module."""
 
+import atexit
+import gc
 import os
+import shutil
 import sys
+import tempfile
+
+import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/helpers.py
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from xla_flags import cpu_devices  # noqa: E402
+
+os.environ.setdefault("XLA_FLAGS", cpu_devices(8))  # with the fast-compile flags (xla_flags.py)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Most of the suite's time is XLA compiling the same few programs of the tiny models again: each
+# run_sft / run_rl / Engine builds its own jit objects, so jax's in-memory cache never sees the
+# program twice. JAX's persistent cache, keyed by the program itself, does, across tests and the
+# processes they start (the variables are inherited). One fresh folder per run: every run
+# starts cold, so its time does not depend on what ran before, and nothing is left behind.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="jaxrl-tests-xla-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+from budget import pytest_addoption, pytest_configure  # noqa: E402,F401  the time and memory budget
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each module, drop jax's in-memory compiled programs: kept for the whole run they
+    grew one pytest process to 22 GB. A later module that needs one again reads it from the
+    persistent cache above (tenths of a second, not a compile)."""
+    yield
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+    gc.collect()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import tomli_w
+from xla_flags import cpu_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 # One set of engine sizes for servers and runs: every shape is compiled at server start.
@@ -28,7 +29,7 @@ def free_port() -> int:
 
 
 def env_with_devices(devices: int) -> dict[str, str]:
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    return dict(os.environ, XLA_FLAGS=cpu_devices(devices), JAX_PLATFORMS="cpu")
 
 
 class Serve:

@@ -135,6 +135,7 @@ def test_sft_on_a_llama3_tool_conversation_file(tmp_path) -> None:
     assert [m["train/ce_tokens"] for m in steps] == [expected, expected]
 
 
+@pytest.mark.slow
 def test_sft_on_your_own_data_holds_out_an_eval_split(tmp_path) -> None:
     """`data.eval_fraction` holds out a seeded subset of `path` (never trained on) and
     `data.eval_path` names a held-out file: either is scored as `eval/ce_loss`."""

@@ -29,6 +29,8 @@ from jaxrl.orchestrator.traces import Rollout
 from jaxrl.rl import run_rl
 from jaxrl.sft import run_sft
 
+pytestmark = pytest.mark.slow  # an end-to-end run: the slow tier
+
 SCRATCH = {"hidden_size": 64, "intermediate_size": 192, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
            "head_dim": 32, "max_position_embeddings": 1024}
 ENV_ARGS = {"max_keys": 1, "min_len": 3, "max_len": 3}

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import tomli_w
+from xla_flags import cpu_devices
 
 from jaxrl.config import build_config, deep_merge
 from jaxrl.metrics import NAMESPACES, read_metrics
@@ -43,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRATCH = {"hidden_size": 64, "intermediate_size": 192, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
            "head_dim": 32, "max_position_embeddings": 256}
 ONE_DEVICE = {"num_devices": 1}
+pytestmark = pytest.mark.slow  # end-to-end RL runs: the slow tier
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +130,7 @@ def test_sigterm_checkpoints_and_resume_finishes(warm_start, tmp_path) -> None:
     del cfg["orchestrator"]["eval"]
     cfg_file = tmp_path / "rl.toml"
     cfg_file.write_text(tomli_w.dumps(cfg))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "XLA_FLAGS": cpu_devices(1)}
     cmd = [sys.executable, "-m", "jaxrl.train", "--config", str(cfg_file)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -216,7 +218,6 @@ def _steps_done(out: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-@pytest.mark.slow
 def test_off_policy_losses_run_async_with_their_metrics(warm_start, tmp_path) -> None:
     """GSPO with a geometric MIS mask, per-token staleness down-weighting and dynamic sampling,
     at max_async_level 2: the whole path (versions through packing, sequence normalisation, the

@@ -5,6 +5,7 @@ token) the target's probability must rise steeply, with zero mismatch KL on-poli
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from flax import nnx
 from helpers import tiny_model
 
@@ -31,6 +32,7 @@ def target_prob(trainer: Trainer) -> float:
     return float(probs[list(TARGETS)].sum())
 
 
+@pytest.mark.slow  # a learning run (the slow tier)
 def test_grpo_raises_reward_of_a_one_token_bandit() -> None:
     model = tiny_model(seed=1, vocab=64)
     mesh = make_mesh(MeshConfig(fsdp=1, num_devices=1))

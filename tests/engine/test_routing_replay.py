@@ -99,6 +99,7 @@ def _samples(prompts, outs) -> list[TrainingSample]:
     return samples
 
 
+@pytest.mark.slow  # two engines and a trainer per mode: the slow tier
 def test_replay_mismatch_is_float_precision_and_at_most_recompute(completions, moe_dir) -> None:
     """One train step's metrics (scored before the update) under each mode: replay's mismatch KL
     is ~0 and (float32 on both sides, on-policy) the trainer's own router agrees with the engine's;

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from xla_flags import cpu_devices
 
 nbclient = pytest.importorskip("nbclient")
 nbformat = pytest.importorskip("nbformat")
@@ -103,7 +104,7 @@ def test_notebook_runs_top_to_bottom_on_cpu(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("JAXRL_NOTEBOOK_BUDGET", "tiny")
     monkeypatch.setenv("JAXRL_NOTEBOOK_WORKDIR", str(runs))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")  # the kernel inherits these
+    monkeypatch.setenv("XLA_FLAGS", cpu_devices(1))  # the kernel inherits these
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(
         nb, timeout=400, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}

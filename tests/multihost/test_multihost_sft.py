@@ -24,6 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from safetensors.numpy import load_file
+from xla_flags import cpu_devices
 
 STEPS = 3
 TOML = f"""
@@ -80,7 +81,7 @@ def free_port() -> int:
 
 def launch(args: list[str], devices: int, log: Path) -> subprocess.Popen:
     """``python -m jaxrl.train ARGS`` with ``devices`` CPU devices, in its own process group."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=cpu_devices(devices), JAX_PLATFORMS="cpu")
     with log.open("w") as f:
         return subprocess.Popen(
             [sys.executable, "-m", "jaxrl.train", *args],

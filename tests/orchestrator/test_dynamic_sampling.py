@@ -56,6 +56,7 @@ def _run(tokenizer_dir, tmp_path, *, flat: int, max_refills: int):
     return batch, written
 
 
+@pytest.mark.slow  # an env server per test: the slow tier
 def test_equal_reward_groups_are_dropped_and_refilled(tokenizer_dir, tmp_path) -> None:
     batch, written = _run(tokenizer_dir, tmp_path, flat=2, max_refills=4)
     assert written == []  # no resample
@@ -69,6 +70,7 @@ def test_equal_reward_groups_are_dropped_and_refilled(tokenizer_dir, tmp_path) -
     assert m["rollouts"] == 4.0  # reward and rollout metrics describe what is trained
 
 
+@pytest.mark.slow  # an env server per test: the slow tier
 def test_refills_stop_at_the_cap(tokenizer_dir, tmp_path) -> None:
     """Four flat prompts and one refill round: the first try keeps nothing (written, resampled);
     the resample's two new prompts have signal."""

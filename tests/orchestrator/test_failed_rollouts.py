@@ -43,7 +43,7 @@ def _collect(orch: Orchestrator, step: int, written: list[dict]):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("fail", [4, 10**6])
+@pytest.mark.parametrize("fail", [4, pytest.param(10**6, marks=pytest.mark.slow)])  # an env server each
 def test_failed_rollouts_are_counted_across_resamples(fail, tokenizer_dir, tmp_path, caplog) -> None:
     cfg = OrchestratorConfig(batch_size=4, group_size=2, max_async_level=0, train={"env": [{"id": "reverse_text"}]})
     with FakeEngine(tokenizer_dir, FlakyPolicy(fail)) as engine:
@@ -72,6 +72,7 @@ def test_failed_rollouts_are_counted_across_resamples(fail, tokenizer_dir, tmp_p
     assert "step 1: 4 of 8 rollouts failed (2 batches)" in summaries[0] and "harness could not start" in summaries[0]
 
 
+@pytest.mark.slow  # a killed and restarted env server: the slow tier
 def test_a_dead_env_server_is_restarted_and_its_failed_rollouts_counted(tokenizer_dir, tmp_path) -> None:
     """The env server dies with the step's 4 rollouts in flight: they fail, the batch is
     resampled on the restarted server, and the step reports the 4 failures (it read 0)."""

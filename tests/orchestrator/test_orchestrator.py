@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from jaxrl.orchestrator.batch import build_batch
 from jaxrl.orchestrator.config import OrchestratorConfig
 from jaxrl.orchestrator.orchestrator import Orchestrator, rollout_seeds
 
 
+@pytest.mark.slow  # an env server per test: the slow tier
 def test_resample_while_the_producer_waits_ahead_does_not_deadlock(endpoint, output_dir) -> None:
     """With max_async_level = 1 the producer runs ahead to step 3 and waits there for policy
     version 1; a resample of step 1 (no learning signal) must rewind it, not leave the trainer
@@ -60,6 +63,7 @@ def test_rollouts_are_seeded_by_draw_and_evals_reuse_their_seeds(engine, endpoin
     assert expected_train | {r.seed for r in first} <= sent  # the seed reaches the engine
 
 
+@pytest.mark.slow  # an env server per test: the slow tier
 def test_env_server_dying_past_max_restarts_stops_next_batch(endpoint, output_dir) -> None:
     """A dead env server is restarted up to max_restarts; once more, next_batch raises
     EnvServerDead naming the env and its log (the RL loop then checkpoints and exits 1)."""
@@ -87,6 +91,7 @@ def test_env_server_dying_past_max_restarts_stops_next_batch(endpoint, output_di
         orch.close()
 
 
+@pytest.mark.slow  # an env server per test: the slow tier
 def test_per_env_sampling_and_ratio_mixing(engine, endpoint, output_dir) -> None:
     """Env `a` samples at its own temperature and max tokens; `b` inherits the split's. Ratio 3:1
     gives three groups of `a` to one of `b` in a batch of four groups."""

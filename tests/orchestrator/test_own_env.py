@@ -60,6 +60,7 @@ def my_env(tmp_path, monkeypatch) -> str:
     sys.modules.pop("my_words_env", None)
 
 
+@pytest.mark.slow  # an env server per test: the slow tier
 def test_an_env_that_exports_only_a_taskset_runs_offline(my_env, endpoint, tmp_path) -> None:
     cfg = OrchestratorConfig(batch_size=4, group_size=2, max_async_level=0, train={"env": [{"id": my_env}]},
                              eval={"interval": 0})  # fmt: skip
@@ -109,6 +110,7 @@ RAISING = MODULE.replace(
 ).replace("my_words_env", "my_raising_env")
 
 
+@pytest.mark.slow  # an env server per test: the slow tier
 def test_a_reward_that_raises_is_logged_with_its_traceback(tmp_path, monkeypatch, endpoint) -> None:
     """The message reached the record but no traceback went anywhere, and the env log it pointed
     to held only shutdown noise."""
