@@ -48,8 +48,8 @@ def make_model(out: Path, args: argparse.Namespace) -> int:
 def bench_engine(model_dir: Path, prompts: np.ndarray, args: argparse.Namespace) -> tuple[float, float]:
     from jaxrl.engine.config import EngineConfig
     from jaxrl.engine.engine import Engine
+    from jaxrl.engine.requests import Request
     from jaxrl.engine.sampling import SamplingParams
-    from jaxrl.engine.scheduler import Request
 
     batch = len(prompts)
     cfg = EngineConfig(

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.engine.engine import Engine
+from jaxrl.engine.requests import Request
 from jaxrl.engine.sampling import SamplingParams
-from jaxrl.engine.scheduler import Request
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.models.tiny import REVERSE_TEXT_MOE, qwen3_moe_config, save_random_checkpoint

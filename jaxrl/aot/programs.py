@@ -211,7 +211,7 @@ def run_shapes(cfg: RunConfig, topo: Topology, *, engine: bool | None = None) ->
 
 
 def _engine_shapes(cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo: Topology) -> EngineShapes:
-    from jaxrl.engine import weights as W
+    from jaxrl.engine import weights
     from jaxrl.engine.programs import EngineLayout
     from jaxrl.kernel_dispatch import Kernels
 
@@ -226,11 +226,11 @@ def _engine_shapes(cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo
             f"inference.tensor_parallel * inference.expert_parallel = {icfg.tensor_parallel * icfg.expert_parallel} "
             f"> {topo.num_devices} devices in {topo.name}"
         )
-    # The run's engine uses W.serving_mesh (None = one device): a 1-device "tensor" mesh places
+    # The run's engine uses weights.serving_mesh (None = one device): a 1-device "tensor" mesh places
     # everything the same way on the topology's first chip.
-    mesh = W.serving_mesh(icfg.tensor_parallel, list(topo.devices), icfg.expert_parallel) or Mesh(np.array(topo.devices[:1]), ("tensor",))
+    mesh = weights.serving_mesh(icfg.tensor_parallel, list(topo.devices), icfg.expert_parallel) or Mesh(np.array(topo.devices[:1]), ("tensor",))
     graphdef, state = nnx.split(trainer_model)  # the engine serves the trainer's model (jaxrl.rl)
-    shardings = W.state_shardings(state, W.param_sharding_fn(mesh))
+    shardings = weights.state_shardings(state, weights.param_sharding_fn(mesh))
     weights = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings)
     layout = EngineLayout.create(arch, icfg, trainer_model.dtype, mesh)
     kernels = Kernels.create(icfg.kernels, field="inference.kernels", mesh=mesh)

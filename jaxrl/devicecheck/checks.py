@@ -113,8 +113,8 @@ def engine_vs_trainer(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
     Greedy agreement is judged tie-tolerantly: each engine token's trainer log-prob must be within
     the tolerance of the best token's (an exact argmax match is reported beside it)."""
     from jaxrl.engine.engine import Engine
+    from jaxrl.engine.requests import Request
     from jaxrl.engine.sampling import SamplingParams
-    from jaxrl.engine.scheduler import Request
     from jaxrl.kernel_dispatch import Kernels
     from jaxrl.trainer.step import packed_logprobs
 

@@ -37,8 +37,8 @@ def logprob_mismatch_bf16(dev: Device, shapes: Shapes) -> Iterator[dict[str, Any
     trainer's log-prob path in bfloat16 compute, and report ``mismatch_stats``. Random weights
     give flatter distributions than a trained checkpoint (``entropy_mean`` says how flat)."""
     from jaxrl.engine.engine import Engine
+    from jaxrl.engine.requests import Request
     from jaxrl.engine.sampling import SamplingParams
-    from jaxrl.engine.scheduler import Request
     from jaxrl.kernel_dispatch import Kernels
     from jaxrl.trainer.step import packed_logprobs
 

@@ -127,7 +127,7 @@ def train_step(dev: Device, shapes: Shapes, *, remat: str, profile_dir: Path | N
             result = _torch_train(dev, shapes, tokens, checkpointing=policy == "full")
             torch_line |= result
             torch_tok_s = result["tokens_per_s"]
-        except Exception as e:  # noqa: BLE001 - reported in its line; jaxrl's own measure still runs
+        except Exception as e:
             torch_line["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     yield torch_line
 
@@ -197,8 +197,8 @@ def decode(dev: Device, shapes: Shapes) -> Lines:
     at the mean context). Prefill is in the time, so it is a lower bound."""
     from jaxrl.engine.config import EngineConfig
     from jaxrl.engine.engine import Engine
+    from jaxrl.engine.requests import Request
     from jaxrl.engine.sampling import SamplingParams
-    from jaxrl.engine.scheduler import Request
     from jaxrl.models.arch import arch_from_hf_config
 
     dtype = _dtype(dev)
@@ -212,7 +212,7 @@ def decode(dev: Device, shapes: Shapes) -> Lines:
             continue
         try:
             hf[b] = _hf_generate(dev, shapes, dtype, prompts)
-        except Exception as e:  # noqa: BLE001 - reported in its line
+        except Exception as e:
             hf[b] = f"error {type(e).__name__}: {str(e)[:200]}"
 
     top = max(shapes.decode_batches)

@@ -3,11 +3,13 @@
     config.py        EngineConfig: the sizes of ``[inference]`` (the section itself, with the
                      rollout backend and the HTTP server: ``jaxrl.rollout.config``)
     sampling.py      SamplingParams; on-device sampling and the log-prob reported per token
-    scheduler.py     Request / Completion; continuous batching, KV cache rows, prefix reuse
-    programs.py      the model runner side: jitted prefill / decode programs and the cache layout
-    engine.py        Engine: the background step loop (schedule -> run programs -> deliver)
-    weight_swap.py   weight hand-offs and when they take effect (drain / immediate)
-    recovery.py      failing the requests of a broken step and serving on
+    requests.py      Request / Sequence / TokenDelta / Completion: what the engine is asked and answers
+    scheduler.py     continuous batching: admission, which sequences run in which call
+    prefix_cache.py  the KV cache rows' table: owners, warm rows, sessions, prefix origins
+    runner.py        ModelRunner: weights and their swaps, KV cache, token counts, device calls
+    programs.py      the jitted prefill / decode / copy programs and the cache layout
+    engine.py        Engine: scheduler + runner; the background step loop (schedule -> execute
+                     -> update), weight updates (drain / immediate), recovery from a failed step
     metrics.py       EngineMetrics: what the engine reports about itself (``GET /metrics``)
     weights.py       serving shardings (tensor parallel) and the trainer -> engine hand-off
 

@@ -1,70 +1,84 @@
 """The embedded rollout engine: continuous batching over a KV cache with the trainer's decoder.
 
 One background thread runs engine steps; callers (HTTP handlers, the trainer, tests) submit
-requests from any thread and get ``concurrent.futures.Future``s. Each step:
+requests from any thread and get ``concurrent.futures.Future``s. As vLLM's engine core, the
+engine only wires two collaborators, each with one job:
 
-1. takes new requests and aborts, and applies a pending weight update when allowed;
-2. admits waiting requests into free KV cache rows, reusing cached prefixes (``scheduler``);
-3. runs one prefill batch (prompt chunks; a prompt that completes samples its first token);
-4. runs ``decode_steps`` decode steps for every sequence past prefill, in one device call
-   (``decode_steps_idle`` when no request waits to join).
+- the ``Scheduler`` (``scheduler``): requests, KV cache rows, prefix reuse (``prefix_cache``)
+  and which sequences run in which call; pure host-side bookkeeping;
+- the ``ModelRunner`` (``runner``): the weights and their version, the KV cache, the token
+  counts, the compiled programs and the device calls.
 
-Its jobs live in four modules, as vLLM splits its engine core from the model runner: the
-device programs and the cache layout (``programs``), this loop (here), weight swaps
-(``weight_swap``) and recovery from a failed step (``recovery``).
+Each step reads schedule -> execute -> update:
+
+1. takes new requests and aborts, and swaps in pending weights when ``weight_update`` allows;
+2. the scheduler admits waiting requests into free rows (row copies for reused prefixes);
+3. one prefill batch (prompt chunks; a prompt that completes samples its first token): the
+   scheduler plans it, the runner runs it, the scheduler takes the sampled tokens back;
+4. the same for ``decode_steps`` decode steps of every sequence past prefill, in one device
+   call (``decode_steps_idle`` when no request waits to join).
+
+Weight updates (``weight_update`` = "drain": admission pauses and requests in flight finish on
+the old weights first; "immediate": at the next step, requests in flight continue on the new
+weights) are placed on the runner's shardings in the caller's thread and swapped in between
+steps only; cached prefixes are dropped on every swap (their keys/values came from the old
+weights); every completion records the version that sampled each token.
+
+A failed step is a bug, not bad input: the requests in flight fail with the error, the
+scheduler and the runner reset (empty rows, no cached prefixes; donated buffers the failed
+call consumed rebuilt), and the engine keeps serving. When even that fails, every request
+fails and the engine reports itself unhealthy (``jaxrl.serve`` then exits for a supervisor to
+restart).
 
 Penalties (``sampling.apply_penalties``) read per-row token counts kept on device beside the
 cache (``sampling.TokenCounts``: int32 + bool ``[max_seqs, vocab]``, e.g. 194 MB at 256 rows of
 a 152k vocabulary): decode counts each token it feeds back, and a penalised request's row is
 reset (its prompt's tokens marked) when it is admitted, whatever prefix it reuses.
-
-Weight updates take effect between steps only (``weight_swap``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-from functools import partial
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl.engine import weights as W
+from jaxrl.engine import weights
 from jaxrl.engine.config import EngineConfig
 from jaxrl.engine.metrics import EngineMetrics, RateWindow
-from jaxrl.engine.programs import DTYPES, EngineLayout, engine_programs
-from jaxrl.engine.recovery import Recovery
-from jaxrl.engine.scheduler import (
-    Completion,
-    DecodePlan,
-    PrefillPlan,
-    Request,
-    Scheduler,
-    SchedulerStats,
-    Sequence,
-    TokenDelta,
-)
-from jaxrl.engine.weight_swap import WeightSwaps, _Update
+from jaxrl.engine.requests import Completion, Request, Sequence, TokenDelta
+from jaxrl.engine.runner import ModelRunner
+from jaxrl.engine.scheduler import DecodePlan, PrefillPlan, Scheduler, SchedulerStats
 from jaxrl.kernel_dispatch import Kernels
-from jaxrl.models.decoder import Decoder, KVCache
+from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import load_decoder
+from jaxrl.models.setup import DTYPES
 from jaxrl.parallel.rules import check_expert_parallel
 
 log = logging.getLogger(__name__)
 
 
-class Engine(WeightSwaps, Recovery):
+class StaleVersion(ValueError):
+    """A weight update's version is not above the version served or already pending."""
+
+
+@dataclass
+class _Update:
+    """Weights waiting to be swapped in, and the callers waiting for it."""
+
+    state: Any
+    version: int
+    waiters: list[threading.Event] = field(default_factory=list)
+
+
+class Engine:
     """Continuous-batching generation with the trainer's ``Decoder``; see the module docstring.
 
     The engine serves a copy of ``model``'s weights on its own shardings (``mesh``: tensor
@@ -84,33 +98,12 @@ class Engine(WeightSwaps, Recovery):
         self.config = config
         self.arch = arch
         check_expert_parallel(getattr(arch, "num_experts", 0), config.expert_parallel, field="inference.expert_parallel")
-        self.mesh = mesh if mesh is not None else W.serving_mesh(config.tensor_parallel, expert_parallel=config.expert_parallel)
-        mesh = self.mesh
-        self._sharding_fn = W.param_sharding_fn(mesh)
-        graphdef, state = nnx.split(model)
-        self._param_shardings = W.state_shardings(state, self._sharding_fn)
-        # Updates are placed like this (the model's stacked layout) and then served as ``_served``.
-        self._stacked = jax.tree.map(
-            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, self._param_shardings
-        )
-        self._param_dtype = jax.tree.leaves(state)[0].dtype
-        self._compute_dtype = model.dtype
-        self.kernels = Kernels.create(config.kernels, field="inference.kernels", mesh=mesh)
-        # Always a copy: the caller (the trainer) may donate or overwrite its arrays later.
-        self._state: nnx.State = self._served(W.place_state(state, state, self._param_shardings))
-        layout = EngineLayout.create(arch, config, model.dtype, mesh)
-        self._cache = KVCache(
-            *(W.zeros_like_sharded(layout.cache_shape, layout.cache_dtype, layout.cache_sharding) for _ in range(2))
-        )
-        self._counts = layout.zero_counts()
-        self._inputs = layout.inputs
-        self._layout = layout
-        programs = engine_programs(graphdef, layout, self.kernels)
-        self._prefill_fn, self._decode_fn, self._copy_fn, self._reset_fn, self._traces = programs
-
-        self._sched = Scheduler(config)
+        if mesh is None:
+            mesh = weights.serving_mesh(config.tensor_parallel, expert_parallel=config.expert_parallel)
+        self.mesh = mesh
+        self.runner = ModelRunner(model, config, mesh)
+        self.scheduler = Scheduler(config)
         self._rng = np.random.default_rng(config.seed)
-        self._version = 0
         self._lock = threading.Condition()
         self._inbox: list[Sequence] = []
         self._aborts: list[str] = []
@@ -121,9 +114,7 @@ class Engine(WeightSwaps, Recovery):
         self._exit_now = False
         self._error: BaseException | None = None
         self._generated = RateWindow()
-        self._warmup_s: float | None = None
-        self._step_s = 0.0  # engine steps, and inside them device calls (``EngineMetrics``)
-        self._device_s = {"prefill": 0.0, "decode": 0.0, "copy": 0.0}
+        self._step_s = 0.0  # engine steps (device calls inside them: ``runner.device_s``)
 
     @classmethod
     def from_pretrained(
@@ -138,25 +129,28 @@ class Engine(WeightSwaps, Recovery):
         if dtype not in DTYPES:
             raise ValueError(f"model dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
         dt = DTYPES[dtype]
-        mesh = mesh if mesh is not None else W.serving_mesh(config.tensor_parallel, expert_parallel=config.expert_parallel)
-        model = load_decoder(model_dir, param_dtype=dt, dtype=dt, sharding_fn=W.param_sharding_fn(mesh))
+        if mesh is None:
+            mesh = weights.serving_mesh(config.tensor_parallel, expert_parallel=config.expert_parallel)
+        model = load_decoder(model_dir, param_dtype=dt, dtype=dt, sharding_fn=weights.param_sharding_fn(mesh))
         return cls(model, config, mesh=mesh)
 
     # -- public state ----------------------------------------------------------------------
 
     @property
     def policy_version(self) -> int:
-        return self._version
+        return self.runner.version
 
     @property
     def params(self) -> nnx.State:
         """The weights being served (read-only: the engine may swap them at any step), in the
         layout its programs take (``Kernels.serving_weights``: packed for the CPU backend on one
         CPU device)."""
-        return self._state
+        return self.runner.state
 
-    def _served(self, placed: nnx.State) -> Any:
-        return self.kernels.serving_weights(placed, self._compute_dtype)
+    @property
+    def kernels(self) -> Kernels:
+        """The kernel choice the engine's programs were built with."""
+        return self.runner.kernels
 
     @property
     def vocab_size(self) -> int:
@@ -169,7 +163,7 @@ class Engine(WeightSwaps, Recovery):
     @property
     def stats(self) -> SchedulerStats:
         """Scheduler counters: prompt / cached / computed / generated tokens, calls, row copies."""
-        return self._sched.stats
+        return self.scheduler.stats
 
     @property
     def healthy(self) -> bool:
@@ -177,50 +171,30 @@ class Engine(WeightSwaps, Recovery):
 
     def compiled_programs(self) -> int:
         """Device programs compiled so far for this engine's layout (<= ``config.program_bound()``)."""
-        return self._traces.count
+        return self.runner.compiled_programs()
 
     def warmup(self) -> float:
         """Compile every program of the configured buckets (``config.program_bound()`` of them)
-        before serving, so no request waits on a compile; returns the seconds it took.
-
-        Programs are lowered and compiled ahead of time (nothing runs; the compiled executables
-        land in jit's caches, so the first real call of each shape dispatches straight away),
-        several at once on hosts with more cores: XLA compiles outside the GIL.
-        """
+        before serving, so no request waits on a compile; returns the seconds it took."""
         if self._thread is not None:
             raise RuntimeError("Engine.warmup: call it before start()")
-        t0 = time.perf_counter()
-        cfg, layout = self.config, self._layout
-        jobs = [
-            partial(self._prefill_fn.lower, self._state, self._cache, self._counts, *layout.prefill_inputs(batch, width))
-            for batch, width in cfg.prefill_shapes()
-        ]
-        jobs += [
-            partial(self._decode_fn.lower, steps, self._state, self._cache, self._counts, *layout.decode_inputs(batch))
-            for steps, batch in cfg.decode_shapes()
-        ]
-        index = jax.ShapeDtypeStruct((), jnp.int32, sharding=layout.inputs)
-        jobs.append(partial(self._copy_fn.lower, self._cache, index, index))
-        jobs.append(partial(self._reset_fn.lower, self._counts, *layout.reset_inputs()))
-        workers = max(1, min(len(os.sched_getaffinity(0)), 8))
-        with ThreadPoolExecutor(workers, thread_name_prefix="jaxrl-warmup") as pool:
-            list(pool.map(lambda lower: lower().compile(), jobs))
-        self._warmup_s = time.perf_counter() - t0
-        log.info("engine warm-up: %d programs compiled in %.1f s", self.compiled_programs(), self._warmup_s)
-        return self._warmup_s
+        seconds = self.runner.warmup()
+        log.info("engine warm-up: %d programs compiled in %.1f s", self.compiled_programs(), seconds)
+        return seconds
 
     def metrics(self) -> EngineMetrics:
         """A snapshot of load, throughput, prefix reuse and compiles (safe from any thread)."""
-        stats = self._sched.stats
+        stats, runner = self.scheduler.stats, self.runner
         with self._lock:
-            waiting = len(self._inbox) + len(self._sched.waiting)
-            running = len(self._sched.running)
-            in_use = sum(seq.position for seq in self._sched.running)
-        kv_bytes = sum(int(x.size) * x.dtype.itemsize for x in (self._cache.k, self._cache.v))
+            waiting = len(self._inbox) + len(self.scheduler.waiting)
+            running = len(self.scheduler.running)
+            in_use = sum(seq.position for seq in self.scheduler.running)
+        kv_bytes = runner.kv_cache_bytes
+        device_s = runner.device_s
         return EngineMetrics(
             waiting=waiting,
             running=running,
-            policy_version=self._version,
+            policy_version=runner.version,
             generated_tokens=stats.generated_tokens,
             tokens_per_s=round(self._generated.rate(), 1),
             prompt_tokens=stats.prompt_tokens,
@@ -234,15 +208,14 @@ class Engine(WeightSwaps, Recovery):
             decode_calls=stats.decode_calls,
             compiles=self.compiled_programs(),
             program_bound=self.config.program_bound(),
-            warmup_s=self._warmup_s,
+            warmup_s=runner.warmup_s,
             step_s=round(self._step_s, 3),
-            device_s=round(sum(self._device_s.values()), 3),
-            prefill_s=round(self._device_s["prefill"], 3),
-            decode_s=round(self._device_s["decode"], 3),
+            device_s=round(sum(device_s.values()), 3),
+            prefill_s=round(device_s["prefill"], 3),
+            decode_s=round(device_s["decode"], 3),
         )
 
     # -- requests --------------------------------------------------------------------------
-
     def validate(self, request: Request) -> None:
         """Raise ValueError naming the problem when the engine cannot serve ``request``."""
         n = len(request.prompt)
@@ -296,6 +269,62 @@ class Engine(WeightSwaps, Recovery):
                 self.step()
         return [f.result(timeout) for f in futures]
 
+    # -- weight updates --------------------------------------------------------------------
+
+    def update_weights_from_state(
+        self, state: nnx.State | Decoder, *, version: int | None = None, wait: bool = True
+    ) -> int:
+        """Hand new weights (the trainer's params pytree, any sharding) to the engine.
+
+        The copy to the engine's shardings happens in the calling thread; the swap happens
+        between engine steps (see ``EngineConfig.weight_update``). Returns the policy version
+        served after the swap when ``wait``, else the version the update will have.
+        """
+        return self._enqueue_update(self.runner.place(state), version, wait)
+
+    def update_weights_from_path(self, path: str | Path, *, version: int | None = None, wait: bool = True) -> int:
+        """Load a Hugging Face model directory (same architecture) as the new weights."""
+        return self._enqueue_update(self.runner.load(path), version, wait)
+
+    def _enqueue_update(self, state: Any, version: int | None, wait: bool) -> int:
+        done = threading.Event()
+        with self._lock:
+            latest = self._pending.version if self._pending else self.runner.version
+            if version is None:
+                version = latest + 1
+            if version <= latest:
+                raise StaleVersion(f"weight update version {version} must be greater than {latest}")
+            if self._pending is None:
+                self._pending = _Update(state, version, [done])
+            else:
+                self._pending.state, self._pending.version = state, version
+                self._pending.waiters.append(done)
+            self._lock.notify_all()
+        if not wait:
+            return version
+        if self._thread is None:
+            while not done.is_set():
+                self.step()
+        done.wait()
+        if self._error is not None:
+            raise RuntimeError(f"engine failed: {self._error!r}")
+        return self.runner.version
+
+    def _maybe_swap_weights(self) -> bool:
+        """Apply a pending update when the policy allows; True while admission must pause."""
+        with self._lock:
+            update = self._pending
+            if update is None:
+                return False
+            if self.config.weight_update == "drain" and self.scheduler.running:
+                return True
+            self._pending = None
+            self.runner.swap(update.state, update.version)
+        self.scheduler.rows.invalidate_warm()
+        for w in update.waiters:
+            w.set()
+        return False
+
     # -- the loop --------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -328,7 +357,7 @@ class Engine(WeightSwaps, Recovery):
         self._stopping = self._exit_now = False
 
     def _has_work(self) -> bool:
-        return bool(self._inbox or self._aborts or self._pending or not self._sched.idle)
+        return bool(self._inbox or self._aborts or self._pending or not self.scheduler.idle)
 
     def _run(self) -> None:
         while True:
@@ -363,76 +392,49 @@ class Engine(WeightSwaps, Recovery):
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
         for seq in inbox:
-            self._sched.add(seq)
+            self.scheduler.add(seq)
         for rid in aborts:
-            seq = self._sched.abort(rid)
+            seq = self.scheduler.abort(rid)
             if seq is not None:
                 self._deliver([seq])
         paused = self._maybe_swap_weights()
         if not paused:
-            for src, dst in self._sched.admit():
-                with self._device_timer("copy"):
-                    self._cache = self._copy_fn(self._cache, *self._put((np.int32(src), np.int32(dst))))
-            for seq in self._sched.admitted:
+            for src, dst in self.scheduler.admit():
+                self.runner.copy_row(src, dst)
+            for seq in self.scheduler.admitted:
                 if seq.params.penalized:
-                    self._reset_counts(seq)
-        prefill = self._sched.plan_prefill()
+                    self.runner.reset_counts(seq.row, seq.prompt)
+        prefill = self.scheduler.plan_prefill()
         if prefill is not None:
             self._run_prefill(prefill)
-        decode = self._sched.plan_decode(self._decode_steps_now())
+        decode = self.scheduler.plan_decode(self._decode_steps_now())
         if decode is not None:
             self._run_decode(decode)
-        self._generated.add(self._sched.stats.generated_tokens)
+        self._generated.add(self.scheduler.stats.generated_tokens)
 
     def _decode_steps_now(self) -> int:
         """``decode_steps_idle`` when no request waits to join (none queued, in the inbox or
         prefilling) and a running sequence needs that many more tokens, else ``decode_steps``."""
         counts = self.config.decode_step_counts()
         short, idle = counts[0], counts[-1]
-        if idle == short or self._sched.waiting or self._inbox or self._pending:
+        if idle == short or self.scheduler.waiting or self._inbox or self._pending:
             return short
-        running = self._sched.running
+        running = self.scheduler.running
         if any(s.prefilling for s in running) or max((s.max_new - len(s.tokens) for s in running), default=0) < idle:
             return short
         return idle
 
-    def _put(self, arrays: Any) -> Any:
-        return jax.device_put(arrays, self._inputs)
-
-    @contextlib.contextmanager
-    def _device_timer(self, kind: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._device_s[kind] += time.perf_counter() - t0
-
-    def _reset_counts(self, seq: Sequence) -> None:
-        """Zero the generated-token counts of ``seq``'s row and mark its prompt's tokens."""
-        mask = np.zeros(self.vocab_size, np.bool_)
-        mask[seq.prompt] = True
-        with self._device_timer("copy"):
-            self._counts = self._reset_fn(self._counts, *self._put((np.int32(seq.row), mask)))
-
     def _run_prefill(self, plan: PrefillPlan) -> None:
-        with self._device_timer("prefill"):
-            args = self._put((plan.tokens, plan.positions, plan.rows, plan.last, plan.sampling))
-            self._cache, tokens, logprobs, experts = self._prefill_fn(self._state, self._cache, self._counts, *args)
-            tokens, logprobs, experts = jax.device_get((tokens, logprobs, experts))
+        tokens, logprobs, experts = self.runner.prefill(plan)
         marks = [len(seq.tokens) for seq in plan.seqs]
-        done = self._sched.finish_prefill(plan, tokens, logprobs, self._version, experts)
+        done = self.scheduler.finish_prefill(plan, tokens, logprobs, self.runner.version, experts)
         self._stream(plan.seqs, marks)
         self._deliver(done)
 
     def _run_decode(self, plan: DecodePlan) -> None:
-        with self._device_timer("decode"):
-            args = self._put((plan.tokens, plan.positions, plan.rows, plan.sampling, (plan.share_rows, plan.share_lens)))
-            self._cache, self._counts, tokens, logprobs, experts = self._decode_fn(
-                plan.steps, self._state, self._cache, self._counts, *args
-            )
-            tokens, logprobs, experts = jax.device_get((tokens, logprobs, experts))
+        tokens, logprobs, experts = self.runner.decode(plan)
         marks = [len(seq.tokens) for seq in plan.seqs]
-        done = self._sched.finish_decode(plan, tokens, logprobs, self._version, experts)
+        done = self.scheduler.finish_decode(plan, tokens, logprobs, self.runner.version, experts)
         self._stream(plan.seqs, marks)
         self._deliver(done)
 
@@ -455,6 +457,46 @@ class Engine(WeightSwaps, Recovery):
                 future = self._futures.pop(seq.request.request_id, None)
             if future is not None:
                 try:
-                    future.set_result(seq.completion(self._version))
+                    future.set_result(seq.completion(self.runner.version))
                 except InvalidStateError:  # cancelled by the caller meanwhile
                     pass
+
+    # -- failures --------------------------------------------------------------------------
+
+    def _abort_all(self) -> None:
+        """Finish every request still queued or running with finish_reason "abort"."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for seq in inbox:
+            self.scheduler.add(seq)
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            self.scheduler.abort(seq.request.request_id)
+            self._deliver([seq])
+
+    def _recover(self, exc: BaseException) -> None:
+        """After a failed step: fail the requests the scheduler holds (the one that broke the
+        step cannot be told from the others of its batch) with ``exc``, then reset the scheduler
+        and the runner. Requests submitted since the step began stay queued."""
+        with self._lock:
+            queued = {seq.request.request_id for seq in self._inbox}
+            failed = {rid: f for rid, f in self._futures.items() if rid not in queued}
+            for rid in failed:
+                del self._futures[rid]
+            self._aborts.clear()
+        for f in failed.values():
+            if not f.done():
+                f.set_exception(RuntimeError(f"engine step failed: {exc!r}"))
+        self.scheduler.reset()
+        self.runner.reset()
+
+    def _fail(self, exc: BaseException) -> None:
+        """Recovery failed too: fail every request and update, and report unhealthy."""
+        with self._lock:
+            self._error = exc
+            futures, self._futures = self._futures, {}
+            pending, self._pending = self._pending, None
+        for f in futures.values():
+            if not f.done():
+                f.set_exception(exc)
+        for w in pending.waiters if pending else []:
+            w.set()

@@ -25,13 +25,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl.engine import weights as W
+from jaxrl.engine import weights
 from jaxrl.engine.config import EngineConfig
 from jaxrl.engine.sampling import SamplingBatch, TokenCounts, penalize, sample
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.decoder import KVCache
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+from jaxrl.models.setup import DTYPES
 
 
 def _prefill(graphdef, state, cache, counts, tokens, positions, rows, last, sampling, *, kernels):  # type: ignore[no-untyped-def]
@@ -141,7 +140,7 @@ class EngineLayout:
         key = (shape, str(jnp.dtype(cache_dtype)), tuple(config.decode_buckets()))
         key += tuple(map(tuple, (config.prefill_lengths(), config.prefill_batches(), config.decode_step_counts())))
         counts = (config.max_seqs, arch.vocab_size)
-        return cls(mesh, shape, cache_dtype, W.cache_sharding(mesh, shape), counts, W.replicated(mesh), key + counts)
+        return cls(mesh, shape, cache_dtype, weights.cache_sharding(mesh, shape), counts, weights.replicated(mesh), key + counts)
 
     def abstract_cache(self) -> KVCache:
         one = jax.ShapeDtypeStruct(self.cache_shape, self.cache_dtype, sharding=self.cache_sharding)
@@ -151,7 +150,7 @@ class EngineLayout:
         return TokenCounts(self._abstract(self.counts_shape, jnp.int32), self._abstract(self.counts_shape, jnp.bool_))
 
     def zero_counts(self) -> TokenCounts:
-        return TokenCounts(*(W.zeros_like_sharded(self.counts_shape, dt, self.inputs) for dt in (jnp.int32, jnp.bool_)))
+        return TokenCounts(*(weights.zeros_like_sharded(self.counts_shape, dt, self.inputs) for dt in (jnp.int32, jnp.bool_)))
 
     def reset_inputs(self) -> tuple[Any, ...]:
         """Abstract (row, prompt_mask) of a token-counts reset."""

@@ -31,241 +31,20 @@ in the CPU's cache). The values are equal, so the result does not depend on it.
 
 from __future__ import annotations
 
-import uuid
 from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from jaxrl.engine.config import EngineConfig
-from jaxrl.engine.sampling import SamplingBatch, SamplingParams
-
-
-@dataclass
-class Request:
-    """One generation request (one completion; ``n`` completions are ``n`` requests)."""
-
-    prompt: list[int]
-    params: SamplingParams
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    session_id: str | None = None
-    stop_fn: Callable[[list[int]], bool] | None = None
-    """Extra host-side stop test on the completion so far (e.g. stop strings); True = stop."""
-    on_tokens: Callable[[TokenDelta], None] | None = None
-    """Streaming: called on the engine thread after each device call that sampled tokens for this
-    request, with those tokens, before the request's future completes. It must return at once
-    (hand the delta to another thread: the engine loop waits for it); what it raises is logged
-    and the request goes on."""
-
-
-@dataclass(frozen=True)
-class TokenDelta:
-    """Completion tokens sampled by one engine device call (a prefill's first token, or up to
-    ``decode_steps`` decode tokens), with their log-probs and the weights version that drew them."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-
-
-@dataclass
-class Completion:
-    """The result of one request."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # completion tokens, the matched stop token included
-    logprobs: list[float]  # one per completion token (see jaxrl.engine.sampling)
-    finish_reason: str  # "stop" | "length" | "abort"
-    policy_version: int  # weights version that sampled the first completion token
-    policy_version_final: int  # ... and the last (differs only with weight_update = "immediate")
-    cached_prompt_tokens: int  # prompt tokens whose keys/values came from the prefix cache
-    stop_token: int | None = None  # the stop token id that ended the completion (its last token)
-    routed_experts: np.ndarray | None = None
-    """MoE models: uint8/uint16 [prompt + completion - 1, n_moe_layers, k], the experts each fed
-    token used per sparse layer (the last completion token is never fed); None for dense ones."""
-    token_versions: list[int] = field(default_factory=list)
-    """The weights version that sampled each completion token (``weight_update = "immediate"``
-    swaps weights between engine steps, so one completion can span versions)."""
-
-
-class Sequence:
-    """Scheduler state of one request."""
-
-    def __init__(self, request: Request, seed: int, max_model_len: int):
-        self.request = request
-        self.params = request.params
-        self.seed = seed
-        self.prompt = np.asarray(request.prompt, np.int32)
-        self.max_new = min(self.params.max_tokens, max_model_len - len(self.prompt))
-        self.stop_ids = frozenset(self.params.stop_token_ids)
-        self.row = -1
-        self.prefilled = 0  # prompt tokens whose keys/values are in the row
-        self.cached_prompt = 0  # of which came from the prefix cache
-        self.fed = 0  # completion tokens whose keys/values are in the row
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []  # the weights version that sampled each token
-        self.finish_reason: str | None = None
-        self.stop_token: int | None = None
-        self.routing: list[np.ndarray] = []  # chunks of routing records of the row's positions, in order
-
-    def routed_experts(self) -> np.ndarray | None:
-        """The routing records of the positions this sequence's row holds (None: none recorded)."""
-        if not self.routing:
-            return None
-        if len(self.routing) > 1:
-            self.routing = [np.concatenate(self.routing)]
-        return self.routing[0]
-
-    def record_routing(self, experts: np.ndarray) -> None:
-        """Append the routing of positions just written to the row (``[n, n_moe_layers, k]``; a
-        dense model's are empty and not kept)."""
-        if experts.size:
-            self.routing.append(experts)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.prefilled < len(self.prompt)
-
-    @property
-    def position(self) -> int:
-        """Next cache position to write."""
-        return self.prefilled + self.fed
-
-    def cached_tokens(self) -> np.ndarray:
-        """Tokens whose keys/values this sequence's row holds, in position order."""
-        done = np.asarray(self.tokens[: self.fed], np.int32)
-        return np.concatenate([self.prompt[: self.prefilled], done])
-
-    def append(self, token: int, logprob: float, version: int) -> bool:
-        """Record a sampled token; returns True when the sequence is finished."""
-        self.tokens.append(token)
-        self.logprobs.append(logprob)
-        self.versions.append(version)
-        stop_fn = self.request.stop_fn
-        if token in self.stop_ids:
-            self.finish_reason, self.stop_token = "stop", token
-        elif stop_fn is not None and stop_fn(self.tokens):
-            self.finish_reason = "stop"
-        elif len(self.tokens) >= self.max_new:
-            self.finish_reason = "length"
-        return self.finish_reason is not None
-
-    def completion(self, version: int) -> Completion:
-        """The result so far (``version``: the one served, for a request aborted before its first token)."""
-        first, last = (self.versions[0], self.versions[-1]) if self.versions else (version, version)
-        return Completion(
-            request_id=self.request.request_id,
-            prompt_token_ids=list(self.request.prompt),
-            token_ids=list(self.tokens),
-            logprobs=list(self.logprobs),
-            finish_reason=self.finish_reason or "abort",
-            policy_version=first,
-            policy_version_final=last,
-            cached_prompt_tokens=self.cached_prompt,
-            stop_token=self.stop_token,
-            routed_experts=self.routed_experts(),
-            token_versions=list(self.versions),
-        )
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two int arrays."""
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
+from jaxrl.engine.prefix_cache import RowTable, common_prefix
+from jaxrl.engine.requests import Sequence
+from jaxrl.engine.sampling import SamplingBatch
 
 
 def bucket_at_least(buckets: list[int], n: int) -> int:
     return buckets[min(bisect_left(buckets, n), len(buckets) - 1)]
-
-
-class RowTable:
-    """Owner, cached tokens, session, recency and prefix origin of every KV cache row."""
-
-    def __init__(self, rows: int):
-        self.owner: list[Sequence | None] = [None] * rows
-        self.warm: list[np.ndarray] = [np.zeros(0, np.int32)] * rows  # tokens cached in unowned rows
-        self.warm_routing: list[np.ndarray | None] = [None] * rows  # ... and their routing records
-        self.session: list[str | None] = [None] * rows
-        self.last_used = [0] * rows
-        self._clock = 0
-        # origin[r] = (fill, n): positions < n of row r hold the keys/values that prefill ``fill``
-        # computed (once written there). A fresh prefill from position 0 starts a new fill; a row
-        # copy or a takeover keeps the source's fill over the positions it keeps; nothing writes
-        # below n afterwards (prefill resumes at or after the kept prefix, decode after the prompt).
-        self.origin: list[tuple[int, int]] = [(-1 - r, 0) for r in range(rows)]
-        self._fills = 0
-
-    def set_origin(self, row: int, seq: Sequence, source: int, *, fresh: bool = False) -> None:
-        """Record where ``row``'s leading positions come from once ``seq`` (whose first
-        ``seq.prefilled`` positions are kept from row ``source``: itself or a copy's source)
-        owns it. ``fresh``: the row was taken for being free, not for its contents; the few
-        positions it happens to keep (fewer than ``min_prefix_reuse``, say a chat template's
-        opening) would tie it to an unrelated fill for no gain, and cap what later copies of
-        this prompt could share at those few, so it starts a fill of its own."""
-        fill, n = self.origin[source]
-        if seq.prefilled == 0 or fresh:
-            self._fills += 1
-            self.origin[row] = (self._fills, len(seq.prompt))
-        else:
-            self.origin[row] = (fill, min(n, seq.prefilled))
-
-    def shares(self, rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """For each of ``rows``: a row holding the same values over its first positions, and how
-        many (0: none). All rows of one fill name the same row, the one holding the most of it."""
-        held = [min(n, self.cached_len(r)) for r, (_, n) in enumerate(self.origin)]
-        best: dict[int, int] = {}
-        for r, (fill, _) in enumerate(self.origin):
-            if fill not in best or held[r] > held[best[fill]]:
-                best[fill] = r
-        share_rows = np.array([best[self.origin[r][0]] for r in rows], np.int32)
-        share_lens = np.array([min(held[r], held[c]) for r, c in zip(rows, share_rows)], np.int32)
-        return share_rows, share_lens
-
-    def tokens(self, row: int) -> np.ndarray:
-        owner = self.owner[row]
-        return owner.cached_tokens() if owner is not None else self.warm[row]
-
-    def routing(self, row: int) -> np.ndarray | None:
-        """Routing records of the positions ``row`` holds (None: none recorded)."""
-        owner = self.owner[row]
-        return owner.routed_experts() if owner is not None else self.warm_routing[row]
-
-    def cached_len(self, row: int) -> int:
-        owner = self.owner[row]
-        return owner.position if owner is not None else len(self.warm[row])
-
-    def free_row(self) -> int | None:
-        """An unowned row: an empty one if any, else the least recently used warm one."""
-        unowned = [r for r, o in enumerate(self.owner) if o is None]
-        if not unowned:
-            return None
-        return min(unowned, key=lambda r: (len(self.warm[r]) > 0, self.last_used[r]))
-
-    def assign(self, row: int, seq: Sequence) -> None:
-        self.owner[row] = seq
-        self.warm[row] = np.zeros(0, np.int32)
-        self.warm_routing[row] = None
-        self.session[row] = seq.request.session_id
-        seq.row = row
-
-    def release(self, seq: Sequence) -> None:
-        self._clock += 1
-        self.owner[seq.row] = None
-        self.warm[seq.row] = seq.cached_tokens()
-        self.warm_routing[seq.row] = seq.routed_experts()
-        self.last_used[seq.row] = self._clock
-
-    def invalidate_warm(self) -> None:
-        """Forget every unowned row's cache (its keys/values came from old weights)."""
-        for r, o in enumerate(self.owner):
-            if o is None:
-                self.warm[r] = np.zeros(0, np.int32)
-                self.warm_routing[r] = None
 
 
 @dataclass
@@ -308,14 +87,19 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig):
         self.cfg = config
-        self.rows = RowTable(config.max_seqs)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # admission order
         self.stats = SchedulerStats()
-        self.admitted: list[Sequence] = []  # given rows by the last ``admit``
         self._prefill_lens = config.prefill_lengths()
         self._prefill_batches = config.prefill_batches()
         self._decode_batches = config.decode_buckets()
+        self.reset()
+
+    def reset(self) -> None:
+        """Start over with no request and no cached prefix (after a failed engine step: which
+        rows the failed device call wrote is unknown). The counters go on."""
+        self.rows = RowTable(self.cfg.max_seqs)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+        self.admitted: list[Sequence] = []  # given rows by the last ``admit``
 
     @property
     def idle(self) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from jaxrl.engine.scheduler import Completion
+from jaxrl.engine.requests import Completion
 from jaxrl.serving import protocol
 from jaxrl.serving.completions import CompletionServing, stop_strings, usage
 from jaxrl.serving.errors import BadRequest

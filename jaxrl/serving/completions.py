@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from jaxrl.engine.engine import Engine
+from jaxrl.engine.requests import Completion, TokenDelta
+from jaxrl.engine.requests import Request as EngineRequest
 from jaxrl.engine.sampling import SamplingParams
-from jaxrl.engine.scheduler import Completion, TokenDelta
-from jaxrl.engine.scheduler import Request as EngineRequest
 from jaxrl.serving import protocol
 from jaxrl.serving.errors import BadRequest, Unavailable
 

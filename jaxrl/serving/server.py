@@ -35,8 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxrl.engine.engine import Engine
-from jaxrl.engine.weight_swap import StaleVersion
+from jaxrl.engine.engine import Engine, StaleVersion
 from jaxrl.models.hf_io import copy_model_dir
 from jaxrl.serving import auth, errors, protocol, streaming
 from jaxrl.serving.chat import ChatServing
@@ -258,7 +257,7 @@ class EngineServer:
                 raise StarletteHTTPException(409, f"version: {e}") from None
             except RuntimeError as e:  # the engine failed or stops
                 raise Unavailable(f"update_weights: {e}") from None
-            except Exception as e:  # noqa: BLE001 - the client's directory does not load: the old weights stay
+            except Exception as e:
                 raise BadRequest(f"update_weights: cannot load {body.path}: {type(e).__name__}: {e}") from None
             return protocol.UpdateWeightsResponse(policy_version=version).model_dump()
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from jaxrl.engine.scheduler import Completion, TokenDelta
+from jaxrl.engine.requests import Completion, TokenDelta
 from jaxrl.serving import protocol
 from jaxrl.serving.completions import ChoiceStream, CompletionServing, usage
 

@@ -72,7 +72,7 @@ def _child() -> None:
         out = {"text": _render(job["template"], job["context"], job["max_chars"])}
     except MemoryError:
         out = {"error": "the template ran out of memory"}
-    except Exception as e:  # noqa: BLE001 - reported to the client as the template's error
+    except Exception as e:
         out = {"error": f"{type(e).__name__}: {e}"}
     sys.stdout.write(json.dumps(out))
 

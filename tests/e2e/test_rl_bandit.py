@@ -11,8 +11,8 @@ from helpers import tiny_model
 
 from jaxrl.engine.config import EngineConfig
 from jaxrl.engine.engine import Engine
+from jaxrl.engine.requests import Request
 from jaxrl.engine.sampling import SamplingParams
-from jaxrl.engine.scheduler import Request
 from jaxrl.parallel.mesh import MeshConfig, make_mesh
 from jaxrl.samples import TrainingSample
 from jaxrl.trainer.config import TrainerConfig

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jaxrl.engine.engine import Engine
+from jaxrl.engine.requests import Request
 from jaxrl.engine.sampling import SamplingParams
-from jaxrl.engine.scheduler import Request
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.models.tiny import qwen3_config, save_random_checkpoint
 

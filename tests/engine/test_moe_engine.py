@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxrl.engine.engine import Engine
+from jaxrl.engine.requests import Request
 from jaxrl.engine.sampling import SamplingParams
-from jaxrl.engine.scheduler import Request
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.models.tiny import qwen3_moe_config
 
@@ -63,7 +63,7 @@ def test_expert_parallel_engine_greedy_tokens_match_generate(moe_dir, make_confi
     hf = transformers.AutoModelForCausalLM.from_pretrained(moe_dir).float().eval()
     engine = Engine.from_pretrained(moe_dir, make_config(expert_parallel=2))
     assert dict(engine.mesh.shape) == {"expert": 2, "tensor": 1}
-    experts = [sh.spec for path, sh in jax.tree_util.tree_leaves_with_path(engine._param_shardings)
+    experts = [sh.spec for path, sh in jax.tree_util.tree_leaves_with_path(engine.runner.param_shardings)
                if "moe_gate" in jax.tree_util.keystr(path)]  # fmt: skip
     assert experts and all(tuple(s)[:2] == (None, "expert") for s in experts)
     rng = np.random.default_rng(1)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from jaxrl.engine.config import EngineConfig
+from jaxrl.engine.requests import Request, Sequence
 from jaxrl.engine.sampling import SamplingParams
-from jaxrl.engine.scheduler import Request, Scheduler, Sequence
+from jaxrl.engine.scheduler import Scheduler
 
 STOP = 99
 CFG = EngineConfig(

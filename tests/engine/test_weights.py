@@ -15,8 +15,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.engine.engine import Engine
+from jaxrl.engine.requests import Request, TokenDelta
 from jaxrl.engine.sampling import SamplingParams
-from jaxrl.engine.scheduler import Request, TokenDelta
 from jaxrl.models.hf_io import copy_model_dir, load_decoder
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]

@@ -9,8 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxrl.models.decoder import attention, packed_causal_mask
 from jaxrl_kernels.attention import (
     blocked_segment_attention_reference,
     segment_attention,
@@ -18,6 +16,8 @@ from jaxrl_kernels.attention import (
     select_attention,
     splash_segment_attention,
 )
+
+from jaxrl.models.decoder import attention, packed_causal_mask
 
 SEGMENTS_13 = np.array(
     [
@@ -67,7 +67,7 @@ def test_blocked_reference_matches_dense_reference(block):
     """Query blocks that split segments, a last partial block, one block for all: same output and
     gradients as the dense reference."""
     q, k, v, cot = _qkv(2, 13, 4, 2, 8, seed=3)
-    blocked = lambda q, k, v, seg: blocked_segment_attention_reference(q, k, v, seg, block=block)  # noqa: E731
+    blocked = lambda q, k, v, seg: blocked_segment_attention_reference(q, k, v, seg, block=block)
     _assert_matches_reference(blocked, q, k, v, jnp.asarray(SEGMENTS_13), cot)
 
 

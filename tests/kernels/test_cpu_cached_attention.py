@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxrl_kernels import cpu_cached_attention as cpu_kernel
+from jaxrl_kernels.cpu_build import default_compiler
 
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.decoder import cached_attention
-from jaxrl_kernels import cpu_cached_attention as cpu_kernel
-from jaxrl_kernels.cpu_build import default_compiler
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -20,8 +20,8 @@ from jaxrl_kernels.cpu_matmul import X_BLOCK_FLOATS, PackedWeight
 
 from jaxrl.engine.config import EngineConfig
 from jaxrl.engine.engine import Engine
+from jaxrl.engine.requests import Request
 from jaxrl.engine.sampling import SamplingParams
-from jaxrl.engine.scheduler import Request
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -12,11 +12,11 @@ import pytest
 from flax import nnx
 from helpers import tiny_model
 from jax import export
+from jaxrl_kernels import cudnn_attention
 
 from jaxrl.kernel_dispatch import Kernels, resolve
 from jaxrl.models.decoder import CAUSAL_BLOCK, attention, packed_causal_mask
 from jaxrl.trainer.config import TrainerConfig
-from jaxrl_kernels import cudnn_attention
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxrl_kernels.logprobs import logprobs, logprobs_reference
 
 from jaxrl.trainer.logprobs import token_logprobs_reference
-from jaxrl_kernels.logprobs import logprobs, logprobs_reference
 
 
 def _inputs(n, d, v, dtype, seed=0):

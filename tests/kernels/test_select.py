@@ -11,7 +11,6 @@ import sys
 import textwrap
 
 import jax
-
 from jaxrl_kernels.select import use_pallas
 
 PROBE = textwrap.dedent(

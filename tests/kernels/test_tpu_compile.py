@@ -27,19 +27,19 @@ if importlib.util.find_spec("libtpu") is None:
 # may load libtpu at once; without this, all but the first fail on libtpu's lockfile.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-from flax import nnx  # noqa: E402
-from jax.experimental import topologies  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
-from jaxrl_kernels.attention import segment_attention, tpu_segment_attention  # noqa: E402
-from jaxrl_kernels.decode_attention import decode_attention  # noqa: E402
-from jaxrl_kernels.logprobs import logprobs  # noqa: E402
+from flax import nnx
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxrl_kernels.attention import segment_attention, tpu_segment_attention
+from jaxrl_kernels.decode_attention import decode_attention
+from jaxrl_kernels.logprobs import logprobs
 
-from jaxrl.engine import weights as W  # noqa: E402
-from jaxrl.engine.programs import _decode  # noqa: E402
-from jaxrl.engine.sampling import SamplingBatch, SamplingParams, TokenCounts  # noqa: E402
-from jaxrl.kernel_dispatch import Kernels  # noqa: E402
-from jaxrl.models.arch import ModelArch  # noqa: E402
-from jaxrl.models.decoder import Decoder, KVCache  # noqa: E402
+from jaxrl.engine import weights
+from jaxrl.engine.programs import _decode
+from jaxrl.engine.sampling import SamplingBatch, SamplingParams, TokenCounts
+from jaxrl.kernel_dispatch import Kernels
+from jaxrl.models.arch import ModelArch
+from jaxrl.models.decoder import Decoder, KVCache
 
 GENERATIONS = ["v5e:2x2", "v6e:2x2"]
 VOCAB = 151936
@@ -133,14 +133,14 @@ def test_engine_decode_program_copies_no_cache(topology) -> None:
     mesh = Mesh(np.array(topology), ("tensor",))
     rows, s = 32, 4096
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(arch, rngs=nnx.Rngs(0), param_dtype=BF16, dtype=BF16)))
-    shard = W.param_sharding_fn(mesh)
+    shard = weights.param_sharding_fn(mesh)
     state = jax.tree_util.tree_map_with_path(
-        lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shard(W.param_name(p), x.shape)), state
+        lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shard(weights.param_name(p), x.shape)), state
     )
     shape = KVCache.shape(arch, rows, s)
-    cache_sh = W.cache_sharding(mesh, shape)
+    cache_sh = weights.cache_sharding(mesh, shape)
     cache = KVCache(*(jax.ShapeDtypeStruct(shape, BF16, sharding=cache_sh) for _ in range(2)))
-    rep = W.replicated(mesh)
+    rep = weights.replicated(mesh)
     host = SamplingBatch.host([SamplingParams()] * rows, [0] * rows, [0] * rows, rows)
     sampling = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=rep), host)
     ids = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=rep)

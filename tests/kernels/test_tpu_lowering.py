@@ -10,7 +10,6 @@ Shapes are realistic (bfloat16, head_dim 128, edge tiles), and nothing is compil
 import jax
 import jax.numpy as jnp
 from jax import export
-
 from jaxrl_kernels.attention import segment_attention, splash_segment_attention
 from jaxrl_kernels.decode_attention import decode_attention
 from jaxrl_kernels.logprobs import logprobs

@@ -18,8 +18,8 @@ from jax import export
 
 from jaxrl.engine.config import EngineConfig
 from jaxrl.engine.engine import Engine
+from jaxrl.engine.requests import Request
 from jaxrl.engine.sampling import SamplingParams
-from jaxrl.engine.scheduler import Request
 from jaxrl.kernel_dispatch import Kernels, resolve
 from jaxrl.models.decoder import KVCache
 from jaxrl.models.sharding import shard_params

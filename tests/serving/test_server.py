@@ -15,9 +15,9 @@ from renderers.client import generate
 from transformers import AutoTokenizer
 
 from jaxrl.engine.engine import Engine
+from jaxrl.engine.requests import Completion, TokenDelta
+from jaxrl.engine.requests import Request as EngineRequest
 from jaxrl.engine.sampling import SamplingParams
-from jaxrl.engine.scheduler import Completion, TokenDelta
-from jaxrl.engine.scheduler import Request as EngineRequest
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.serving import protocol
 from jaxrl.serving.chat import ChatServing, parse_tool_calls, renderer_tool_calls
@@ -495,7 +495,7 @@ def test_streamed_reasoning_content_and_tool_calls_add_up_to_the_answer(server, 
 def test_tool_choice_none_leaves_a_written_call_as_text(server, tokenizer) -> None:
     """tool_choice "none" is honoured, not ignored: the same completion (a call the model wrote)
     is a tool call under "auto" (and by default) and stays text under "none"."""
-    from jaxrl.engine.scheduler import Completion
+    from jaxrl.engine.requests import Completion
 
     text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
     ids = tokenizer.encode(text, add_special_tokens=False)
