@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/helpers.py
 
-from xla_flags import cpu_devices  # noqa: E402
+from xla_flags import cpu_devices
 
 os.environ.setdefault("XLA_FLAGS", cpu_devices(8))  # with the fast-compile flags (xla_flags.py)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -31,7 +31,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
-from budget import pytest_addoption, pytest_configure  # noqa: E402,F401  the time and memory budget
+from budget import pytest_addoption, pytest_configure
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -215,7 +215,8 @@ def test_rollout_tensor_parallel_override_is_checked(capsys) -> None:
     assert "--rollout-tensor-parallel 8" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", sorted(EXAMPLES))
+# One example in the fast tier, the others (a process each) in the slow tier.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if i else []) for i, n in enumerate(sorted(EXAMPLES))])
 def test_each_example_command_starts_through_the_real_entry_point(tmp_path, name, monkeypatch) -> None:
     """The trainer container's command, as rendered, through launch/gke/entrypoint.py and
     `python -m jaxrl.train` (the whole CLI and config validation, --dry-run so nothing trains)."""

@@ -27,6 +27,7 @@ def _backward_temp_bytes(remat: str) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow  # compiles every remat policy: the slow tier
 def test_remat_policies_order_backward_memory() -> None:
     none, dots, full = (_backward_temp_bytes(r) for r in ("none", "save_dots", "full"))
     assert none > dots > full, (none, dots, full)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 from helpers import wait_for_serve_url
 
 REPO = "jaxrl-test/tiny-qwen3"
@@ -42,6 +43,7 @@ def offline_env(hf_home: Path) -> dict[str, str]:
     return env | {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
 
 
+@pytest.mark.slow  # a `jaxrl.serve` process: the slow tier
 def test_serve_loads_a_hub_id_from_the_offline_cache(model_dir, tokenizer_dir, tmp_path) -> None:
     hf_home = tmp_path / "hf"
     gen = tmp_path / "gen"

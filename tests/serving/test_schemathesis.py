@@ -21,6 +21,7 @@ from jaxrl.engine.engine import Engine
 from jaxrl.serving.server import EngineServer
 
 MAX_EXAMPLES = 40
+pytestmark = pytest.mark.slow  # fuzzing every route: the slow tier
 STATUS = Counter()
 
 

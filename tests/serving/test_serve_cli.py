@@ -45,6 +45,7 @@ def test_serve_cli_serves_and_stops_on_sigterm(model_dir, tokenizer_dir) -> None
             proc.wait()
 
 
+@pytest.mark.slow  # a `jaxrl.serve` process per bad config: the slow tier
 def test_serve_config_errors_exit_2_with_one_message_before_loading(model_dir, tmp_path) -> None:
     """Bad TOML names the file; a missing model dir and a port in use are found before the model
     loads; a bad field is named."""

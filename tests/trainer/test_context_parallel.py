@@ -40,6 +40,7 @@ def test_context_parallel_equals_one_device(mesh_kw, kv_heads) -> None:
         assert float(np.abs(np.asarray(b) - np.asarray(a)).max()) <= 1e-5 * scale + 1e-7
 
 
+@pytest.mark.slow  # compiles at four context lengths: the slow tier
 def test_memory_per_device_falls_as_context_grows() -> None:
     """Same global batch (2 rows x 512 tokens), 2-way fsdp, context 1 vs 4: the compiled
     micro-step's temporaries per device shrink about as the sequence is split (measured: 86.7 MB
