@@ -31,7 +31,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
-from budget import pytest_addoption, pytest_configure
+from budget import pytest_addoption, pytest_configure  # noqa: F401  the time and memory budget (hooks found by name)
 
 
 @pytest.fixture(autouse=True, scope="module")

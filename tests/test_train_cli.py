@@ -179,8 +179,10 @@ def test_the_training_server_takes_a_free_port_and_serve_keeps_8000(tmp_path, ca
     assert tomllib.loads(capsys.readouterr().out)["inference"]["server"]["port"] == 0
 
 
-@pytest.mark.parametrize("recipe", [r for r in RECIPES if "rl" in r or "echo" in r or "grpo" in r or "opd" in r
-                                    or "debate" in r or "maxrl" in r])  # fmt: skip
+@pytest.mark.parametrize("recipe", [  # the long-context recipe builds 32k-token tasks: the slow tier
+    pytest.param(r, marks=[pytest.mark.slow] if "long" in r else []) for r in RECIPES
+    if "rl" in r or "echo" in r or "grpo" in r or "opd" in r or "debate" in r or "maxrl" in r
+])  # fmt: skip
 def test_every_rl_recipes_envs_load_before_the_run(recipe, monkeypatch) -> None:
     """What a run checks before the engine warms up (module, taskset, every seat's harness)
     holds for every shipped RL recipe's train and eval envs."""
@@ -193,6 +195,7 @@ def test_every_rl_recipes_envs_load_before_the_run(recipe, monkeypatch) -> None:
     check_envs(cfg.orchestrator)
 
 
+@pytest.mark.slow  # two SFT runs: the slow tier
 def test_one_bad_sft_row_is_one_line_exit_2_and_the_fixed_rerun_runs(tmp_path, capsys) -> None:
     """It was a 20-line traceback, exit 1, and an output_dir the fixed rerun refused."""
     import json

@@ -56,6 +56,7 @@ def test_greedy_tokens_match_transformers_generate(moe_dir, make_config, score, 
         assert np.abs(logp - np.asarray(out.logprobs)).max() < 1e-5 and kl(logp, out.logprobs) <= 1e-6
 
 
+@pytest.mark.slow  # the MoE sharded invariants run in the slow tier
 def test_expert_parallel_engine_greedy_tokens_match_generate(moe_dir, make_config) -> None:
     """inference.expert_parallel = 2: each device holds 4 of the 8 experts (the expert MLP sums
     the two devices' shares), and greedy decoding is still exactly transformers' (as the

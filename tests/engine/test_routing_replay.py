@@ -66,6 +66,7 @@ def completions(engine):
     return [r.prompt for r in [*reqs, follow]], out
 
 
+@pytest.mark.slow  # MoE engine runs: the slow tier
 def test_engine_records_every_fed_token(completions, moe_dir) -> None:
     """Prompt + completion - 1 rows (the last token is never fed), compact dtype, and each row
     equals the experts a full forward of the whole sequence picks (exact, fp32)."""

@@ -119,7 +119,7 @@ def _is_packed(x: object) -> bool:
     return isinstance(x, PackedWeight)
 
 
-@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tied", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_engine_serves_packed_weights_with_the_reference_tokens(tied: bool) -> None:
     """On one CPU device ``kernels = "auto"`` packs the layer projections and the output
     projection (a tied embedding's rows are then read from its panels); the tokens are those of

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 CPU_KERNEL_PREFIX = "jaxrl_kernels.cpu_"
 
@@ -48,6 +50,7 @@ def _copy_without_cpu_kernels(dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow  # a fresh interpreter and engine: the slow tier
 def test_without_the_cpu_kernels_the_engine_runs_the_references(tmp_path: Path) -> None:
     root = _copy_without_cpu_kernels(tmp_path)
     code = (

@@ -133,6 +133,7 @@ def test_cached_forward_matches_full_forward_and_reports_the_same_experts(tmp_pa
     np.testing.assert_array_equal(np.concatenate(experts, axis=1), np.asarray(aux.experts))
 
 
+@pytest.mark.slow  # a training run per mode: the slow tier
 def test_forced_routing_replays_changes_and_trains_the_router(tmp_path) -> None:
     """Routing replay: the recorded experts reproduce the logits; other experts change them;
     under forced routing the loss still has a gradient on every sparse layer's router."""
@@ -231,6 +232,7 @@ def test_scratch_moe_twin_of_the_main_job_has_its_active_parameter_count() -> No
             build_config({"model": {"scratch": bad}}, [])
 
 
+@pytest.mark.slow  # the MoE sharded invariants run in the slow tier (the dense ones in the fast tier)
 def test_sharded_moe_loss_and_gradients_equal_one_device() -> None:
     """Expert weights under the data x fsdp x tensor rules (experts whole, embed over fsdp, each
     expert's width over tensor): loss and every gradient as on one device, a mixed model, with the

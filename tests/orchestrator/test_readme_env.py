@@ -36,6 +36,7 @@ def readme_env(tmp_path, monkeypatch) -> str:
     sys.modules.pop("my_words_env", None)
 
 
+@pytest.mark.slow  # an env server: test_orchestrator keeps one in the fast tier
 def test_the_readme_own_env_example_runs(readme_env, endpoint, tmp_path) -> None:
     mine = tmp_path / "my_rl.toml"
     mine.write_text(readme_block("toml", "and this in `my_rl.toml`"))

@@ -12,6 +12,7 @@ import pytest
 from helpers import wait_for_serve_url
 
 
+@pytest.mark.slow  # a `jaxrl.serve` process: the slow tier (test_server keeps a real HTTP server in the fast tier)
 def test_serve_cli_serves_and_stops_on_sigterm(model_dir, tokenizer_dir) -> None:
     cmd = [
         sys.executable, "-m", "jaxrl.serve",

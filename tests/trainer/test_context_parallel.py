@@ -23,7 +23,7 @@ from jaxrl.trainer.step import Trainer, micro_batch_loss, micro_batch_shapes
 
 @pytest.mark.parametrize(("mesh_kw", "kv_heads"), [
     ({"fsdp": 2, "context": 4}, 2),  # 2 KV heads over 4: repeated to 4
-    ({"fsdp": 2, "context": 2, "tensor": 2}, 2),  # heads over tensor, then over context
+    pytest.param({"fsdp": 2, "context": 2, "tensor": 2}, 2, marks=pytest.mark.slow),  # heads over tensor, then over context
 ])  # fmt: skip
 def test_context_parallel_equals_one_device(mesh_kw, kv_heads) -> None:
     cfg = TrainerConfig(seq_len=64)

@@ -26,6 +26,7 @@ MOE = {
 }
 
 
+@pytest.mark.slow  # the MoE sharded invariants run in the slow tier (the dense ones in the fast tier)
 def test_expert_4_by_fsdp_2_equals_one_device() -> None:
     cfg = TrainerConfig(seq_len=64)
     samples = random_samples(14, seed=5, max_len=30)

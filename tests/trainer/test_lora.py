@@ -40,6 +40,7 @@ def _logits(model, tokens: np.ndarray) -> np.ndarray:
     return np.asarray(model.logits(hidden))
 
 
+@pytest.mark.slow  # training and a merged export: the slow tier (the adapter checkpoint test stays fast)
 def test_lora_trains_only_adapters_and_exports_the_merged_model(tmp_path) -> None:
     torch = pytest.importorskip("torch")  # the reference forward
     hf_config = _tiny_hf(tmp_path / "base")
@@ -174,6 +175,7 @@ def test_lora_rl_serves_the_merged_policy(tmp_path) -> None:
     assert (got - want).abs().max() <= 1e-4
 
 
+@pytest.mark.slow  # two exports with remat: the slow tier
 def test_per_layer_merge_matches_merging_the_whole_model_with_remat(tmp_path) -> None:
     """The training forward merges adapters layer by layer inside the scan (``LayerAdapters``);
     its loss and adapter gradients are those of the model merged up front (``lora.merged``),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 from helpers import tiny_model
 
@@ -74,6 +75,7 @@ def test_teacher_scores_packed_sharded_samples_like_one_forward_each():
         assert s.logr[0] == 0.0 and not s.needs_reference
 
 
+@pytest.mark.slow  # a learning run: the slow tier
 def test_distilling_towards_the_teacher_closes_the_gap():
     """On-policy samples (logq = the policy's own log-probs), teacher = another random model:
     5 OPD steps shrink mean |logp - logr| on the distilled tokens."""
