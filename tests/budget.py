@@ -141,7 +141,7 @@ class Budget:
         if not fast:
             return  # the slow tier alone: reported, not budgeted
         slow_tests = [k for k, r in fast.items() if r.seconds > self.test_s]
-        self.violations += [f"{k}: {fast[k].seconds:.1f} s > {self.test_s:.0f} s per test" for k in slow_tests]
+        self.violations += [f"{k}: {fast[k].seconds:.1f} s > {self.test_s:g} s per test" for k in slow_tests]
         if self.wall > self.wall_s:
             self.violations.append(f"the run: {self.wall:.0f} s > {self.wall_s:.0f} s")
         if self.peak > self.rss:
@@ -174,5 +174,4 @@ class Budget:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if not hasattr(config, "workerinput"):
-        config.pluginmanager.register(Budget(config), "jaxrl-budget")
+    config.pluginmanager.register(Budget(config), "jaxrl-budget")
