@@ -21,8 +21,9 @@ MAX_LEN = PROMPT + 256
 
 @pytest.mark.slow
 def test_a_32k_token_prompt_is_served_exactly(tmp_path, make_config, kl) -> None:
-    cfg = qwen3_config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=16, max_position_embeddings=MAX_LEN)  # fmt: skip
+    # One layer, two query heads over one KV head: the length is under test, not the width.
+    cfg = qwen3_config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                       num_kv_heads=1, head_dim=16, max_position_embeddings=MAX_LEN)  # fmt: skip
     save_random_checkpoint(tmp_path, cfg, seed=0, embed_scale=3.0)
     config = make_config(max_model_len=MAX_LEN, max_seqs=2, max_batched_tokens=2048, prefill_len_buckets=[2048],
                          prefill_batch_buckets=[1], decode_batch_buckets=[2])  # fmt: skip
@@ -32,9 +33,9 @@ def test_a_32k_token_prompt_is_served_exactly(tmp_path, make_config, kl) -> None
         prompt = rng.integers(0, 265, PROMPT).tolist()
         (out,) = engine.generate([Request(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=3))])
         assert len(out.token_ids) == 8 and out.finish_reason == "length"
-        # KV cache accounting: 2 layers x 2 KV heads x 33,024 positions x 16 x (k, v) x 4 bytes a row.
+        # KV cache accounting: 1 layer x 1 KV head x 33,024 positions x 16 x (k, v) x 4 bytes a row.
         m = engine.metrics()
-        assert m.kv_bytes_per_sequence == 2 * 2 * MAX_LEN * 16 * 2 * 4 and m.kv_cache_bytes == 2 * m.kv_bytes_per_sequence
+        assert m.kv_bytes_per_sequence == 1 * 1 * MAX_LEN * 16 * 2 * 4 and m.kv_cache_bytes == 2 * m.kv_bytes_per_sequence
         assert m.kv_tokens_in_use == 0 and m.prompt_tokens == PROMPT
         with pytest.raises(ValueError, match=f"prompt has {MAX_LEN} tokens, max_model_len is {MAX_LEN}"):
             engine.generate([Request(rng.integers(0, 265, MAX_LEN).tolist(), SamplingParams(max_tokens=1))])
