@@ -45,7 +45,7 @@ def jaxrl_step(a: argparse.Namespace, hf_config: dict, tokens: np.ndarray):  # t
 
     from jaxrl.models.setup import init_decoder
     from jaxrl.parallel.mesh import MeshConfig, make_mesh
-    from jaxrl.samples import TrainingSample
+    from jaxrl.training_sample import TrainingSample
     from jaxrl.trainer.config import TrainerConfig
     from jaxrl.trainer.step import Trainer
 

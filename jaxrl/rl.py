@@ -33,7 +33,7 @@ from jaxrl.preemption import RunAborted
 from jaxrl.rollout.base import RolloutBackend, RolloutServerDead
 from jaxrl.rollout.factory import start_rollout_backend
 from jaxrl.run_common import TrainingRun
-from jaxrl.samples import COMPONENTS
+from jaxrl.training_sample import COMPONENTS
 from jaxrl.serving.http_thread import check_port_free
 from jaxrl.trainer.loss import component_metrics
 from jaxrl.trainer.teacher import Teacher

@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
             ),
             ("jaxrl.orchestrator", "jaxrl.run_common"),
         ),
-        # The orchestrator reaches the engine over HTTP only (sampling ranges: jaxrl.sampling_ranges).
-        ("jaxrl.orchestrator.orchestrator, jaxrl.orchestrator.config, jaxrl.orchestrator.sampling",
+        # The orchestrator reaches the engine over HTTP only (sampling ranges: jaxrl.sampling_contract).
+        ("jaxrl.orchestrator.orchestrator, jaxrl.orchestrator.config, jaxrl.orchestrator.env_sampling",
          ("jaxrl.engine", "jaxrl.serving")),
     ],
 )

@@ -114,7 +114,7 @@ def engine_vs_trainer(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
     the tolerance of the best token's (an exact argmax match is reported beside it)."""
     from jaxrl.engine.engine import Engine
     from jaxrl.engine.requests import Request
-    from jaxrl.engine.sampling import SamplingParams
+    from jaxrl.engine.token_sampling import SamplingParams
     from jaxrl.kernel_dispatch import Kernels
     from jaxrl.trainer.step import packed_logprobs
 
@@ -161,7 +161,7 @@ def engine_vs_trainer(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
 def _bf16_batch(cfg: dict[str, Any], shapes: Shapes) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """A packed micro-batch with both loss components: SFT rows (CE) and RL rows (advantages +-1,
     sampling log-probs of a uniform policy)."""
-    from jaxrl.samples import TrainingSample
+    from jaxrl.training_sample import TrainingSample
     from jaxrl.trainer.packing import component_counts, pack
 
     rows, length = shapes.parity_tokens

@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 
 from jaxrl.engine import weights
 from jaxrl.engine.config import EngineConfig
-from jaxrl.engine.sampling import SamplingBatch, TokenCounts, penalize, sample
+from jaxrl.engine.token_sampling import SamplingBatch, TokenCounts, penalize, sample
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.decoder import KVCache
 from jaxrl.models.setup import DTYPES

@@ -40,7 +40,7 @@ import numpy as np
 from jaxrl.engine.config import EngineConfig
 from jaxrl.engine.prefix_cache import RowTable, common_prefix
 from jaxrl.engine.requests import Sequence
-from jaxrl.engine.sampling import SamplingBatch
+from jaxrl.engine.token_sampling import SamplingBatch
 
 
 def bucket_at_least(buckets: list[int], n: int) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from jaxrl.samples import TrainingSample
+from jaxrl.training_sample import TrainingSample
 from jaxrl.trainer.loss import LossConfig, loss_counts
 
 

@@ -28,7 +28,7 @@ from jaxrl.models.decoder import Decoder, LayerAdapters, MoeAux
 from jaxrl.models.sharding import state_shardings
 from jaxrl.parallel.mesh import batch_sharding, replicated
 from jaxrl.parallel.rules import check_expert_parallel
-from jaxrl.samples import TrainingSample
+from jaxrl.training_sample import TrainingSample
 from jaxrl.trainer import lora
 from jaxrl.trainer import loss as L
 from jaxrl.trainer.config import TrainerConfig

@@ -12,9 +12,9 @@ from helpers import tiny_model
 from jaxrl.engine.config import EngineConfig
 from jaxrl.engine.engine import Engine
 from jaxrl.engine.requests import Request
-from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.token_sampling import SamplingParams
 from jaxrl.parallel.mesh import MeshConfig, make_mesh
-from jaxrl.samples import TrainingSample
+from jaxrl.training_sample import TrainingSample
 from jaxrl.trainer.config import TrainerConfig
 from jaxrl.trainer.step import Trainer
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from jaxrl.engine.config import EngineConfig
 from jaxrl.engine.requests import Request, Sequence
-from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.token_sampling import SamplingParams
 from jaxrl.engine.scheduler import Scheduler
 
 STOP = 99

@@ -12,7 +12,7 @@ from helpers import tiny_model
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.sharding import shard_params
 from jaxrl.parallel.mesh import MeshConfig, make_mesh
-from jaxrl.samples import TrainingSample
+from jaxrl.training_sample import TrainingSample
 from jaxrl.trainer.config import TrainerConfig
 from jaxrl.trainer.step import Trainer, packed_logprobs
 from jaxrl.trainer.teacher import Teacher

@@ -20,7 +20,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from jaxrl.orchestrator.traces import Branch, Rollout, branch_sample, trace_branches, trace_reward
-from jaxrl.samples import LossComponent, TrainingSample
+from jaxrl.training_sample import LossComponent, TrainingSample
 
 
 class AlgoConfigBase(BaseModel):

@@ -8,7 +8,7 @@ the staleness factor, the ref-KL token loss; ``config`` ``[trainer.loss]`` (``Lo
 """
 
 from jaxrl.imports import resolve_import_path
-from jaxrl.samples import COMPONENTS, LossComponent
+from jaxrl.training_sample import COMPONENTS, LossComponent
 from jaxrl.trainer.loss.batch import (
     LossBatch,
     RLTokenLoss,

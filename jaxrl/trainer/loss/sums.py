@@ -26,7 +26,7 @@ from typing import NotRequired, TypedDict
 import jax
 import jax.numpy as jnp
 
-from jaxrl.samples import COMPONENTS, LossComponent
+from jaxrl.training_sample import COMPONENTS, LossComponent
 from jaxrl.trainer.loss.batch import LossBatch, RLTokenLoss, count_segments, segment_total
 from jaxrl.trainer.loss.config import LossConfig
 from jaxrl.trainer.loss.objectives import ref_kl_token_loss, staleness_factor

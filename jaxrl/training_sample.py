@@ -10,7 +10,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from jaxrl.sampling_ranges import check_trainable_temperature
+from jaxrl.sampling_contract import check_trainable_temperature
 
 LossComponent = Literal["rl", "ce", "ref_kl"]
 """The trainer's loss components (DESIGN contract 3); a sample weights component ``c`` per token
