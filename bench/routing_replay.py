@@ -31,9 +31,9 @@ from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.models.tiny import REVERSE_TEXT_MOE, qwen3_moe_config, save_random_checkpoint
 from jaxrl.rollout.config import InferenceConfig
-from jaxrl.training_sample import TrainingSample
 from jaxrl.trainer.packing import pack
 from jaxrl.trainer.step import packed_logprobs, routed_forward
+from jaxrl.training_sample import TrainingSample
 
 
 def _samples(prompts: list[list[int]], outs: list) -> list[TrainingSample]:

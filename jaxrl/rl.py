@@ -33,10 +33,10 @@ from jaxrl.preemption import RunAborted
 from jaxrl.rollout.base import RolloutBackend, RolloutServerDead
 from jaxrl.rollout.factory import start_rollout_backend
 from jaxrl.run_common import TrainingRun
-from jaxrl.training_sample import COMPONENTS
 from jaxrl.serving.http_thread import check_port_free
 from jaxrl.trainer.loss import component_metrics
 from jaxrl.trainer.teacher import Teacher
+from jaxrl.training_sample import COMPONENTS
 
 PLOT_KEYS = ("train/reward_mean", "train/rl_loss", "train/mismatch_kl", "train/entropy", "time/step_s")  # eval shares reward's panel
 

@@ -98,8 +98,8 @@ def test_eval_splits_may_sample_greedily_and_the_threshold_is_shared(monkeypatch
     import numpy as np
 
     from jaxrl.engine.token_sampling import SamplingParams
-    from jaxrl.training_sample import TrainingSample
     from jaxrl.sampling_contract import GREEDY_BELOW, is_greedy
+    from jaxrl.training_sample import TrainingSample
 
     monkeypatch.chdir(ROOT)
     cfg, _ = load_config(["--config", "configs/reverse_text/rl.toml", "--orchestrator.eval.sampling.temperature", "0"])

@@ -243,7 +243,7 @@ class Scheduler:
 
     def plan_decode(self, steps: int) -> DecodePlan | None:
         # Longest first: decode attention reads each block of rows as far as its longest one
-        # (``jaxrl.models.decoder.ROW_BLOCK``), so rows of like length share blocks.
+        # (``jaxrl.models.layers.ROW_BLOCK``), so rows of like length share blocks.
         seqs = sorted((s for s in self.running if not s.prefilling), key=lambda s: -s.position)
         if not seqs:
             return None

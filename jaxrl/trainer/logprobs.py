@@ -149,7 +149,7 @@ def _bwd(block, res, cotangents):
     mean_logit = lse - entropy
     # [D, N], materialised once: ``h_t @ d_z`` is then the canonical [M, K] @ [K, N] matmul that
     # XLA:CPU hands to its fast kernels (``h32.T @ d_z`` folded into the dot is not; see
-    # ``jaxrl.models.decoder.dense``).
+    # ``jaxrl.models.layers.dense``).
     h_t = lax.optimization_barrier(h32.T)
 
     def body(carry, i):

@@ -14,9 +14,9 @@ from jaxrl.engine.engine import Engine
 from jaxrl.engine.requests import Request
 from jaxrl.engine.token_sampling import SamplingParams
 from jaxrl.parallel.mesh import MeshConfig, make_mesh
-from jaxrl.training_sample import TrainingSample
 from jaxrl.trainer.config import TrainerConfig
 from jaxrl.trainer.step import Trainer
+from jaxrl.training_sample import TrainingSample
 
 PROMPT = [3, 14, 15, 9, 2, 6]
 TARGETS = {7, 8, 9, 10}  # rewarded tokens (of 64)

@@ -21,7 +21,7 @@ from jaxrl.engine.engine import Engine
 from jaxrl.engine.requests import Request
 from jaxrl.engine.token_sampling import SamplingParams
 from jaxrl.kernel_dispatch import Kernels, resolve
-from jaxrl.models.decoder import KVCache
+from jaxrl.models.kv_cache import KVCache
 from jaxrl.models.sharding import shard_params
 from jaxrl.parallel.mesh import MeshConfig, batch_sharding, make_mesh
 from jaxrl.trainer.config import TrainerConfig

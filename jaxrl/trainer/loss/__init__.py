@@ -8,7 +8,6 @@ the staleness factor, the ref-KL token loss; ``config`` ``[trainer.loss]`` (``Lo
 """
 
 from jaxrl.imports import resolve_import_path
-from jaxrl.training_sample import COMPONENTS, LossComponent
 from jaxrl.trainer.loss.batch import (
     LossBatch,
     RLTokenLoss,
@@ -32,6 +31,7 @@ from jaxrl.trainer.loss.sums import (
     metrics,
     normalized_loss,
 )
+from jaxrl.training_sample import COMPONENTS, LossComponent
 
 __all__ = [
     "COMPONENTS",

@@ -188,7 +188,9 @@ def rl_token_loss(
     if keep is not None:
         term = jnp.where(keep, term, 0.0)
         rejected = ~keep
-    loss = v.rl_w * (-adv_tau * term + kl_tau * jnp.square(v.log_ratio))
+    # -(adv_tau * term), not -adv_tau * term: at the default adv_tau = 1 XLA drops the multiply,
+    # leaving the negate DPPO's program always had.
+    loss = v.rl_w * (-(adv_tau * term) + kl_tau * jnp.square(v.log_ratio))
     return RLTokenLoss(loss, high, low, clipped, rejected)
 
 

@@ -26,10 +26,10 @@ from typing import NotRequired, TypedDict
 import jax
 import jax.numpy as jnp
 
-from jaxrl.training_sample import COMPONENTS, LossComponent
 from jaxrl.trainer.loss.batch import LossBatch, RLTokenLoss, count_segments, segment_total
 from jaxrl.trainer.loss.config import LossConfig
 from jaxrl.trainer.loss.objectives import ref_kl_token_loss, staleness_factor
+from jaxrl.training_sample import COMPONENTS, LossComponent
 
 LAG_BINS = ("0", "1", "2", "3p")
 """Staleness histogram bins: tokens sampled 0, 1, 2 and 3 or more policy versions ago."""
