@@ -49,7 +49,7 @@ def bench_engine(model_dir: Path, prompts: np.ndarray, args: argparse.Namespace)
     from jaxrl.engine.config import EngineConfig
     from jaxrl.engine.engine import Engine
     from jaxrl.engine.requests import Request
-    from jaxrl.engine.sampling import SamplingParams
+    from jaxrl.engine.token_sampling import SamplingParams
 
     batch = len(prompts)
     cfg = EngineConfig(

@@ -92,7 +92,8 @@ def _model_fns(dense_cfg: dict, moe_cfg: dict, a: argparse.Namespace, train: boo
 
     from jaxrl.kernel_dispatch import Kernels
     from jaxrl.models.arch import arch_from_hf_config
-    from jaxrl.models.decoder import Decoder, KVCache
+    from jaxrl.models.decoder import Decoder
+    from jaxrl.models.kv_cache import KVCache
 
     kernels = Kernels.create("auto", field="bench")
     rng = np.random.default_rng(0)

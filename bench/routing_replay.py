@@ -26,14 +26,14 @@ import numpy as np
 
 from jaxrl.engine.engine import Engine
 from jaxrl.engine.requests import Request
-from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.token_sampling import SamplingParams
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.models.tiny import REVERSE_TEXT_MOE, qwen3_moe_config, save_random_checkpoint
 from jaxrl.rollout.config import InferenceConfig
-from jaxrl.samples import TrainingSample
 from jaxrl.trainer.packing import pack
 from jaxrl.trainer.step import packed_logprobs, routed_forward
+from jaxrl.training_sample import TrainingSample
 
 
 def _samples(prompts: list[list[int]], outs: list) -> list[TrainingSample]:

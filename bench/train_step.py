@@ -45,9 +45,9 @@ def jaxrl_step(a: argparse.Namespace, hf_config: dict, tokens: np.ndarray):  # t
 
     from jaxrl.models.setup import init_decoder
     from jaxrl.parallel.mesh import MeshConfig, make_mesh
-    from jaxrl.samples import TrainingSample
     from jaxrl.trainer.config import TrainerConfig
     from jaxrl.trainer.step import Trainer
+    from jaxrl.training_sample import TrainingSample
 
     mesh = make_mesh(MeshConfig(fsdp=1, num_devices=1))
     model = init_decoder(hf_config, mesh, seed=0, param_dtype=jnp.float32, dtype=jnp.float32)

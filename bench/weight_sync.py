@@ -51,9 +51,9 @@ def main() -> None:
     from jaxrl.engine.engine import Engine
     from jaxrl.models.hf_io import export_hf, load_decoder
     from jaxrl.parallel.mesh import MeshConfig, make_mesh
-    from jaxrl.samples import TrainingSample
     from jaxrl.trainer.config import TrainerConfig
     from jaxrl.trainer.step import Trainer
+    from jaxrl.training_sample import TrainingSample
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"

@@ -112,7 +112,7 @@ class ModelConfig(BaseModel):
             raise ValueError("model: set either `name` (load a HF directory) or `[model.scratch]`, not both")
         if self.revision is not None and self.name is None:
             raise ValueError("model.revision: set only with `name` (a hub id)")
-        from jaxrl.models.chat import validate_renderer
+        from jaxrl.models.renderer import validate_renderer
 
         validate_renderer(self.renderer, self.renderer_args)
         return self

@@ -2,7 +2,7 @@
 
 It lives outside both ``inference`` (which produces it: embedded engine, vLLM launcher,
 external servers) and ``orchestrator`` (which hands it to env servers), so neither imports the
-other. ``renderer`` is the run's resolved `renderers` config (``jaxrl.models.chat``).
+other. ``renderer`` is the run's resolved `renderers` config (``jaxrl.models.renderer``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class ModelEndpoint:
     """Local tokenizer directory the env server renders prompts with (`renderer_model_name`)."""
     renderer: Mapping[str, Any] = field(default_factory=lambda: {"name": "qwen3", "enable_thinking": False})
     """A `renderers` RendererConfig: the run's `[model] renderer`, resolved
-    (`jaxrl.models.chat.resolve_renderer`). Name it explicitly: an unknown model falls back to
+    (`jaxrl.models.renderer.resolve_renderer`). Name it explicitly: an unknown model falls back to
     a default renderer without content attribution (so no echo)."""
     api_key_var: str = "JAXRL_INFERENCE_API_KEY"
     """Environment variable the env server reads the API key from (unset: "EMPTY")."""

@@ -63,8 +63,8 @@ def evaluate(cfg: RunConfig, out: Path) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from jaxrl.endpoint import ModelEndpoint
-    from jaxrl.models.chat import model_renderer
     from jaxrl.models.hub import resolve_model_dir
+    from jaxrl.models.renderer import model_renderer
     from jaxrl.orchestrator.orchestrator import Orchestrator, check_envs
     from jaxrl.serve import build_server
 

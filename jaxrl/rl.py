@@ -34,7 +34,9 @@ from jaxrl.rollout.base import RolloutBackend, RolloutServerDead
 from jaxrl.rollout.factory import start_rollout_backend
 from jaxrl.run_common import TrainingRun
 from jaxrl.serving.http_thread import check_port_free
+from jaxrl.trainer.loss import component_metrics
 from jaxrl.trainer.teacher import Teacher
+from jaxrl.training_sample import COMPONENTS
 
 PLOT_KEYS = ("train/reward_mean", "train/rl_loss", "train/mismatch_kl", "train/entropy", "time/step_s")  # eval shares reward's panel
 
@@ -168,7 +170,8 @@ def unused_metrics(ocfg: Any) -> tuple[str, ...]:
     """Prefixes of the trainer's metrics that are zero by construction in this run: the CE
     component's when no env's algorithm declares it (echo, sft do), ref-KL's likewise (opd)."""
     used = frozenset().union(*(e.algo.loss_components for e in ocfg.train.env))
-    return (() if "ce" in used else ("ce_",)) + (() if "ref_kl" in used else ("ref_kl_", "teacher_kl"))
+    # An RL run always logs its RL metrics.
+    return tuple(p for c in COMPONENTS if c != "rl" and c not in used for p in component_metrics(c))
 
 
 def load_teachers(ocfg: Any, trainer: Any) -> dict[str, Teacher]:

@@ -13,8 +13,8 @@ import jax
 
 from jaxrl.config import RunConfig
 from jaxrl.metrics import MetricsLogger, truncate_jsonl
-from jaxrl.models.chat import RendererSpec, model_renderer
 from jaxrl.models.hf_io import export_hf
+from jaxrl.models.renderer import RendererSpec, model_renderer
 from jaxrl.models.setup import prepare_model
 from jaxrl.parallel.distributed import barrier, initialize, is_main_process
 from jaxrl.parallel.mesh import make_mesh

@@ -28,8 +28,8 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
     from jaxrl.engine.engine import Engine
-    from jaxrl.models.chat import model_renderer
     from jaxrl.models.hub import resolve_model_dir
+    from jaxrl.models.renderer import model_renderer
     from jaxrl.serving.http_thread import check_port_free
     from jaxrl.serving.server import build_engine_server
 

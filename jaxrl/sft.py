@@ -11,9 +11,9 @@ from typing import Any
 from jaxrl.config import ConfigError, DataConfig, RunConfig
 from jaxrl.data.conversations import load_conversations
 from jaxrl.data.sft import RenderConversation, reference_conversations, sft_dataset
-from jaxrl.models.chat import RendererSpec
+from jaxrl.models.renderer import RendererSpec
 from jaxrl.run_common import TrainingRun
-from jaxrl.samples import TrainingSample
+from jaxrl.training_sample import TrainingSample
 
 # Loss metrics of the RL and ref-KL components, always 0 in SFT: left out of SFT rows (prefixes).
 RL_ONLY = ("rl_", "ref_kl_", "teacher_kl", "mismatch_kl", "masked_high_frac", "masked_low_frac")

@@ -1,7 +1,7 @@
 """Attention over the KV cache on XLA:CPU (decode steps and prefill chunks): a C++ XLA FFI kernel
 (``cpu_cached_attention.cc``).
 
-Why: the pure-JAX reference (``jaxrl.models.decoder.cached_attention``) is memory-bound and
+Why: the pure-JAX reference (``jaxrl.models.layers.cached_attention``) is memory-bound and
 XLA:CPU reads the cache about three times per step (a gathered copy of each chunk, then the
 products); the kernel reads each live key and value once. See the .cc file for the semantics,
 which are the reference's (tests compare the two).

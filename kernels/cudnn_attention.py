@@ -51,7 +51,7 @@ def cudnn_segment_attention(
 ) -> jax.Array:
     """Causal attention within ``segment_ids`` [B, T]: q [B, T, H, D], k and v [B, T, K, D] (grouped
     query heads: H a multiple of K); out like q. The semantics of the decoder's reference
-    attention (``jaxrl.models.decoder.attention`` with ``packed_causal_mask``); every query sees
+    attention (``jaxrl.models.layers.attention`` with ``packed_causal_mask``); every query sees
     at least itself, so no row of the softmax is empty. ``implementation="xla"`` makes the same
     call through XLA (how CPU tests check the arguments)."""
     same = segment_ids[:, :, None] == segment_ids[:, None, :]

@@ -1,7 +1,7 @@
 """One-token decode attention read in place from the engine's KV cache (Pallas).
 
 The cache is heads-major, ``[layers, rows, kv_heads, max_len, head_dim]`` (the engine's layout,
-``jaxrl.models.decoder.KVCache``): for one (layer, row, kv head) the positions are contiguous
+``jaxrl.models.kv_cache.KVCache``): for one (layer, row, kv head) the positions are contiguous
 ``[max_len, head_dim]`` tiles, exactly the ``(block_s, head_dim)`` blocks this kernel reads, in
 TPU's native tiled layout. So the kernel takes the *whole* cache plus three scalar-prefetched
 operands (the layer, each query's cache row, each row's live length) and DMAs only live blocks of

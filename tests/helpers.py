@@ -12,9 +12,9 @@ from jaxrl.models.arch import ModelArch
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.sharding import shard_params
 from jaxrl.parallel.mesh import batch_sharding
-from jaxrl.samples import TrainingSample
 from jaxrl.trainer.packing import component_counts, pack
 from jaxrl.trainer.step import micro_batch_loss, packed_logprobs
+from jaxrl.training_sample import TrainingSample
 
 
 def tiny_arch(vocab: int = 64, **kw) -> ModelArch:

@@ -97,9 +97,9 @@ def test_a_split_that_trains_refuses_greedy_temperatures_in_one_line(overrides, 
 def test_eval_splits_may_sample_greedily_and_the_threshold_is_shared(monkeypatch) -> None:
     import numpy as np
 
-    from jaxrl.engine.sampling import SamplingParams
-    from jaxrl.samples import TrainingSample
-    from jaxrl.sampling_ranges import GREEDY_BELOW, is_greedy
+    from jaxrl.engine.token_sampling import SamplingParams
+    from jaxrl.sampling_contract import GREEDY_BELOW, is_greedy
+    from jaxrl.training_sample import TrainingSample
 
     monkeypatch.chdir(ROOT)
     cfg, _ = load_config(["--config", "configs/reverse_text/rl.toml", "--orchestrator.eval.sampling.temperature", "0"])

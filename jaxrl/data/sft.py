@@ -19,8 +19,8 @@ from typing import Any, Literal
 import grain
 from transformers import AutoTokenizer
 
-from jaxrl.models.chat import RendererSpec, create_renderer
-from jaxrl.samples import TrainingSample
+from jaxrl.models.renderer import RendererSpec, create_renderer
+from jaxrl.training_sample import TrainingSample
 
 Message = dict[str, Any]
 Example = tuple[list[Message], list[dict[str, Any]]]  # (messages, tool specs)

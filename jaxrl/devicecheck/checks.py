@@ -114,7 +114,7 @@ def engine_vs_trainer(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
     the tolerance of the best token's (an exact argmax match is reported beside it)."""
     from jaxrl.engine.engine import Engine
     from jaxrl.engine.requests import Request
-    from jaxrl.engine.sampling import SamplingParams
+    from jaxrl.engine.token_sampling import SamplingParams
     from jaxrl.kernel_dispatch import Kernels
     from jaxrl.trainer.step import packed_logprobs
 
@@ -161,8 +161,8 @@ def engine_vs_trainer(dev: Device, shapes: Shapes) -> list[dict[str, Any]]:
 def _bf16_batch(cfg: dict[str, Any], shapes: Shapes) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """A packed micro-batch with both loss components: SFT rows (CE) and RL rows (advantages +-1,
     sampling log-probs of a uniform policy)."""
-    from jaxrl.samples import TrainingSample
     from jaxrl.trainer.packing import component_counts, pack
+    from jaxrl.training_sample import TrainingSample
 
     rows, length = shapes.parity_tokens
     vocab = cfg["vocab_size"]
@@ -235,7 +235,7 @@ def kernel_training_attention(dev: Device, shapes: Shapes) -> list[dict[str, Any
     """The dispatched training attention over packed segments vs the decoder's reference
     (forward and the gradients of q, k, v)."""
     from jaxrl.kernel_dispatch import Kernels
-    from jaxrl.models.decoder import attention, packed_causal_mask
+    from jaxrl.models.layers import attention, packed_causal_mask
 
     d = shapes.kernel_dims
     kernels = Kernels.create("auto", field="trainer.kernels")
@@ -274,7 +274,7 @@ def kernel_cached_attention(dev: Device, shapes: Shapes) -> list[dict[str, Any]]
     """The engine's dispatched one-token attention over the KV cache vs the decoder's
     ``cached_attention`` reference (rows out of order, lengths from 1 to the cache's end)."""
     from jaxrl.kernel_dispatch import Kernels
-    from jaxrl.models.decoder import cached_attention
+    from jaxrl.models.layers import cached_attention
 
     d = shapes.kernel_dims
     kernels = Kernels.create("auto", field="inference.kernels")

@@ -38,7 +38,7 @@ def logprob_mismatch_bf16(dev: Device, shapes: Shapes) -> Iterator[dict[str, Any
     give flatter distributions than a trained checkpoint (``entropy_mean`` says how flat)."""
     from jaxrl.engine.engine import Engine
     from jaxrl.engine.requests import Request
-    from jaxrl.engine.sampling import SamplingParams
+    from jaxrl.engine.token_sampling import SamplingParams
     from jaxrl.kernel_dispatch import Kernels
     from jaxrl.trainer.step import packed_logprobs
 

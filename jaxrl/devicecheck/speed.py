@@ -107,7 +107,7 @@ def train_step(dev: Device, shapes: Shapes, *, remat: str, profile_dir: Path | N
     ``mfu`` counts model FLOPs (6N + attention), ``hfu`` adds what the policy recomputes
     (``common.train_flops_per_token``): the two differ by the price of recomputation."""
     from jaxrl.models.arch import arch_from_hf_config
-    from jaxrl.samples import TrainingSample
+    from jaxrl.training_sample import TrainingSample
 
     policy = REMATS[remat]
     name = f"train_remat_{remat}"
@@ -198,7 +198,7 @@ def decode(dev: Device, shapes: Shapes) -> Lines:
     from jaxrl.engine.config import EngineConfig
     from jaxrl.engine.engine import Engine
     from jaxrl.engine.requests import Request
-    from jaxrl.engine.sampling import SamplingParams
+    from jaxrl.engine.token_sampling import SamplingParams
     from jaxrl.models.arch import arch_from_hf_config
 
     dtype = _dtype(dev)

@@ -13,6 +13,8 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from jaxrl.kernel_dispatch import KernelChoice
+
 
 def _powers_of_two(lo: int, hi: int, factor: int = 2) -> list[int]:
     """Powers of ``factor`` from ``lo`` up to ``hi``, with ``hi`` itself always last."""
@@ -82,7 +84,7 @@ class EngineConfig(BaseModel):
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """KV cache dtype; "auto" uses the model's compute dtype (``[model] dtype``)."""
 
-    kernels: Literal["auto", "reference", "pallas", "pallas_interpret"] = "auto"
+    kernels: KernelChoice = "auto"
     """Decode attention over the KV cache, and on CPU the projections (``jaxrl.kernel_dispatch``).
     "auto": the Pallas kernel on TPU; on CPU the CPU serving backend (``kernels/cpu_serving.py``:
     ``kernels/cpu_cached_attention.cc`` and, on one device in float32, ``kernels/cpu_matmul.cc``

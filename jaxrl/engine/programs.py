@@ -8,7 +8,7 @@ loop in ``jaxrl.engine.engine``).
 
 Device programs are compiled per shape bucket (``EngineConfig.program_bound``): batch and
 prompt-chunk sizes, never cache lengths. Decode reads and writes the KV cache in place
-(donated): the reference attention (``jaxrl.models.decoder.cached_attention``) reads each block
+(donated): the reference attention (``jaxrl.models.layers.cached_attention``) reads each block
 of rows up to its furthest position, the decode kernel (TPU) each row's live blocks; nothing is
 copied per call.
 """
@@ -27,9 +27,9 @@ from jax.sharding import Mesh
 
 from jaxrl.engine import weights
 from jaxrl.engine.config import EngineConfig
-from jaxrl.engine.sampling import SamplingBatch, TokenCounts, penalize, sample
+from jaxrl.engine.token_sampling import SamplingBatch, TokenCounts, penalize, sample
 from jaxrl.kernel_dispatch import Kernels
-from jaxrl.models.decoder import KVCache
+from jaxrl.models.kv_cache import KVCache
 from jaxrl.models.setup import DTYPES
 
 

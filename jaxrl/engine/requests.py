@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.token_sampling import SamplingParams
 
 
 @dataclass
@@ -48,7 +48,7 @@ class Completion:
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]  # completion tokens, the matched stop token included
-    logprobs: list[float]  # one per completion token (see jaxrl.engine.sampling)
+    logprobs: list[float]  # one per completion token (see jaxrl.engine.token_sampling)
     finish_reason: str  # "stop" | "length" | "abort"
     policy_version: int  # weights version that sampled the first completion token
     policy_version_final: int  # ... and the last (differs only with weight_update = "immediate")

@@ -35,8 +35,9 @@ from jaxrl.engine.config import EngineConfig
 from jaxrl.engine.programs import EngineLayout, engine_programs
 from jaxrl.engine.scheduler import DecodePlan, PrefillPlan
 from jaxrl.kernel_dispatch import Kernels
-from jaxrl.models.decoder import Decoder, KVCache
+from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import load_decoder
+from jaxrl.models.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 

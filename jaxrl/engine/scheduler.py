@@ -40,7 +40,7 @@ import numpy as np
 from jaxrl.engine.config import EngineConfig
 from jaxrl.engine.prefix_cache import RowTable, common_prefix
 from jaxrl.engine.requests import Sequence
-from jaxrl.engine.sampling import SamplingBatch
+from jaxrl.engine.token_sampling import SamplingBatch
 
 
 def bucket_at_least(buckets: list[int], n: int) -> int:
@@ -243,7 +243,7 @@ class Scheduler:
 
     def plan_decode(self, steps: int) -> DecodePlan | None:
         # Longest first: decode attention reads each block of rows as far as its longest one
-        # (``jaxrl.models.decoder.ROW_BLOCK``), so rows of like length share blocks.
+        # (``jaxrl.models.layers.ROW_BLOCK``), so rows of like length share blocks.
         seqs = sorted((s for s in self.running if not s.prefilling), key=lambda s: -s.position)
         if not seqs:
             return None

@@ -12,7 +12,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxrl.models.decoder import CACHE_LOGICAL_AXES, PARAM_LOGICAL_AXES, param_name
+from jaxrl.models.decoder import PARAM_LOGICAL_AXES, param_name
+from jaxrl.models.kv_cache import CACHE_LOGICAL_AXES
 from jaxrl.parallel.rules import logical_to_spec
 
 ShardingFn = Callable[[str, tuple[int, ...]], NamedSharding]

@@ -25,7 +25,7 @@ import numpy as np
 from jaxrl.orchestrator.algo import Algorithm
 from jaxrl.orchestrator.config import DynamicSamplingConfig
 from jaxrl.orchestrator.orchestrator import Group
-from jaxrl.samples import TrainingSample
+from jaxrl.training_sample import TrainingSample
 
 logger = logging.getLogger(__name__)
 

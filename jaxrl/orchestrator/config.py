@@ -9,10 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from jaxrl import renamed
 from jaxrl.envs import check_env_id
 from jaxrl.orchestrator.algo import AlgoConfig, GRPOConfig
-from jaxrl.orchestrator.sampling import SamplingOverride
+from jaxrl.orchestrator.env_sampling import SamplingOverride
 
 # The HTTP API's own range types: a run cannot configure what the server would refuse.
-from jaxrl.sampling_ranges import MaxTokens, Temperature, TopK, TopP, check_trainable_temperature
+from jaxrl.sampling_contract import MaxTokens, Temperature, TopK, TopP, check_trainable_temperature
 
 
 class EnvConfig(BaseModel):

@@ -40,9 +40,9 @@ from jaxrl.orchestrator.env_config import verifiers_env_config
 from jaxrl.orchestrator.env_process import EnvServerDead
 from jaxrl.orchestrator.env_server import EnvServer, start_env_servers
 from jaxrl.orchestrator.env_tasks import task_data
-from jaxrl.orchestrator.tasks import TaskSampler
+from jaxrl.orchestrator.task_order import TaskSampler
 from jaxrl.orchestrator.traces import Rollout, attach_token_versions
-from jaxrl.sampling_ranges import JSON_INT64_MAX
+from jaxrl.sampling_contract import JSON_INT64_MAX
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl.samples import TrainingSample
+from jaxrl.training_sample import TrainingSample
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,7 @@ class ChatServing:
         fields, or None (any) with the tokenizer's own template or request templates allowed."""
         if self.renderer is None or self.allow_request_chat_template:
             return None
-        from jaxrl.models.chat import template_kwarg_names
+        from jaxrl.models.renderer import template_kwarg_names
 
         return template_kwarg_names(self.renderer)
 
@@ -210,7 +210,7 @@ class ChatServing:
 
     def _chat_renderer(self, kwargs: Mapping[str, Any] | None) -> Any:
         """The run's renderer with a request's chat_template_kwargs (validated by renderers), cached."""
-        from jaxrl.models.chat import create_renderer
+        from jaxrl.models.renderer import create_renderer
 
         key = json.dumps(kwargs or {}, sort_keys=True, default=str)
         if key in self._renderers:

@@ -19,7 +19,7 @@ import numpy as np
 from jaxrl.engine.engine import Engine
 from jaxrl.engine.requests import Completion, TokenDelta
 from jaxrl.engine.requests import Request as EngineRequest
-from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.token_sampling import SamplingParams
 from jaxrl.serving import protocol
 from jaxrl.serving.errors import BadRequest, Unavailable
 

@@ -10,7 +10,7 @@ constrained decoding, which it does not do, so they are refused, not ignored. ``
 answers as OpenAI and vLLM do (server-sent events, ``data: [DONE]`` last, usage in a last chunk
 when ``stream_options.include_usage``), token by token as the engine samples them
 (``streaming``). Every sampling field a request names is honoured or refused, never ignored: those of
-``jaxrl.engine.sampling.SamplingParams`` (penalties included, with vLLM's semantics and
+``jaxrl.engine.token_sampling.SamplingParams`` (penalties included, with vLLM's semantics and
 ranges) plus ``n`` (choice i uses seed + i when a seed is given), ``stop`` strings,
 ``ignore_eos`` (drop the tokenizer's EOS from the stop tokens) and ``logprobs``; ``min_p`` and
 ``min_tokens`` are not implemented and accept only their neutral value 0 (the schema says so).
@@ -20,7 +20,7 @@ Which distribution a log-prob is of: ``LOGPROBS`` below (also the OpenAPI descri
 
 Every value a request carries is range-checked here, so a bad value is a 400 naming the field
 and nothing out of range reaches the engine thread (a ``top_k`` of 2**31 once overflowed an
-int32 array there). The range types come from ``jaxrl.sampling_ranges``, shared with the config
+int32 array there). The range types come from ``jaxrl.sampling_contract``, shared with the config
 layer (``[orchestrator.*.sampling]``), so a run cannot configure what the server would refuse.
 
 The generate response satisfies both parsers in the wild: every log-prob entry carries
@@ -49,7 +49,7 @@ from pydantic_core import PydanticCustomError
 
 # The range types live beside the config layer's users, outside jaxrl.engine and jaxrl.serving
 # (the orchestrator validates its sampling settings with them and must not import the engine side).
-from jaxrl.sampling_ranges import (
+from jaxrl.sampling_contract import (
     JSON_INT64_MAX,
     MAX_STOP_STRINGS,
     FrequencyPenalty,

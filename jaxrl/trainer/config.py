@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from jaxrl.kernel_dispatch import KernelChoice
 from jaxrl.parallel.mesh import MeshConfig
 from jaxrl.trainer.lora import LoraConfig
 from jaxrl.trainer.loss import LossConfig
@@ -33,7 +34,7 @@ class TrainerConfig(BaseModel):
     53 GB), "save_dots" keeps the projections' matmul outputs (between the two). "auto": "full"
     on TPU and GPU (one 80 GB GPU holds a 0.6B model's trainer and engine only so), "none" on CPU
     (CPU runs are small). ``true`` / ``false`` mean "full" / "none"."""
-    kernels: Literal["auto", "reference", "pallas", "pallas_interpret"] = "auto"
+    kernels: KernelChoice = "auto"
     """Log-prob and attention implementations (``jaxrl.kernel_dispatch``). "auto": the Pallas
     kernels on TPU, cuDNN's fused training attention on GPU (bfloat16), the pure-JAX references
     elsewhere. "reference" / "pallas": always that one

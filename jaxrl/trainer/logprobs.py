@@ -21,6 +21,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jaxrl_kernels.logprobs import logprobs_reference
 
 DEFAULT_BLOCK_SIZE = 4096
 
@@ -34,17 +35,13 @@ def token_logprobs_reference(
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> tuple[jax.Array, jax.Array]:
-    """Naive semantics of ``token_logprobs``: full float32 logits, softmax, gather.
+    """Naive semantics of ``token_logprobs``: the kernels' one reference
+    (``jaxrl_kernels.logprobs.logprobs_reference``: full float32 logits, softmax, gather).
 
     ``block_size`` is accepted (and ignored) so the two functions are interchangeable.
     """
     del block_size
-    logits = jnp.dot(hidden.astype(jnp.float32), lm_head.astype(jnp.float32))
-    logits = logits / temperature.astype(jnp.float32)[:, None]
-    logp_all = jax.nn.log_softmax(logits, axis=-1)
-    logp = jnp.take_along_axis(logp_all, targets[:, None].astype(jnp.int32), axis=-1)[:, 0]
-    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
-    return logp, entropy
+    return logprobs_reference(hidden, lm_head, targets, temperature)
 
 
 @partial(jax.jit, static_argnames=("block_size",))
@@ -152,7 +149,7 @@ def _bwd(block, res, cotangents):
     mean_logit = lse - entropy
     # [D, N], materialised once: ``h_t @ d_z`` is then the canonical [M, K] @ [K, N] matmul that
     # XLA:CPU hands to its fast kernels (``h32.T @ d_z`` folded into the dot is not; see
-    # ``jaxrl.models.decoder.dense``).
+    # ``jaxrl.models.layers.dense``).
     h_t = lax.optimization_barrier(h32.T)
 
     def body(carry, i):

@@ -33,7 +33,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from jaxrl.models.decoder import PARAM_LOGICAL_AXES, lora_merge, param_name
+from jaxrl.models.decoder import PARAM_LOGICAL_AXES, param_name
+from jaxrl.models.layers import lora_merge
 from jaxrl.parallel.rules import LOGICAL_RULES, logical_to_spec
 
 # Hugging Face module name -> (decoder weight, number of input axes after the layer axis).

@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from jaxrl.samples import TrainingSample
 from jaxrl.trainer.loss import LossConfig, loss_counts
+from jaxrl.training_sample import TrainingSample
 
 
 @dataclass

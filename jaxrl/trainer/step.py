@@ -28,7 +28,6 @@ from jaxrl.models.decoder import Decoder, LayerAdapters, MoeAux
 from jaxrl.models.sharding import state_shardings
 from jaxrl.parallel.mesh import batch_sharding, replicated
 from jaxrl.parallel.rules import check_expert_parallel
-from jaxrl.samples import TrainingSample
 from jaxrl.trainer import lora
 from jaxrl.trainer import loss as L
 from jaxrl.trainer.config import TrainerConfig
@@ -36,6 +35,7 @@ from jaxrl.trainer.logprobs import token_logprobs
 from jaxrl.trainer.moe_routing import check_routing, moe_metrics, moe_sums
 from jaxrl.trainer.optim import make_optimizer
 from jaxrl.trainer.packing import PackedBatch, choose_bucket, component_counts, pack
+from jaxrl.training_sample import TrainingSample
 
 # Arrays of a micro-batch the loss reads, in PackedBatch field names, and their dtypes.
 _MB_DTYPES = {

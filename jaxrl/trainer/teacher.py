@@ -21,9 +21,9 @@ from jaxrl.models.hf_io import load_decoder
 from jaxrl.models.hub import resolve_model_dir
 from jaxrl.models.sharding import param_sharding_fn
 from jaxrl.parallel.mesh import batch_sharding
-from jaxrl.samples import TrainingSample
 from jaxrl.trainer.packing import assign_rows
 from jaxrl.trainer.step import Trainer, packed_logprobs
+from jaxrl.training_sample import TrainingSample
 
 _FIELDS = ("tokens", "positions", "segment_ids", "temperature")
 

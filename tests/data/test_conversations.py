@@ -108,7 +108,7 @@ def test_sft_on_a_llama3_tool_conversation_file(tmp_path) -> None:
 
     from jaxrl.data.sft import render_for_sft
     from jaxrl.metrics import read_metrics
-    from jaxrl.models.chat import create_renderer
+    from jaxrl.models.renderer import create_renderer
     from jaxrl.sft import run_sft
 
     model = build_family_model(tmp_path / "llama3", "llama3")

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from jaxrl.config import build_config
 from jaxrl.data.sft import reference_conversations, sft_dataset
 from jaxrl.metrics import read_metrics
-from jaxrl.models.chat import model_renderer
+from jaxrl.models.renderer import model_renderer
 from jaxrl.rl import run_rl
 
 pytestmark = pytest.mark.slow

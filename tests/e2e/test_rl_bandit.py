@@ -12,11 +12,11 @@ from helpers import tiny_model
 from jaxrl.engine.config import EngineConfig
 from jaxrl.engine.engine import Engine
 from jaxrl.engine.requests import Request
-from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.token_sampling import SamplingParams
 from jaxrl.parallel.mesh import MeshConfig, make_mesh
-from jaxrl.samples import TrainingSample
 from jaxrl.trainer.config import TrainerConfig
 from jaxrl.trainer.step import Trainer
+from jaxrl.training_sample import TrainingSample
 
 PROMPT = [3, 14, 15, 9, 2, 6]
 TARGETS = {7, 8, 9, 10}  # rewarded tokens (of 64)

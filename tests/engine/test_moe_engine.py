@@ -9,7 +9,7 @@ import pytest
 
 from jaxrl.engine.engine import Engine
 from jaxrl.engine.requests import Request
-from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.token_sampling import SamplingParams
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.models.tiny import qwen3_moe_config
 

@@ -13,13 +13,13 @@ import pytest
 
 from jaxrl.engine.engine import Engine
 from jaxrl.engine.requests import Request
-from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.token_sampling import SamplingParams
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.parallel.mesh import MeshConfig, make_mesh
-from jaxrl.samples import TrainingSample
 from jaxrl.serving.server import EngineServer
 from jaxrl.trainer.config import TrainerConfig
 from jaxrl.trainer.step import Trainer
+from jaxrl.training_sample import TrainingSample
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")

@@ -6,8 +6,8 @@ import numpy as np
 
 from jaxrl.engine.config import EngineConfig
 from jaxrl.engine.requests import Request, Sequence
-from jaxrl.engine.sampling import SamplingParams
 from jaxrl.engine.scheduler import Scheduler
+from jaxrl.engine.token_sampling import SamplingParams
 
 STOP = 99
 CFG = EngineConfig(

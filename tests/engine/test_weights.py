@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.engine.engine import Engine
 from jaxrl.engine.requests import Request, TokenDelta
-from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.token_sampling import SamplingParams
 from jaxrl.models.hf_io import copy_model_dir, load_decoder
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]

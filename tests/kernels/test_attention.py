@@ -17,7 +17,7 @@ from jaxrl_kernels.attention import (
     splash_segment_attention,
 )
 
-from jaxrl.models.decoder import attention, packed_causal_mask
+from jaxrl.models.layers import attention, packed_causal_mask
 
 SEGMENTS_13 = np.array(
     [

@@ -16,7 +16,7 @@ from jaxrl_kernels import cpu_cached_attention as cpu_kernel
 from jaxrl_kernels.cpu_build import default_compiler
 
 from jaxrl.kernel_dispatch import Kernels
-from jaxrl.models.decoder import cached_attention
+from jaxrl.models.layers import cached_attention
 
 
 @pytest.fixture(scope="module", autouse=True)

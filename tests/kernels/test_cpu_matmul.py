@@ -21,7 +21,7 @@ from jaxrl_kernels.cpu_matmul import X_BLOCK_FLOATS, PackedWeight
 from jaxrl.engine.config import EngineConfig
 from jaxrl.engine.engine import Engine
 from jaxrl.engine.requests import Request
-from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.token_sampling import SamplingParams
 
 
 @pytest.fixture(scope="module", autouse=True)

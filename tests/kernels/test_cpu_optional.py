@@ -62,7 +62,7 @@ def test_without_the_cpu_kernels_the_engine_runs_the_references(tmp_path: Path) 
         "from helpers import tiny_model\n"
         "from jaxrl.engine.config import EngineConfig\n"
         "from jaxrl.engine.engine import Engine\n"
-        "from jaxrl.engine.sampling import SamplingParams\n"
+        "from jaxrl.engine.token_sampling import SamplingParams\n"
         "from jaxrl.engine.requests import Request\n"
         "model = tiny_model(seed=3, vocab=70)\n"
         "outs = {}\n"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jaxrl_kernels.decode_attention import decode_attention, decode_attention_reference
 
-from jaxrl.models.decoder import attention
+from jaxrl.models.layers import attention
 
 B, S, H, K, D = 5, 11, 6, 2, 8
 LAYERS, ROWS, LAYER = 3, 7, 1

@@ -15,7 +15,7 @@ from jax import export
 from jaxrl_kernels import cudnn_attention
 
 from jaxrl.kernel_dispatch import Kernels, resolve
-from jaxrl.models.decoder import CAUSAL_BLOCK, attention, packed_causal_mask
+from jaxrl.models.layers import CAUSAL_BLOCK, attention, packed_causal_mask
 from jaxrl.trainer.config import TrainerConfig
 
 

@@ -36,10 +36,11 @@ from jaxrl_kernels.logprobs import logprobs
 
 from jaxrl.engine import weights
 from jaxrl.engine.programs import _decode
-from jaxrl.engine.sampling import SamplingBatch, SamplingParams, TokenCounts
+from jaxrl.engine.token_sampling import SamplingBatch, SamplingParams, TokenCounts
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.arch import ModelArch
-from jaxrl.models.decoder import Decoder, KVCache
+from jaxrl.models.decoder import Decoder
+from jaxrl.models.kv_cache import KVCache
 
 GENERATIONS = ["v5e:2x2", "v6e:2x2"]
 VOCAB = 151936

@@ -19,9 +19,9 @@ from jax import export
 from jaxrl.engine.config import EngineConfig
 from jaxrl.engine.engine import Engine
 from jaxrl.engine.requests import Request
-from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.token_sampling import SamplingParams
 from jaxrl.kernel_dispatch import Kernels, resolve
-from jaxrl.models.decoder import KVCache
+from jaxrl.models.kv_cache import KVCache
 from jaxrl.models.sharding import shard_params
 from jaxrl.parallel.mesh import MeshConfig, batch_sharding, make_mesh
 from jaxrl.trainer.config import TrainerConfig

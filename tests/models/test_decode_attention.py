@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.models.decoder import CACHE_CHUNK, attention, cached_attention
+from jaxrl.models.layers import CACHE_CHUNK, attention, cached_attention
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -61,7 +61,7 @@ def test_chunked_decode_attention_reads_only_up_to_the_longest_position() -> Non
 def test_row_blocks_each_stop_at_their_own_furthest_query() -> None:
     """16 rows = two blocks of ``ROW_BLOCK``; the second block's rows are short, so garbage
     beyond them is not read for that block while the first block reads further."""
-    from jaxrl.models.decoder import ROW_BLOCK
+    from jaxrl.models.layers import ROW_BLOCK
 
     n, max_len = 2 * ROW_BLOCK, CACHE_CHUNK * 3
     kc = jax.random.normal(jax.random.key(6), (1, n, 2, max_len, 8))

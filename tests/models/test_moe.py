@@ -15,8 +15,8 @@ from flax import nnx
 
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.arch import arch_from_hf_config
-from jaxrl.models.decoder import KVCache
 from jaxrl.models.hf_io import SafetensorsDir, export_hf, load_decoder
+from jaxrl.models.kv_cache import KVCache
 
 torch = pytest.importorskip("torch")
 

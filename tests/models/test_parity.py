@@ -153,7 +153,7 @@ def test_packed_segments_do_not_attend_across(tmp_path) -> None:
 
 def test_kv_cache_decode_matches_full_forward(tmp_path) -> None:
     """Prefill + token-by-token decode through the cache equals one full forward."""
-    from jaxrl.models.decoder import KVCache
+    from jaxrl.models.kv_cache import KVCache
 
     make_hf_model("qwen2", tmp_path)
     model = load_decoder(tmp_path)

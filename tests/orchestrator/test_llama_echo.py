@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from jaxrl.endpoint import ModelEndpoint
 from jaxrl.envs import lookup
-from jaxrl.models.chat import resolve_renderer
+from jaxrl.models.renderer import resolve_renderer
 from jaxrl.orchestrator.algo import EchoConfig, make_algorithm
 from jaxrl.orchestrator.config import EnvConfig
 from jaxrl.orchestrator.env_server import start_env_servers

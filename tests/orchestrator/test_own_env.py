@@ -13,10 +13,10 @@ import time
 
 import pytest
 
+from jaxrl.envs.reverse_text import SYSTEM_PROMPT
 from jaxrl.orchestrator.batch import build_batch
 from jaxrl.orchestrator.config import OrchestratorConfig
 from jaxrl.orchestrator.orchestrator import Orchestrator, check_envs
-from jaxrl.envs.reverse_text import SYSTEM_PROMPT
 
 MODULE = textwrap.dedent('''
     """A user's env package: a Taskset and nothing else."""

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from jaxrl.engine.engine import Engine
 from jaxrl.engine.requests import Completion, TokenDelta
 from jaxrl.engine.requests import Request as EngineRequest
-from jaxrl.engine.sampling import SamplingParams
+from jaxrl.engine.token_sampling import SamplingParams
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.serving import protocol
 from jaxrl.serving.chat import ChatServing, parse_tool_calls, renderer_tool_calls
@@ -516,7 +516,7 @@ def test_tool_choice_none_leaves_a_written_call_as_text(server, tokenizer) -> No
 
 
 def test_the_schema_names_only_the_template_kwargs_the_renderer_takes(server) -> None:
-    from jaxrl.models.chat import template_kwarg_names
+    from jaxrl.models.renderer import template_kwarg_names
 
     def kwargs_schema(**kw) -> list[dict]:
         schema = {"components": {"schemas": {

@@ -18,10 +18,10 @@ from jaxrl.models.hf_io import export_hf, load_decoder
 from jaxrl.models.sharding import param_sharding_fn
 from jaxrl.models.tiny import qwen3_config, save_random_checkpoint
 from jaxrl.parallel.mesh import MeshConfig, make_mesh
-from jaxrl.samples import TrainingSample
 from jaxrl.trainer.config import TrainerConfig
 from jaxrl.trainer.lora import TARGETS, LoraConfig
 from jaxrl.trainer.step import Trainer
+from jaxrl.training_sample import TrainingSample
 
 
 def _tiny_hf(out_dir) -> dict:

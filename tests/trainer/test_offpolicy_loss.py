@@ -9,8 +9,15 @@ import numpy as np
 import pydantic
 import pytest
 
-from jaxrl.trainer.loss import LossConfig, combine, loss_counts, loss_sums, normalized_loss
-from jaxrl.trainer.loss_view import LossBatch, RLTokenLoss
+from jaxrl.trainer.loss import (
+    LossBatch,
+    LossConfig,
+    RLTokenLoss,
+    combine,
+    loss_counts,
+    loss_sums,
+    normalized_loss,
+)
 
 # Two packed rows of 8 tokens. Row 0: sample 1 (4 tokens), sample 2 (3 tokens), 1 padding token.
 # Row 1: sample 1 (5 tokens), sample 2 (3 tokens). Each sample's first token is never trained.
@@ -244,7 +251,7 @@ def test_dppo_without_segments_is_unchanged():
 def sequence_reinforce(batch: LossBatch, cfg: LossConfig) -> RLTokenLoss:
     """A user's loss written against the view: every RL token of a sample carries
     ``-A * mean(logp over the sample's RL tokens)`` (needs segment ids, which the old hook lacked)."""
-    from jaxrl.trainer.loss_view import segment_mean
+    from jaxrl.trainer.loss import segment_mean
 
     none = jnp.zeros(batch.logp.shape, bool)
     per_sample = segment_mean(batch.logp, batch.rl_on, batch.segment_ids)

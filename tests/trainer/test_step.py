@@ -85,7 +85,7 @@ def test_sharded_trainer_state_stays_sharded_and_loss_falls() -> None:
     graphdef, params = nnx.split(model)
     trainer = Trainer(nnx.merge(graphdef, shard_params(params, mesh)), cfg, mesh)
     rng = np.random.default_rng(0)
-    from jaxrl.samples import TrainingSample
+    from jaxrl.training_sample import TrainingSample
 
     seqs = [np.tile(rng.integers(0, 64, 4), 5) for _ in range(8)]  # learnable repeats
     samples = [TrainingSample.sft(s, np.ones(len(s))) for s in seqs]
@@ -97,7 +97,7 @@ def test_sharded_trainer_state_stays_sharded_and_loss_falls() -> None:
 
 
 def test_empty_components_give_zero_loss_and_finite_grads() -> None:
-    from jaxrl.samples import TrainingSample
+    from jaxrl.training_sample import TrainingSample
 
     cfg = TrainerConfig(seq_len=32)
     s = TrainingSample(

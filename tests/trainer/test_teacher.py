@@ -12,10 +12,10 @@ from helpers import tiny_model
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.sharding import shard_params
 from jaxrl.parallel.mesh import MeshConfig, make_mesh
-from jaxrl.samples import TrainingSample
 from jaxrl.trainer.config import TrainerConfig
 from jaxrl.trainer.step import Trainer, packed_logprobs
 from jaxrl.trainer.teacher import Teacher
+from jaxrl.training_sample import TrainingSample
 
 
 def opd_samples(n: int, seed: int = 0) -> list[TrainingSample]:

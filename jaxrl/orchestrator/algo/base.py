@@ -20,9 +20,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from jaxrl.orchestrator.traces import Branch, Rollout, branch_sample, trace_branches, trace_reward
-from jaxrl.samples import TrainingSample
-
-LossComponent = Literal["rl", "ce", "ref_kl"]
+from jaxrl.training_sample import LossComponent, TrainingSample
 
 
 class AlgoConfigBase(BaseModel):

@@ -13,15 +13,14 @@ that rollout (a failed-rollout record with the error), never the step.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
-from functools import cache
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
 
+from jaxrl.imports import resolve_import_path
 from jaxrl.orchestrator.algo.base import AlgoConfigBase, LossComponent
 from jaxrl.orchestrator.algo.grpo import GRPO, GRPOConfig, Selection
 from jaxrl.orchestrator.traces import Branch, NodeSpan
@@ -51,19 +50,8 @@ class EchoRoles(AlgoConfigBase):
     """Tool outputs."""
 
 
-@cache
-def import_filter(path: str) -> Callable[..., Any]:
-    """The filter function at `path` (a bad path fails at config time, naming it)."""
-    module, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
-    if not module:
-        raise ValueError(f"echo filter import_path {path!r} must be 'pkg.module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), name, None)
-    except ImportError as e:
-        raise ValueError(f"echo filter import_path {path!r}: cannot import {module!r} ({e})") from e
-    if not callable(fn):
-        raise ValueError(f"echo filter import_path {path!r} does not name a function")  # noqa: TRY004 - pydantic reports ValueError
-    return fn
+FILTER_FIELD = "algo.filter.import_path"
+"""The field a bad filter path's error names (resolved at config time)."""
 
 
 def takes_branches(fn: Callable[..., Any], kwargs: dict[str, Any], path: str) -> bool:
@@ -93,7 +81,7 @@ class EchoFilter(AlgoConfigBase):
 
     @model_validator(mode="after")
     def _importable(self) -> EchoFilter:
-        takes_branches(import_filter(self.import_path), self.kwargs, self.import_path)
+        takes_branches(resolve_import_path(self.import_path, FILTER_FIELD), self.kwargs, self.import_path)
         return self
 
 
@@ -124,7 +112,7 @@ class Echo(GRPO):
         self.tool_names = set(tool.tool_names) if tool and tool.tool_names is not None else None
         self.filter = None
         if config.filter is not None:
-            fn = import_filter(config.filter.import_path)
+            fn = resolve_import_path(config.filter.import_path, FILTER_FIELD)
             self.filter = fn, takes_branches(fn, config.filter.kwargs, config.filter.import_path)
 
     def _filter_masks(self, trace: dict, branches: list[Branch]) -> list[np.ndarray]:

@@ -26,7 +26,7 @@ from jaxrl.orchestrator.algo.base import (
     trainable_branches,
 )
 from jaxrl.orchestrator.traces import Branch, Rollout, branch_sample
-from jaxrl.samples import TrainingSample
+from jaxrl.training_sample import TrainingSample
 
 ZERO_ADVANTAGE = 1e-8
 """Advantages within this of zero count as zero (float noise of equal rewards)."""

@@ -12,7 +12,7 @@ from pydantic import Field
 
 from jaxrl.orchestrator.algo.base import AlgoConfigBase, Algorithm, LossComponent, sampled_token_samples
 from jaxrl.orchestrator.traces import Rollout
-from jaxrl.samples import TrainingSample
+from jaxrl.training_sample import TrainingSample
 
 
 class SFTConfig(AlgoConfigBase):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.engine.sampling import ARGMAX_BLOCK, SamplingBatch, SamplingParams, argmax_first, sample
+from jaxrl.engine.token_sampling import ARGMAX_BLOCK, SamplingBatch, SamplingParams, argmax_first, sample
 
 LOGITS = np.array([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]], np.float32)
 
@@ -82,7 +82,7 @@ def test_sampling_params_validation() -> None:
 
 
 def test_inverse_cdf_over_many_blocks_matches_numpy_and_skips_zero_mass() -> None:
-    from jaxrl.engine.sampling import _inverse_cdf
+    from jaxrl.engine.token_sampling import _inverse_cdf
 
     rng = np.random.default_rng(0)
     probs = rng.random((3, 1000)).astype(np.float32) * (rng.random((3, 1000)) < 0.05)
@@ -118,7 +118,7 @@ def _penalties_reference(logits, output_counts, prompt_mask, presence, frequency
 
 
 def test_penalties_match_vllm_reference_and_neutral_rows_are_untouched() -> None:
-    from jaxrl.engine.sampling import TokenCounts, apply_penalties, penalize
+    from jaxrl.engine.token_sampling import TokenCounts, apply_penalties, penalize
 
     rng = np.random.default_rng(0)
     b, v = 5, 40
@@ -160,7 +160,7 @@ def test_penalty_ranges_are_vllms(field: str, value: float) -> None:
 def test_extreme_repetition_penalty_keeps_draws_and_logprobs_finite(repetition: float) -> None:
     """vLLM allows any repetition_penalty > 0; one that overflows float32 is clipped, so the
     sampled token and its log-prob stay finite (a NaN would fail the response)."""
-    from jaxrl.engine.sampling import apply_penalties
+    from jaxrl.engine.token_sampling import apply_penalties
 
     params = [SamplingParams(repetition_penalty=repetition, temperature=t) for t in (1e-5, 0.7, 0.0)]
     batch = SamplingBatch.host(params, [1, 2, 3], [0, 0, 0], 3)

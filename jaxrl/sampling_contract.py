@@ -3,7 +3,7 @@ config can carry (vLLM's meanings), in the types the device arrays hold, and the
 
 Shared by the config layer (``[orchestrator.*.sampling]``), the HTTP API
 (``jaxrl.serving.protocol``, a bad value is a 400 naming the field), the engine
-(``jaxrl.engine.sampling.SamplingParams``) and the training sample (``jaxrl.samples``), so a run
+(``jaxrl.engine.token_sampling.SamplingParams``) and the training sample (``jaxrl.training_sample``), so a run
 cannot configure what the server would refuse, nor train on what the trainer cannot score. A
 ``top_k`` of 2**31 once overflowed an int32 array on the engine thread.
 

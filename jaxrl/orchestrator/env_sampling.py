@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from jaxrl import renamed
-from jaxrl.sampling_ranges import MaxTokens, Temperature, TopK, TopP  # the server's own ranges
+from jaxrl.sampling_contract import MaxTokens, Temperature, TopK, TopP  # the server's own ranges
 
 
 class SamplingOverride(BaseModel):

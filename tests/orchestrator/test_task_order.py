@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxrl.orchestrator.tasks import TaskSampler
+from jaxrl.orchestrator.task_order import TaskSampler
 
 TASKS = {"a": [{"idx": i} for i in range(5)], "b": [{"idx": i} for i in range(5)]}
 

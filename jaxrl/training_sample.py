@@ -6,11 +6,16 @@ It lives outside both packages so that neither depends on the other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
-from jaxrl.sampling_ranges import check_trainable_temperature
+from jaxrl.sampling_contract import check_trainable_temperature
+
+LossComponent = Literal["rl", "ce", "ref_kl"]
+"""The trainer's loss components (DESIGN contract 3); a sample weights component ``c`` per token
+with its ``{c}_w`` stream (``rl_w``, ``ce_w``, ``ref_kl_w``)."""
+COMPONENTS: tuple[LossComponent, ...] = get_args(LossComponent)
 
 
 @dataclass
@@ -61,7 +66,7 @@ class TrainingSample:
                     f"TrainingSample.routed_experts has shape {self.routed_experts.shape}; expected ({n}, layers, k)"
                 )
         optional = tuple(k for k in ("logr", "token_versions") if getattr(self, k) is not None)
-        for name in ("sampled_mask", "logprobs", "rl_w", "ce_w", "ref_kl_w", *optional):
+        for name in ("sampled_mask", "logprobs", *(f"{c}_w" for c in COMPONENTS), *optional):
             arr = getattr(self, name)
             if arr.shape != (n,):
                 raise ValueError(f"TrainingSample.{name} has shape {arr.shape}; expected ({n},) like token_ids")
@@ -84,7 +89,7 @@ class TrainingSample:
         return self.logr is None and bool(self.ref_kl_w[1:].any())
 
     @classmethod
-    def sft(cls, token_ids: np.ndarray, loss_mask: np.ndarray, **kw: Any) -> "TrainingSample":
+    def sft(cls, token_ids: np.ndarray, loss_mask: np.ndarray, **kw: Any) -> TrainingSample:
         """An SFT example: CE weight 1 on ``loss_mask`` tokens, nothing in the RL component."""
         token_ids = np.asarray(token_ids, dtype=np.int32)
         n = token_ids.shape[0]

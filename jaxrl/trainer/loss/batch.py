@@ -1,9 +1,9 @@
 """What every RL loss sees: one typed view of a packed micro-batch (DESIGN contracts 3-4).
 
-Built-in objectives (``jaxrl.trainer.policy_loss``) and a user's ``loss.custom`` get the same
-``LossBatch``, so a sequence-level ratio (GSPO, sequence TIS/MIS) is as easy to write as a
-token-level one: ``segment_total`` sums any per-token quantity over its sample and hands the
-total back on every token of that sample.
+Built-in objectives (``objectives``) and a user's ``loss.custom`` get the same ``LossBatch``,
+so a sequence-level ratio (GSPO, sequence TIS/MIS) is as easy to write as a token-level one:
+``segment_total`` sums any per-token quantity over its sample and hands the total back on every
+token of that sample. This module imports nothing else of the loss package.
 """
 
 from __future__ import annotations

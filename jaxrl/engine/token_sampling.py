@@ -12,7 +12,7 @@ holds for every token:
   property of the sampler, not of the policy the trainer optimises; reporting the filtered
   (renormalised) distribution instead would make every filtered token look off-policy. vLLM's
   ``processed_logprobs`` mode reports the filtered distribution; use top_k / top_p = off for RL;
-- a temperature below ``GREEDY_BELOW`` (0 included; ``jaxrl.sampling_ranges``, the one rule of
+- a temperature below ``GREEDY_BELOW`` (0 included; ``jaxrl.sampling_contract``, the one rule of
   config, API, engine and samples) means greedy (argmax of the logits); its log-prob is reported
   at temperature 1.0, i.e. ``log_softmax(logits)[argmax]``. A split that trains refuses such
   temperatures at config time: greedy tokens have no log-prob at their own temperature;
@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.sampling_ranges import GREEDY_BELOW, check_temperature, is_greedy
+from jaxrl.sampling_contract import GREEDY_BELOW, check_temperature, is_greedy
 
 _F32_MAX = float(np.finfo(np.float32).max)
 _I32_MAX = 2**31 - 1

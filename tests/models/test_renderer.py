@@ -7,7 +7,7 @@ from families import build_family_tokenizer
 from transformers import AutoTokenizer
 
 from jaxrl.config import build_config
-from jaxrl.models.chat import resolve_renderer
+from jaxrl.models.renderer import resolve_renderer
 
 
 def test_unknown_renderer_fails_at_config_time_listing_the_known_ones() -> None:
