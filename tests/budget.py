@@ -131,7 +131,8 @@ class Budget:
         self.peak = max(self.peak, peak)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.records.setdefault(report.nodeid, _Record()).seconds += report.duration
+        # A subtest's report (schemathesis) has a node id of its own: its markers say its tier.
+        self.records.setdefault(report.nodeid, _Record(slow="slow" in report.keywords)).seconds += report.duration
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
