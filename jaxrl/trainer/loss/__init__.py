@@ -7,7 +7,6 @@ the staleness factor, the ref-KL token loss; ``config`` ``[trainer.loss]`` (``Lo
 ``sums`` the per-micro-batch sums, their accumulation, normalisation and metrics.
 """
 
-from jaxrl.imports import resolve_import_path
 from jaxrl.trainer.loss.batch import (
     LossBatch,
     RLTokenLoss,
@@ -58,7 +57,6 @@ __all__ = [
     "metrics",
     "normalized_loss",
     "objective",
-    "resolve_import_path",
     "segment_mean",
     "segment_sums",
     "segment_total",
