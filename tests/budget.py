@@ -26,6 +26,7 @@ import pytest
 ENV = "JAXRL_TEST_BUDGET"
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _SAMPLE_S = 0.25
+_PEAK_KEY = "budget_peak_bytes"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -77,7 +78,8 @@ def _self_peak_and_reset() -> int:
 class _Sampler:
     """Samples the resident memory of this process and its descendants in a daemon thread."""
 
-    peak: int = 0
+    peak: int = 0  # since the last take()
+    overall: int = 0  # since start()
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> None:
@@ -88,6 +90,7 @@ class _Sampler:
         while not self._stop.wait(_SAMPLE_S):
             total = _rss(me) + sum(_rss(p) for p in _descendants(me))
             self.peak = max(self.peak, total)
+            self.overall = max(self.overall, total)
 
     def take(self) -> int:
         """The peak since the last take, then start a new window."""
@@ -122,21 +125,32 @@ class Budget:
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item):
-        rec = self.records.setdefault(item.nodeid, _Record(slow=item.get_closest_marker("slow") is not None))
-        _self_peak_and_reset()
+        _self_peak_and_reset()  # a new window for this test's peak
         self.sampler.take()
         yield
-        peak = max(_self_peak_and_reset(), self.sampler.take())
-        rec.peak = max(rec.peak, peak)
-        self.peak = max(self.peak, peak)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
+        """The test's peak rides on its teardown report: with pytest-xdist the test runs in a
+        worker process and only its reports reach the process that prints the budget."""
+        outcome = yield
+        if call.when == "teardown":
+            peak = max(_self_peak_and_reset(), self.sampler.take())
+            outcome.get_result().user_properties.append((_PEAK_KEY, peak))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         # A subtest's report (schemathesis) has a node id of its own: its markers say its tier.
-        self.records.setdefault(report.nodeid, _Record(slow="slow" in report.keywords)).seconds += report.duration
+        rec = self.records.setdefault(report.nodeid, _Record(slow="slow" in report.keywords))
+        rec.seconds += report.duration
+        for key, value in report.user_properties:
+            if key == _PEAK_KEY:
+                rec.peak = max(rec.peak, value)
+                self.peak = max(self.peak, value)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         self.sampler.stop()
+        self.peak = max(self.peak, self.sampler.overall)  # with xdist: the workers are this process's children
         self.wall = time.monotonic() - self.start
         fast = {k: r for k, r in self.records.items() if not r.slow}
         if not fast:
@@ -174,5 +188,17 @@ class Budget:
                 tr.write_line(f"  {v}", red=True)
 
 
+class _WorkerBudget(Budget):
+    """In a pytest-xdist worker: measures each test's peak onto its reports; the controller
+    (whose process tree holds every worker) adds up, prints and enforces."""
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self.sampler.stop()
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        pass
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    config.pluginmanager.register(Budget(config), "jaxrl-budget")
+    worker = hasattr(config, "workerinput")  # set by pytest-xdist in its workers
+    config.pluginmanager.register((_WorkerBudget if worker else Budget)(config), "jaxrl-budget")
