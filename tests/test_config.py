@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl.config import build_config, load_config
+from jaxrl.cli import build_config, load_config
 from jaxrl.train import main
 
 ROOT = Path(__file__).resolve().parents[1]  # every recipe's --dry-run: tests/test_train_cli.py
