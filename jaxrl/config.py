@@ -279,7 +279,8 @@ class RunConfig(BaseModel):
             raise ValueError("set only one of `[data]` (SFT) and `[orchestrator]` (RL)")
         if self.orchestrator is not None and self.distributed.expected_processes() > 1:
             check_multihost_rl(self.inference.backend.type)
-        if self.orchestrator is not None and self.trainer.moe_routing == "replay" and self.inference.backend.type == "vllm":
+        replay = self.orchestrator is not None and self.trainer.moe_routing == "replay"
+        if replay and self.inference.backend.type == "vllm":
             raise ValueError(
                 'trainer.moe_routing = "replay" needs routing from the rollout backend; the vllm backend does not '
                 'return it: use inference.backend.type = "embedded" (or "external" jaxrl servers) or moe_routing = "recompute"'

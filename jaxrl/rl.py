@@ -89,7 +89,10 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
             raise ConfigError(str(e)) from None
     run = TrainingRun(cfg, plot_keys=PLOT_KEYS)
     meta = run.maybe_resume(resume)
-    if run.trainer.arch.is_moe and is_main_process() and cfg.trainer.moe_routing is None and cfg.inference.backend.type != "embedded":
+    # An MoE model on the embedded backend replays routing (its server returns the experts:
+    # jaxrl.rollout.factory); elsewhere, unless the config asked for replay, the trainer recomputes it.
+    recomputes = cfg.trainer.moe_routing is None and cfg.inference.backend.type != "embedded"
+    if run.trainer.arch.is_moe and is_main_process() and recomputes:
         print(f"[jaxrl] MoE policy on the {cfg.inference.backend.type} backend: the trainer recomputes routing "
               "(samples carry no routed_experts); routing_changed_frac is not measured", flush=True)  # fmt: skip
     leader = is_main_process()  # runs the orchestrator and env servers; every process trains

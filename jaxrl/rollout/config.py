@@ -184,7 +184,9 @@ def rename_hint(old: str, new: str) -> None:
 
 def not_embedded(field: str, backend: str) -> ValueError:
     """An embedded engine's setting under another backend: refused, never accepted and ignored."""
-    return ValueError(f'{field}: a setting of the embedded engine; the backend is "{backend}", which never reads it: delete it')
+    return ValueError(
+        f'{field}: a setting of the embedded engine; the backend is "{backend}", which never reads it: delete it'
+    )
 
 
 def engine_settings_moved(inference: dict[str, Any]) -> dict[str, Any]:
@@ -297,7 +299,7 @@ class InferenceConfig(SharedSettings):
 
     def _engine_config(self, *, validate: bool) -> EngineConfig:
         if not isinstance(self.backend, EmbeddedConfig):
-            raise TypeError(f'inference.backend = "{self.backend.type}": not the embedded engine, which has no config here')
+            raise TypeError(f'inference.backend = "{self.backend.type}": not the embedded engine (no engine config)')
         fields = {k: getattr(self, k) for k in SharedSettings.model_fields}
         fields |= {k: getattr(self.backend, k) for k in EngineSettings.model_fields}
         return EngineConfig.model_validate(fields) if validate else EngineConfig.model_construct(**fields)

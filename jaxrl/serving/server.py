@@ -127,7 +127,9 @@ class EngineServer:
             weights_root=config.weights_root,
             allow_request_chat_template=config.allow_request_chat_template,
             request_template_timeout_s=config.request_template_timeout_s,
-            return_routed_experts=config.return_routed_experts if return_routed_experts is None else return_routed_experts,
+            return_routed_experts=(
+                config.return_routed_experts if return_routed_experts is None else return_routed_experts
+            ),
             renderer=renderer,
         )
 
