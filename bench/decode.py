@@ -175,7 +175,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--decode-steps", type=int, default=4)
-    ap.add_argument("--decode-steps-idle", type=int, default=16, help="inference.decode_steps_idle")
+    ap.add_argument("--decode-steps-idle", type=int, default=16, help="inference.backend.decode_steps_idle")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192)

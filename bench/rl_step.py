@@ -21,7 +21,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     a = p.parse_args()
 
-    from jaxrl.config import load_config
+    from jaxrl.cli import load_config
     from jaxrl.metrics import read_metrics
     from jaxrl.train import run
 

@@ -152,7 +152,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--decode-buckets", type=int, nargs="+", help="inference.decode_batch_buckets (engine)")
+    ap.add_argument("--decode-buckets", type=int, nargs="+", help="inference.backend.decode_batch_buckets (engine)")
     ap.add_argument("--warm-passes", type=int, default=3, help="warm passes; the median is reported")
     ap.add_argument("--backends", nargs="+", choices=["engine", "vllm"], default=["engine", "vllm"],
                     help="vllm runs only when JAXRL_VLLM is set")

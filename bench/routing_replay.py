@@ -24,13 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.engine.config import EngineConfig
 from jaxrl.engine.engine import Engine
 from jaxrl.engine.requests import Request
 from jaxrl.engine.token_sampling import SamplingParams
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.models.tiny import REVERSE_TEXT_MOE, qwen3_moe_config, save_random_checkpoint
-from jaxrl.rollout.config import InferenceConfig
 from jaxrl.trainer.packing import pack
 from jaxrl.trainer.step import packed_logprobs, routed_forward
 from jaxrl.training_sample import TrainingSample
@@ -51,9 +51,9 @@ def _samples(prompts: list[list[int]], outs: list) -> list[TrainingSample]:
 
 
 def measure(model_dir: str, dtype: str, requests: int, max_tokens: int) -> list[dict]:
-    cfg = InferenceConfig(max_model_len=256, max_seqs=8, max_batched_tokens=256, decode_steps=4,
-                          decode_batch_buckets=[8], prefill_len_buckets=[64], prefill_batch_buckets=[4],
-                          kv_cache_dtype="auto")  # fmt: skip
+    cfg = EngineConfig(max_model_len=256, max_seqs=8, max_batched_tokens=256, decode_steps=4,
+                       decode_batch_buckets=[8], prefill_len_buckets=[64], prefill_batch_buckets=[4],
+                       kv_cache_dtype="auto")  # fmt: skip
     engine = Engine.from_pretrained(model_dir, cfg, dtype=dtype)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 250, int(rng.integers(8, 40))).tolist() for _ in range(requests // 2)]

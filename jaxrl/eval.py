@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jaxrl.config import ConfigError, RunConfig, load_config, to_toml
+from jaxrl.cli import load_config, to_toml
+from jaxrl.config import ConfigError, RunConfig
 from jaxrl.serving.http_thread import PortInUse
 
 EVAL_DIR = "eval"

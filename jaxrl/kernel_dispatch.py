@@ -5,7 +5,7 @@ The model is the same on every platform; a kernel or a weight layout is chosen h
 call per site, never by parameters of the decoder. The call sites: the trainer's fused log-probs
 (``jaxrl.trainer.step``), and in the decoder its training attention over packed segments, its
 attention over the engine's KV cache, its projections, embedding lookup and logits. Each asks a
-``Kernels`` object, made once at start-up from ``trainer.kernels`` / ``inference.kernels``, and gets
+``Kernels`` object, made once at start-up from ``trainer.kernels`` / ``inference.backend.kernels``, and gets
 back a function, or None for "keep your own reference" (so this module imports neither the
 trainer nor the engine, which must not depend on each other). A mixture-of-experts model's
 sparse layers ask for their expert MLP (``Kernels.expert_mlp``): the reference is

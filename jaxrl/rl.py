@@ -77,7 +77,9 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     assert cfg.orchestrator is not None
     ocfg = cfg.orchestrator
     initialize(cfg.distributed)
-    if jax.process_count() > 1:  # a TPU slice knows its process count only now
+    if cfg.distributed.expected_processes() == 1 and jax.process_count() > 1:
+        # Checked at load when the count was known then; a TPU slice outside GKE (no num_processes,
+        # no TPU_WORKER_HOSTNAMES) learns it only now, from jax.distributed's own discovery.
         check_multihost_rl(cfg.inference.backend.type)
     if is_main_process():  # the engine's server, vLLM's proxy or the external balancer listens here
         check_port_free(cfg.inference.server.host, cfg.inference.server.port)  # before the model loads
@@ -85,19 +87,12 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
             check_envs(ocfg)  # an env that cannot load fails now, not after the engine's warm-up
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    if cfg.trainer.moe_routing == "replay" and cfg.inference.backend.type == "vllm":
-        raise ConfigError(
-            'trainer.moe_routing = "replay" needs routing from the rollout backend; the vllm backend does not '
-            'return it: use inference.backend.type = "embedded" (or "external" jaxrl servers) or moe_routing = "recompute"'
-        )
     run = TrainingRun(cfg, plot_keys=PLOT_KEYS)
     meta = run.maybe_resume(resume)
-    if run.trainer.arch.is_moe and cfg.trainer.moe_routing != "recompute" and cfg.inference.backend.type == "embedded":
-        # routing replay: the engine's server returns every token's experts (verifiers puts them on the trace)
-        cfg = cfg.model_copy(update={"inference": cfg.inference.model_copy(
-            update={"server": cfg.inference.server.model_copy(update={"return_routed_experts": True})}
-        )})  # fmt: skip
-    elif run.trainer.arch.is_moe and is_main_process() and cfg.trainer.moe_routing is None:
+    # An MoE model on the embedded backend replays routing (its server returns the experts:
+    # jaxrl.rollout.factory); elsewhere, unless the config asked for replay, the trainer recomputes it.
+    recomputes = cfg.trainer.moe_routing is None and cfg.inference.backend.type != "embedded"
+    if run.trainer.arch.is_moe and is_main_process() and recomputes:
         print(f"[jaxrl] MoE policy on the {cfg.inference.backend.type} backend: the trainer recomputes routing "
               "(samples carry no routed_experts); routing_changed_frac is not measured", flush=True)  # fmt: skip
     leader = is_main_process()  # runs the orchestrator and env servers; every process trains
@@ -107,7 +102,7 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     backend = start_rollout_backend(
         run.trainer.model(), run.trainer.params, version=run.trainer.step, hf_config=run.hf_config,
         inference=cfg.inference, model_config=cfg.model, output_dir=run.out,
-        tokenizer_dir=run.tokenizer_dir, renderer=run.renderer,
+        tokenizer_dir=run.tokenizer_dir, renderer=run.renderer, moe_routing=cfg.trainer.moe_routing,
     )  # fmt: skip
     if leader:  # a free port by default: say which
         print(f"[jaxrl] rollout server at {backend.endpoint.base_url} (ready in {time.perf_counter() - t0:.1f} s)", flush=True)

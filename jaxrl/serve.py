@@ -4,7 +4,8 @@ Serves a Hugging Face model directory with the embedded engine over the HTTP API
 contract 6 (``/inference/v1/generate``, OpenAI ``/v1/chat/completions`` and ``/v1/completions``,
 ``/v1/models``, ``/update_weights``, ``/health``) until SIGINT/SIGTERM, then shuts down
 gracefully. Reads the same config tree as training: ``[model] name / tokenizer / dtype`` and
-``[inference]`` (sizes, ``[inference.server] host / port``, port 8000 unless set). ``--dry-run``
+``[inference]`` (sizes, the engine's settings in ``[inference.backend]``, ``[inference.server]
+host / port``, port 8000 unless set). ``--dry-run``
 prints the resolved ``[model]`` and ``[inference]`` sections as TOML and exits.
 """
 
@@ -13,7 +14,8 @@ from __future__ import annotations
 import json
 import sys
 
-from jaxrl.config import RunConfig, load_config, to_toml
+from jaxrl.cli import load_config, to_toml
+from jaxrl.config import RunConfig
 
 SERVE_FIELDS = ("model", "inference")
 """The config sections jaxrl.serve reads (its --help and overrides are limited to them)."""
@@ -44,7 +46,7 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
     model_dir = resolve_model_dir(cfg.model.name, cfg.model.revision)
     tokenizer_dir = cfg.model.tokenizer or model_dir
     hf_config = json.loads((model_dir / "config.json").read_text())
-    engine = Engine.from_pretrained(model_dir, cfg.inference, dtype=cfg.model.dtype)
+    engine = Engine.from_pretrained(model_dir, cfg.inference.engine_config(), dtype=cfg.model.dtype)
     renderer = model_renderer(cfg.model, hf_config, AutoTokenizer.from_pretrained(tokenizer_dir))
     return build_engine_server(
         engine, cfg.inference.server, tokenizer_dir=tokenizer_dir, model_dir=model_dir, model_name=cfg.model.name,

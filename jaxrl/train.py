@@ -16,7 +16,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from jaxrl.config import ConfigError, RunConfig, load_config, to_toml
+from jaxrl.cli import load_config, to_toml
+from jaxrl.config import ConfigError, RunConfig
 from jaxrl.parallel.distributed import barrier, initialize, is_main_process
 from jaxrl.preemption import RunAborted
 from jaxrl.serving.http_thread import PortInUse

@@ -1,4 +1,4 @@
-"""The engine's CPU serving backend: what ``jaxrl.kernel_dispatch`` runs for ``inference.kernels =
+"""The engine's CPU serving backend: what ``jaxrl.kernel_dispatch`` runs for ``inference.backend.kernels =
 "auto"`` on a CPU, and the weight layout it needs.
 
 * Decode projections by the C++ matmul (``cpu_matmul``) on weights packed once per weight update

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxrl.engine.config import EngineConfig
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.tiny import qwen3_config, save_random_checkpoint
 from jaxrl.models.tokenizer import build_tokenizer
-from jaxrl.rollout.config import InferenceConfig
 
 VOCAB = 272  # the byte tokenizer has 265 tokens; the model may have more rows, as real ones do
 PAD_TO = 128  # scoring row length (= the test engines' max_model_len)
@@ -43,7 +43,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
-def tiny_config(**overrides) -> InferenceConfig:
+def tiny_config(**overrides) -> EngineConfig:
     """One bucket each (compiles are slow on a shared CPU); chunked prefill and padding still run."""
     base = {
         "max_model_len": 128,
@@ -55,7 +55,7 @@ def tiny_config(**overrides) -> InferenceConfig:
         "prefill_batch_buckets": [2],
         "min_prefix_reuse": 4,
     }
-    return InferenceConfig(**{**base, **overrides})
+    return EngineConfig(**{**base, **overrides})
 
 
 @functools.cache

@@ -18,8 +18,9 @@ from xla_flags import cpu_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 # One set of engine sizes for servers and runs: every shape is compiled at server start.
-ENGINE = {"max_model_len": 256, "max_seqs": 8, "prefill_len_buckets": [128, 256], "prefill_batch_buckets": [4],
-          "decode_batch_buckets": [8]}  # fmt: skip
+SIZES = {"max_model_len": 256, "max_seqs": 8}  # [inference]: what every backend reads
+ENGINE = {"prefill_len_buckets": [128, 256], "prefill_batch_buckets": [4], "decode_batch_buckets": [8]}
+"""[inference.backend] of the embedded engine (the servers'; the runs' external backend has none)."""
 
 
 def free_port() -> int:
@@ -39,7 +40,8 @@ class Serve:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        args = [a for k, v in ENGINE.items() for a in (f"--inference.{k}", json.dumps(v))]
+        args = [a for k, v in SIZES.items() for a in (f"--inference.{k}", json.dumps(v))]
+        args += [a for k, v in ENGINE.items() for a in (f"--inference.backend.{k}", json.dumps(v))]
         with log.open("w") as f:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "jaxrl.serve", "--model.name", str(model_dir),
@@ -89,7 +91,7 @@ def rl_toml(path: Path, model_dir: Path, out: Path, urls: list[str], *, steps: i
         "trainer": {"steps": steps, "seq_len": 256, "seq_len_buckets": [256], "micro_batch_rows": 4, "mesh": mesh,
                     "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"}},
         "inference": {"backend": "external", "base_url": urls, "server": {"port": 0},
-                      "external": {"request_timeout_s": 60, "startup_timeout_s": 30}, **ENGINE},
+                      "external": {"request_timeout_s": 60, "startup_timeout_s": 30}, **SIZES},
         "orchestrator": {"batch_size": 8, "group_size": 4, "max_async_level": 0, "max_resample": 3,
                          "train": {"sampling": {"max_completion_tokens": 8, "temperature": 1.0},
                                    "env": [{"id": "reverse_text", "args": {"seed": 3}}]}},

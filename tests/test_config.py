@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl.config import build_config, load_config
+from jaxrl.cli import build_config, load_config
 from jaxrl.train import main
 
 ROOT = Path(__file__).resolve().parents[1]  # every recipe's --dry-run: tests/test_train_cli.py
@@ -233,3 +233,61 @@ def test_a_backend_chosen_on_the_command_line_replaces_the_files() -> None:
         build_config(toml, [])
     old_shape = {"inference": {"backend": "external", "base_url": "http://127.0.0.1:8000", "external": {"request_timeout_s": 60}}}
     assert build_config(old_shape, ["--inference.backend", "embedded"]).inference.backend.type == "embedded"
+
+
+def test_the_embedded_engines_settings_live_under_its_backend_and_the_old_spelling_reads(tmp_path, capsys) -> None:
+    """`[inference] decode_steps = 8` (and its flag) reads as `[inference.backend] decode_steps = 8`,
+    saying so in one line on stderr; under the vllm or external backend it is refused naming the
+    field (never accepted and ignored); the shared sizes stay in [inference]."""
+    new = build_config({"inference": {"max_seqs": 8, "backend": {"type": "embedded", "decode_steps": 8}}}, [])
+    capsys.readouterr()
+    old = build_config({"inference": {"max_seqs": 8, "decode_steps": 8}}, [])
+    assert old.inference == new.inference and new.inference.backend.decode_steps == 8
+    assert capsys.readouterr().err == (
+        "[jaxrl] config: inference.decode_steps is now inference.backend.decode_steps (read as that)\n"
+    )
+    f = tmp_path / "x.toml"
+    f.write_text("[inference.backend]\ntype = \"embedded\"\ndecode_steps = 2\n")
+    cfg, _ = load_config(["--config", str(f), "--inference.decode-steps", "8", "--inference.tensor-parallel=1"])
+    assert cfg.inference.backend.decode_steps == 8  # the command line wins, in either spelling
+    assert "--inference.decode_steps is now --inference.backend.decode_steps" in capsys.readouterr().err
+    assert build_config({}, ["--inference.backend.warmup", "false"]).inference.backend.warmup is False
+    engine = cfg.inference.engine_config()  # what the embedded engine is built with: both parts
+    assert (engine.decode_steps, engine.max_seqs) == (8, cfg.inference.max_seqs)
+    external = {"backend": "external", "base_url": "http://127.0.0.1:8000"}
+    for toml, args, field in [
+        ({"inference": {"backend": "vllm", "decode_steps": 8}}, [], "inference.decode_steps"),
+        ({"inference": {"backend": {"type": "vllm", "kernels": "reference"}}}, [], "inference.backend.kernels"),
+        ({"inference": external}, ["--inference.tensor_parallel", "2"], "inference.backend.tensor_parallel"),
+        ({"inference": external}, ["--inference.backend.warmup", "false"], "inference.backend.warmup"),
+    ]:
+        with pytest.raises(ValueError, match=f'{field}: a setting of the embedded engine; the backend is "'):
+            build_config(toml, args)
+    with pytest.raises(ValueError, match="inference.decode_steps and inference.backend.decode_steps are both set"):
+        build_config({"inference": {"decode_steps": 4, "backend": {"decode_steps": 8}}}, [])
+
+
+def test_a_recipes_engine_settings_serve_its_rollout_servers_and_leave_its_trainer() -> None:
+    """One recipe for GKE's trainer (`--inference.backend external`) and its `jaxrl.serve` rollout
+    servers (`--inference.backend embedded`): the servers read its engine settings, in either
+    spelling; the trainer's external backend drops them with the file's backend."""
+    for inference in ({"tensor_parallel": 2, "prefill_len_buckets": [64]},
+                      {"backend": {"type": "embedded", "tensor_parallel": 2, "prefill_len_buckets": [64]}}):  # fmt: skip
+        serve = build_config({"inference": inference}, ["--inference.backend", "embedded"])
+        assert (serve.inference.backend.tensor_parallel, serve.inference.backend.prefill_len_buckets) == (2, [64])
+        trainer = build_config({"inference": inference}, ["--inference.backend", "external", "--inference.base_url",
+                                                          "http://127.0.0.1:8000"])  # fmt: skip
+        assert trainer.inference.backend.type == "external"
+
+
+def test_checks_the_run_made_at_start_fail_at_load(capsys) -> None:
+    """Routing replay with the vllm backend fails while the config loads (`--dry-run` catches it),
+    with the message the run used to give after building the trainer."""
+    args = ["--config", str(ROOT / "configs/reverse_text/rl.toml"), "--trainer.moe_routing", "replay",
+            "--inference.backend", "vllm", "--dry-run"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ")
+    assert ('trainer.moe_routing = "replay" needs routing from the rollout backend; the vllm backend does not '
+            'return it: use inference.backend.type = "embedded" (or "external" jaxrl servers) or moe_routing = '
+            '"recompute"') in err  # fmt: skip

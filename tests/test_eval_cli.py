@@ -16,9 +16,9 @@ from jaxrl.eval import main as eval_main
 from jaxrl.train import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE = ["--inference.max_model_len", "128", "--inference.max_seqs", "8", "--inference.warmup", "false",
-          "--inference.prefill_len_buckets", "[64]", "--inference.prefill_batch_buckets", "[8]",
-          "--inference.decode_batch_buckets", "[8]"]  # fmt: skip
+ENGINE = ["--inference.max_model_len", "128", "--inference.max_seqs", "8", "--inference.backend.warmup", "false",
+          "--inference.backend.prefill_len_buckets", "[64]", "--inference.backend.prefill_batch_buckets", "[8]",
+          "--inference.backend.decode_batch_buckets", "[8]"]  # fmt: skip
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxrl.config import build_config, load_config, parse_args, prime_rl_flags
+from jaxrl.cli import build_config, load_config, parse_args, prime_rl_flags
 
 RL = ["--config", "configs/reverse_text/rl.toml", "--model.name", "Qwen/Qwen3-0.6B"]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from jaxrl.config import build_config, load_config
+from jaxrl.cli import build_config, load_config
 from jaxrl.train import main
 
 ROOT = Path(__file__).resolve().parents[1]

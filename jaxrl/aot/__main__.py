@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     from jaxrl.aot.programs import model_hf_config, plan
     from jaxrl.aot.topology import get_topology
-    from jaxrl.config import load_config
+    from jaxrl.cli import load_config
 
     try:
         cfg, _ = load_config(rest)

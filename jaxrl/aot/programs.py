@@ -46,8 +46,8 @@ TRAINER_KNOBS = (
 )
 ENGINE_KNOBS = (
     "inference.max_seqs and inference.max_model_len (KV cache = max_seqs x max_model_len positions)",
-    "inference.tensor_parallel (shards weights and KV cache heads)",
-    'inference.kv_cache_dtype = "bfloat16"',
+    "inference.backend.tensor_parallel (shards weights and KV cache heads)",
+    'inference.backend.kv_cache_dtype = "bfloat16"',
 )
 
 
@@ -154,7 +154,7 @@ def abstract_decoder(arch: ModelArch, param_dtype: Any, dtype: Any) -> Decoder:
 
 @dataclass
 class EngineShapes:
-    config: Any  # InferenceConfig, max_model_len resolved for the model
+    config: Any  # EngineConfig, max_model_len resolved for the model
     mesh: Mesh
     graphdef: Any
     weights: Any  # sharded ShapeDtypeStructs
@@ -215,7 +215,7 @@ def _engine_shapes(cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo
     from jaxrl.engine.programs import EngineLayout
     from jaxrl.kernel_dispatch import Kernels
 
-    icfg = cfg.inference.with_model_len(arch.max_position_embeddings)  # unset: the model's own context
+    icfg = cfg.inference.engine_config().with_model_len(arch.max_position_embeddings)  # unset: the model's own context
     if icfg.max_model_len > arch.max_position_embeddings:
         raise ValueError(
             f"inference.max_model_len ({icfg.max_model_len}) exceeds the model's max_position_embeddings "
@@ -223,7 +223,7 @@ def _engine_shapes(cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo
         )
     if icfg.tensor_parallel * icfg.expert_parallel > topo.num_devices:
         raise ValueError(
-            f"inference.tensor_parallel * inference.expert_parallel = {icfg.tensor_parallel * icfg.expert_parallel} "
+            f"inference.backend.tensor_parallel * expert_parallel = {icfg.tensor_parallel * icfg.expert_parallel} "
             f"> {topo.num_devices} devices in {topo.name}"
         )
     # The run's engine uses weights.serving_mesh (None = one device): a 1-device "tensor" mesh places
@@ -233,7 +233,7 @@ def _engine_shapes(cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo
     shardings = weights.state_shardings(state, weights.param_sharding_fn(mesh))
     weights = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings)
     layout = EngineLayout.create(arch, icfg, trainer_model.dtype, mesh)
-    kernels = Kernels.create(icfg.kernels, field="inference.kernels", mesh=mesh)
+    kernels = Kernels.create(icfg.kernels, field="inference.backend.kernels", mesh=mesh)
     return EngineShapes(icfg, mesh, graphdef, weights, layout, kernels)
 
 

@@ -277,7 +277,7 @@ def kernel_cached_attention(dev: Device, shapes: Shapes) -> list[dict[str, Any]]
     from jaxrl.models.layers import cached_attention
 
     d = shapes.kernel_dims
-    kernels = Kernels.create("auto", field="inference.kernels")
+    kernels = Kernels.create("auto", field="inference.backend.kernels")
     rows_n, s, b = 2 * d["batch"] + 1, d["cache_len"], 2 * d["batch"]
     rng = np.random.default_rng(4)
     rows = jnp.asarray(rng.permutation(rows_n)[:b], jnp.int32)

@@ -173,8 +173,8 @@ class Shapes:
     decode_batches: tuple[int, ...]
     decode_prompt: int
     decode_new: int
-    decode_steps_idle: int  # inference.decode_steps_idle (decode steps per call when no request waits)
-    decode_prefill_batches: tuple[int, ...]  # inference.prefill_batch_buckets
+    decode_steps_idle: int  # inference.backend.decode_steps_idle (decode steps per call when no request waits)
+    decode_prefill_batches: tuple[int, ...]  # inference.backend.prefill_batch_buckets
     repeats: int  # timed repeats of each decode measure (median reported)
     kernel_dims: dict[str, int]  # sizes of the kernel-vs-reference inputs
     rl_scratch: dict[str, Any]  # [model.scratch] of the RL run
@@ -227,8 +227,9 @@ def full_shapes() -> Shapes:
                      "layers": 2, "tokens": 1024, "hidden": 1024, "vocab": 151936},
         rl_scratch=rl_0_6b,  # Qwen3-0.6B's layers and widths (the byte tokenizer's vocabulary)
         rl_overrides={"trainer": {"seq_len_buckets": [256]},  # one train-step compile of the 0.6B model
-                      "inference": {"max_seqs": 64, "decode_batch_buckets": [64], "prefill_len_buckets": [256],
-                                    "prefill_batch_buckets": [8], "max_batched_tokens": 2048}},
+                      "inference": {"max_seqs": 64, "max_batched_tokens": 2048,
+                                    "backend": {"type": "embedded", "decode_batch_buckets": [64],
+                                                "prefill_len_buckets": [256], "prefill_batch_buckets": [8]}}},
     )
 
 
@@ -256,8 +257,9 @@ def smoke_shapes() -> Shapes:
                     "head_dim": 32, "max_position_embeddings": 128},
         rl_overrides={
             "trainer": {"seq_len": 128},
-            "inference": {"max_model_len": 128, "max_seqs": 16, "decode_batch_buckets": [16],
-                          "prefill_len_buckets": [128], "prefill_batch_buckets": [4], "max_batched_tokens": 512},
+            "inference": {"max_model_len": 128, "max_seqs": 16, "max_batched_tokens": 512,
+                          "backend": {"type": "embedded", "decode_batch_buckets": [16], "prefill_len_buckets": [128],
+                                      "prefill_batch_buckets": [4]}},
             "orchestrator": {"batch_size": 16, "group_size": 4, "train": {"sampling": {"max_completion_tokens": 16}}},
         },
     )

@@ -278,7 +278,7 @@ def rl_run(dev: Device, shapes: Shapes) -> Lines:
     server process) on a random model of ``shapes.rl_scratch`` (full: Qwen3-0.6B's layers and
     widths with the byte tokenizer; bfloat16 compute off the CPU), checkpoints off; the step split
     (rollout wait / train / weight sync) comes from the run's metrics.jsonl, one line per step."""
-    from jaxrl.config import build_config, deep_merge
+    from jaxrl.cli import build_config, deep_merge
     from jaxrl.metrics import read_metrics
     from jaxrl.rl import run_rl
 
@@ -288,7 +288,7 @@ def rl_run(dev: Device, shapes: Shapes) -> Lines:
             "output_dir": out,
             "model": {"scratch": shapes.rl_scratch, "dtype": _dtype(dev)},
             "trainer": {"steps": steps, "mesh": {"num_devices": 1}},
-            "inference": {"server": {"port": 0}, "decode_steps_idle": 4},
+            "inference": {"server": {"port": 0}, "backend": {"type": "embedded", "decode_steps_idle": 4}},
             "ckpt": {"interval": 0},
             "log": {"progress": False},
         }

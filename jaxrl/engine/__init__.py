@@ -1,7 +1,8 @@
 """jaxrl.engine: the embedded JAX rollout engine (its HTTP face is ``jaxrl.serving``).
 
-    config.py        EngineConfig: the sizes of ``[inference]`` (the section itself, with the
-                     rollout backend and the HTTP server: ``jaxrl.rollout.config``)
+    config.py        EngineConfig = SharedSettings (``[inference]``'s sizes, read by every backend)
+                     + EngineSettings (``[inference.backend]`` of type "embedded"; the section
+                     itself, with the backends and the HTTP server: ``jaxrl.rollout.config``)
     sampling.py      SamplingParams; on-device sampling and the log-prob reported per token
     requests.py      Request / Sequence / TokenDelta / Completion: what the engine is asked and answers
     scheduler.py     continuous batching: admission, which sequences run in which call

@@ -1,10 +1,17 @@
-"""The embedded engine's settings (the sizes of ``[inference]``; the section itself, which adds
-the rollout backend and the HTTP server, is ``jaxrl.rollout.config.InferenceConfig``).
+"""The embedded engine's config, in two parts that live in two places of a run's config:
 
-Every shape the embedded engine compiles is decided here: the KV cache is ``max_seqs`` rows of
-``max_model_len`` positions, and each device program is compiled for one bucket of batch size
-and length, so a run compiles a bounded, predictable number of programs (see
-``InferenceConfig.program_bound``). Lists left unset are derived from the sizes.
+- ``SharedSettings``: what every rollout backend reads, so ``[inference]`` itself holds them
+  (``max_model_len``, ``max_seqs``, ``max_batched_tokens``, ``weight_update``, ``seed``; a vLLM
+  server gets them as its flags);
+- ``EngineSettings``: what only this engine reads (compiled shapes, kernels, parallelism,
+  warm-up, prefix reuse), the fields of ``[inference.backend]`` with ``type = "embedded"``
+  (``jaxrl.rollout.config.EmbeddedConfig``).
+
+``EngineConfig`` is both: the one object the engine takes (``InferenceConfig.engine_config()``
+builds it from a run's config). Every shape the engine compiles is decided here: the KV cache is
+``max_seqs`` rows of ``max_model_len`` positions, and each device program is compiled for one
+bucket of batch size and length, so a run compiles a bounded, predictable number of programs
+(see ``EngineConfig.program_bound``). Lists left unset are derived from the sizes.
 """
 
 from __future__ import annotations
@@ -26,9 +33,9 @@ def _powers_of_two(lo: int, hi: int, factor: int = 2) -> list[int]:
     return [*out, hi]
 
 
-class EngineConfig(BaseModel):
-    """The embedded engine's sizes, compiled shapes, kernels and weight-update policy (fields of
-    ``[inference]``)."""
+class SharedSettings(BaseModel):
+    """The settings every rollout backend reads (embedded, vLLM, external servers): the fields of
+    ``[inference]`` itself."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -43,6 +50,30 @@ class EngineConfig(BaseModel):
     max_batched_tokens: int = Field(2048, ge=1)
     """Tokens processed per engine step (prefill tokens, padding included, plus one per decoding
     sequence); long prompts are prefilled in chunks across steps."""
+
+    weight_update: Literal["drain", "immediate"] = "drain"
+    """When new weights take effect. "drain": admission pauses, requests in flight finish on the
+    old weights, then the swap happens (no request ever mixes two policies). "immediate": the swap
+    happens between two engine steps and requests in flight continue on the new weights (their
+    responses report the version of every token: ``token_versions``). vLLM servers (launched or
+    external) pause the same way: ``/pause?mode=wait`` for "drain", ``mode=keep`` for "immediate"."""
+
+    seed: int = 0
+    """Seeds the sampling of requests that carry no seed of their own (vLLM: ``--seed``)."""
+
+    def with_model_len(self, context_len: int) -> Self:
+        """This config with ``max_model_len`` defaulted to a model's context length (validated;
+        of the same class: the ``[inference]`` section keeps its backend and server)."""
+        if self.max_model_len is not None:
+            return self
+        return type(self).model_validate({**self.model_dump(), "max_model_len": context_len})
+
+
+class EngineSettings(BaseModel):
+    """The settings only the embedded engine reads: ``[inference.backend]`` with ``type =
+    "embedded"`` (a vLLM or external backend refuses them)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     decode_steps: int = Field(4, ge=1)
     """Decode steps run on device per engine step while requests wait to join (queued, or
@@ -94,12 +125,6 @@ class EngineConfig(BaseModel):
     "pallas": always that one ("pallas" on a backend without the kernel fails at start-up).
     "pallas_interpret": the kernel in Pallas interpret mode on any backend (slow; for tests)."""
 
-    weight_update: Literal["drain", "immediate"] = "drain"
-    """When new weights take effect. "drain": admission pauses, requests in flight finish on the
-    old weights, then the swap happens (no request ever mixes two policies). "immediate": the swap
-    happens between two engine steps and requests in flight continue on the new weights (their
-    responses report the version of every token: ``token_versions``)."""
-
     warmup: bool = True
     """Compile every device program (``program_bound()`` of them) when the HTTP server starts,
     before ``GET /health`` answers: no rollout then waits on a compile. The time is printed and
@@ -109,55 +134,56 @@ class EngineConfig(BaseModel):
     """Shortest shared prefix worth copying from another sequence's cache row (a row left by the
     same conversation, or with the same ``X-Session-ID``, is reused at any length)."""
 
-    seed: int = 0
-    """Seeds the sampling of requests that carry no seed of their own."""
-
     @model_validator(mode="before")
     @classmethod
     def _removed(cls, data: Any) -> Any:
         if isinstance(data, dict) and "decode_len_buckets" in data:
             raise ValueError(
-                "inference.decode_len_buckets was removed: decode attention now reads as far as each "
+                "inference.backend.decode_len_buckets was removed: decode attention now reads as far as each "
                 "batch's longest sequence, with no program per length; delete the key"
             )
         return data
 
     @model_validator(mode="after")
-    def _check(self) -> EngineConfig:
-        for name in (
-            "decode_batch_buckets",
-            "prefill_len_buckets",
-            "prefill_batch_buckets",
-        ):
+    def _buckets(self) -> EngineSettings:
+        for name in ("decode_batch_buckets", "prefill_len_buckets", "prefill_batch_buckets"):
             buckets = getattr(self, name)
             if buckets is not None and (not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1):
                 raise ValueError(
-                    f"inference.{name} must be a strictly increasing list of positive ints, got {buckets}"
+                    f"inference.backend.{name} must be a strictly increasing list of positive ints, got {buckets}"
                 )
-        if self.decode_buckets()[-1] < self.max_seqs:
-            raise ValueError(
-                f"inference.decode_batch_buckets: largest bucket {self.decode_buckets()[-1]} < max_seqs "
-                f"{self.max_seqs}; add a bucket >= max_seqs"
-            )
         if self.decode_steps_idle is not None and self.decode_steps_idle < self.decode_steps:
             raise ValueError(
-                f"inference.decode_steps_idle ({self.decode_steps_idle}) must be >= decode_steps ({self.decode_steps})"
+                f"inference.backend.decode_steps_idle ({self.decode_steps_idle}) must be >= decode_steps "
+                f"({self.decode_steps})"
+            )
+        return self
+
+
+class EngineConfig(SharedSettings, EngineSettings):
+    """The embedded engine's whole config: ``[inference]``'s shared settings with the embedded
+    backend's own (``InferenceConfig.engine_config()``), checked together: the buckets cover
+    ``max_seqs`` and the prefill chunk fits ``max_batched_tokens``."""
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        self.check_shapes()
+        return self
+
+    def check_shapes(self) -> None:
+        """What the two parts decide together (raises ValueError naming the fields)."""
+        if self.decode_buckets()[-1] < self.max_seqs:
+            raise ValueError(
+                f"inference.backend.decode_batch_buckets: largest bucket {self.decode_buckets()[-1]} < "
+                f"max_seqs {self.max_seqs}; add a bucket >= max_seqs"
             )
         if self.max_model_len is None and self.prefill_len_buckets is None:
-            return self  # the default prefill chunk depends on the model's length: checked once resolved
+            return  # the default prefill chunk depends on the model's length: checked once resolved
         if self.prefill_lengths()[-1] > self.max_batched_tokens:
             raise ValueError(
                 f"inference.max_batched_tokens ({self.max_batched_tokens}) must be >= the largest prefill "
                 f"chunk ({self.prefill_lengths()[-1]}); raise it or lower prefill_len_buckets"
             )
-        return self
-
-    def with_model_len(self, context_len: int) -> Self:
-        """This config with ``max_model_len`` defaulted to a model's context length (validated;
-        of the same class: the ``[inference]`` section keeps its backend and server)."""
-        if self.max_model_len is not None:
-            return self
-        return type(self).model_validate({**self.model_dump(), "max_model_len": context_len})
 
     def decode_buckets(self) -> list[int]:
         if self.decode_batch_buckets:

@@ -97,7 +97,9 @@ class Engine:
             )
         self.config = config
         self.arch = arch
-        check_expert_parallel(getattr(arch, "num_experts", 0), config.expert_parallel, field="inference.expert_parallel")
+        check_expert_parallel(
+            getattr(arch, "num_experts", 0), config.expert_parallel, field="inference.backend.expert_parallel"
+        )
         if mesh is None:
             mesh = weights.serving_mesh(config.tensor_parallel, expert_parallel=config.expert_parallel)
         self.mesh = mesh

@@ -68,7 +68,7 @@ def _decode(graphdef, steps, state, cache, counts, tokens, positions, rows, samp
     ``counts`` (``TokenCounts``, donated too) counts each fed token (the one sampled last) as
     generated before the step samples, for the penalties.
 
-    Attention by ``kernels`` (``inference.kernels``): the decode kernel (TPU) reads each row's
+    Attention by ``kernels`` (``inference.backend.kernels``): the decode kernel (TPU) reads each row's
     live blocks, the reference (``cached_attention``) each block of rows up to its furthest
     position. Padding entries have a row index out of range (their writes are dropped,
     what they read is discarded) and position 0. ``shared``: ``DecodePlan``'s share rows/lengths,

@@ -38,7 +38,7 @@ def serving_mesh(tensor_parallel: int, devices: list[Any] | None = None, expert_
     devices = jax.devices() if devices is None else devices
     if size > len(devices):
         raise ValueError(
-            f"inference.expert_parallel * inference.tensor_parallel = {expert_parallel} * {tensor_parallel} "
+            f"inference.backend.expert_parallel * tensor_parallel = {expert_parallel} * {tensor_parallel} "
             f"but only {len(devices)} devices are visible"
         )
     return Mesh(np.array(devices[:size]).reshape(expert_parallel, tensor_parallel), ("expert", "tensor"))

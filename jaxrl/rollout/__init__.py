@@ -2,6 +2,7 @@
 
     base.py          RolloutBackend (the protocol the RL loop drives) and RolloutServerDead
     config.py        InferenceConfig (``[inference]``) and the backends' settings, a union on ``type``
+                     (the embedded one's: the engine's own), and the older spellings' translation
     embedded.py      EmbeddedBackend: jaxrl's engine in this process (``jaxrl.engine`` behind
                      ``jaxrl.serving``)
     vllm.py          VLLMBackend: a vLLM server launched beside the run, or attached to

@@ -1,37 +1,44 @@
 """``[inference]``: which backend serves the RL loop's rollouts, and its settings.
 
-The section is the embedded engine's sizes (``jaxrl.engine.config.EngineConfig``, also vLLM's
-sizes), the HTTP server in front (``[inference.server]``, ``jaxrl.serving.config``), and the
-backend: a union on ``type`` owned by this package, one class per backend::
+The section holds what every backend reads (``max_model_len``, ``max_seqs``,
+``max_batched_tokens``, ``weight_update``, ``seed``: ``jaxrl.engine.config.SharedSettings``), the
+HTTP server in front (``[inference.server]``, ``jaxrl.serving.config``), and the backend: a union
+on ``type`` owned by this package, one class per backend, each with its own settings (the
+embedded engine's compiled shapes, kernels and parallelism among them)::
 
     [inference.backend]
-    type = "vllm"            # "embedded" (default) | "vllm" | "external"
-    python = "/opt/vllm/bin/python"
+    type = "embedded"        # "embedded" (default) | "vllm" | "external"
+    tensor_parallel = 8
 
-The older shape, ``[inference] backend = "vllm"`` with the settings in ``[inference.vllm]`` (or
-``[inference.external]``), reads as the same config; a section of a backend other than the one
-chosen is refused, not ignored.
+Older shapes read as the same config: ``[inference] backend = "vllm"`` with the settings in
+``[inference.vllm]`` (or ``[inference.external]``), and the embedded engine's settings in
+``[inference]`` itself (``[inference] decode_steps = 8``: moved under the backend, with a one-line
+rename hint). Settings of a backend other than the one chosen are refused, not ignored.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from jaxrl.engine.config import EngineConfig
+from jaxrl.engine.config import EngineConfig, EngineSettings, SharedSettings
 from jaxrl.serving.config import ServerConfig
 
 
-class EmbeddedConfig(BaseModel):
-    """``[inference.backend] type = "embedded"`` (the default): jaxrl's own JAX engine in the
-    training process, weights handed over in memory; its sizes are ``[inference]``'s own fields."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
+class _Embedded(BaseModel):
     type: Literal["embedded"] = "embedded"
+
+
+class EmbeddedConfig(EngineSettings, _Embedded):  # _Embedded last: `type` is the first field written
+    """``[inference.backend] type = "embedded"`` (the default): jaxrl's own JAX engine in the
+    training process (or in ``python -m jaxrl.serve``), weights handed over in memory. Its fields
+    are the engine's own settings (``jaxrl.engine.config.EngineSettings``: compiled shapes,
+    kernels, tensor / expert parallelism, warm-up, prefix reuse); the sizes every backend reads
+    stay in ``[inference]``."""
 
 
 class VLLMConfig(BaseModel):
@@ -166,39 +173,67 @@ BackendConfig = Annotated[EmbeddedConfig | VLLMConfig | ExternalConfig, Field(di
 BACKEND_SECTIONS = ("vllm", "external")  # ``[inference.<backend>]`` of the older shape
 
 
-def backend_table(inference: dict[str, Any]) -> dict[str, Any]:
-    """``[inference]`` with ``backend = "<type>"`` written as the table ``{type = "<type>"}``, so
-    that a TOML file and command-line overrides of the backend merge field by field."""
-    if isinstance(inference.get("backend"), str):
-        return inference | {"backend": {"type": inference["backend"]}}
-    return inference
+ENGINE_KEYS = frozenset(EngineSettings.model_fields)
+"""The embedded engine's settings, which older configs wrote in ``[inference]`` itself."""
 
 
-def backend_flags(args: list[str]) -> list[str]:
-    """Command-line overrides with the backend's written as fields of ``inference.backend``:
-    ``--inference.backend vllm`` as ``--inference.backend.type vllm`` (so that it merges with
-    ``--inference.backend.python ...`` instead of replacing it), and the older shape's
-    ``--inference.vllm.X`` / ``--inference.external.X`` as ``--inference.backend.X``."""
-    out = []
-    for i, arg in enumerate(args):
-        flag, eq, value = arg.partition("=")
-        given = value if eq else (args[i + 1] if i + 1 < len(args) else "")
-        if flag == "--inference.backend" and not given.lstrip().startswith("{"):
-            arg = "--inference.backend.type" + eq + value
-        for name in BACKEND_SECTIONS:
-            if arg.startswith(f"--inference.{name}."):
-                arg = "--inference.backend." + arg.removeprefix(f"--inference.{name}.")
-        out.append(arg)
-    return out
+def rename_hint(old: str, new: str) -> None:
+    """One line on stderr (stdout may be a ``--dry-run`` TOML): ``old`` is read as ``new``."""
+    print(f"[jaxrl] config: {old} is now {new} (read as that)", file=sys.stderr, flush=True)
+
+
+def not_embedded(field: str, backend: str) -> ValueError:
+    """An embedded engine's setting under another backend: refused, never accepted and ignored."""
+    return ValueError(
+        f'{field}: a setting of the embedded engine; the backend is "{backend}", which never reads it: delete it'
+    )
+
+
+def engine_settings_moved(inference: dict[str, Any]) -> dict[str, Any]:
+    """``[inference]`` with the older spelling of the embedded engine's settings (``[inference]
+    decode_steps = 8``) moved under ``[inference.backend]`` (``decode_steps = 8`` there), each
+    with a rename hint. A backend named only by ``backend = "<type>"`` becomes ``{type =
+    "<type>"}``; one not named stays unnamed (the default, or a file's when these are
+    command-line overrides merged over it). A key set in both places fails naming both; under a
+    backend other than the embedded one, the first key fails naming it."""
+    if "decode_len_buckets" in inference:
+        raise ValueError(
+            "inference.decode_len_buckets was removed: decode attention now reads as far as each "
+            "batch's longest sequence, with no program per length; delete the key"
+        )
+    moved = {k: inference[k] for k in inference if k in ENGINE_KEYS}
+    if not moved:
+        return inference
+    backend = inference.get("backend", {})
+    if isinstance(backend, str):
+        backend = {"type": backend}
+    elif isinstance(backend, BaseModel):
+        backend = backend.model_dump(exclude_unset=True) | {"type": backend.type}  # type: ignore[attr-defined]
+    if not isinstance(backend, dict):
+        return inference  # not a table: the backend's own validation says what is wrong
+    if backend.get("type", "embedded") != "embedded":
+        raise not_embedded(f"inference.{min(moved)}", backend["type"])
+    if both := sorted(set(moved) & set(backend)):
+        raise ValueError(
+            f"inference.{both[0]} and inference.backend.{both[0]} are both set; keep inference.backend.{both[0]}"
+        )
+    for key in moved:
+        rename_hint(f"inference.{key}", f"inference.backend.{key}")
+    rest = {k: v for k, v in inference.items() if k not in moved}
+    return rest | {"backend": backend | moved}
 
 
 def _backend_from_old_shape(data: dict[str, Any]) -> dict[str, Any]:
     """``backend = "<type>"`` + ``[inference.<type>]`` -> ``[inference.backend] type = "<type>"``;
-    a section of another backend than the chosen one fails naming both."""
-    data = dict(data)
+    a section of another backend than the chosen one fails naming both. A table without ``type``
+    holding only the embedded engine's settings is the default backend's; the embedded engine's
+    settings under another backend fail naming the setting."""
+    data = engine_settings_moved(dict(data))
     backend = data.get("backend", {"type": "embedded"})
     if isinstance(backend, str):
         backend = {"type": backend}
+    if isinstance(backend, dict) and backend and "type" not in backend and backend.keys() <= ENGINE_KEYS:
+        backend = {"type": "embedded", **backend}
     for name in BACKEND_SECTIONS:
         if name not in data:
             continue
@@ -218,13 +253,16 @@ def _backend_from_old_shape(data: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(
             'inference.backend: name the backend its settings are for: type = "embedded", "vllm" or "external"'
         )
+    if isinstance(backend, dict) and backend["type"] != "embedded" and (engine := sorted(backend.keys() & ENGINE_KEYS)):
+        raise not_embedded(f"inference.backend.{engine[0]}", backend["type"])
     data["backend"] = backend
     return data
 
 
-class InferenceConfig(EngineConfig):
-    """``[inference]``: the rollout engine (embedded JAX, a vLLM server, or any external URL), its
-    sizes and its HTTP server."""
+class InferenceConfig(SharedSettings):
+    """``[inference]``: the rollout engine (embedded JAX, a vLLM server, or any external URL), the
+    sizes every backend reads and its HTTP server; the backend's own settings in
+    ``[inference.backend]``."""
 
     backend: BackendConfig = Field(default_factory=EmbeddedConfig)
     """Which engine serves rollouts, with its settings: ``type = "embedded"`` (jaxrl's own JAX engine
@@ -246,6 +284,25 @@ class InferenceConfig(EngineConfig):
     @classmethod
     def _old_shape(cls, data: Any) -> Any:
         return _backend_from_old_shape(data) if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _engine(self) -> InferenceConfig:
+        """The embedded engine's shapes, which [inference] and its backend decide together."""
+        if isinstance(self.backend, EmbeddedConfig):
+            self._engine_config(validate=False).check_shapes()
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        """The embedded engine's config: this section's shared settings with the embedded
+        backend's own (``jaxrl.serve`` and the embedded rollout backend build their engine with it)."""
+        return self._engine_config(validate=True)
+
+    def _engine_config(self, *, validate: bool) -> EngineConfig:
+        if not isinstance(self.backend, EmbeddedConfig):
+            raise TypeError(f'inference.backend = "{self.backend.type}": not the embedded engine (no engine config)')
+        fields = {k: getattr(self, k) for k in SharedSettings.model_fields}
+        fields |= {k: getattr(self.backend, k) for k in EngineSettings.model_fields}
+        return EngineConfig.model_validate(fields) if validate else EngineConfig.model_construct(**fields)
 
     @model_validator(mode="after")
     def _urls(self) -> InferenceConfig:

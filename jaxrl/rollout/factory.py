@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from flax import nnx
 
@@ -33,11 +33,19 @@ def start_rollout_backend(
     output_dir: str | Path,
     tokenizer_dir: str | Path,
     renderer: Mapping[str, Any] | None,
+    moe_routing: Literal["replay", "recompute"] | None = None,
 ) -> RolloutBackend:
     """The backend ``inference.backend`` names, built with ``model`` (graph and weights; its HF
     config ``hf_config``) and started serving ``state`` as policy ``version``; stopped again if
     it fails to start. ``model_config`` gives the served model's name, hub revision and dtype;
-    file-fed backends write weights and logs under ``output_dir`` unless configured elsewhere."""
+    file-fed backends write weights and logs under ``output_dir`` unless configured elsewhere.
+
+    ``moe_routing`` is the trainer's (``[trainer] moe_routing``). The embedded server returns
+    every token's experts (``return_routed_experts``) when the trainer replays them: decided here,
+    where the server is built, from the model's architecture (an MoE model) and ``moe_routing``
+    (not "recompute"), as the model's architecture is known for certain only once it is loaded
+    (a warm start writes it after the config loads). ``[inference.server]
+    return_routed_experts = true`` turns it on whatever the trainer does."""
     backend: RolloutBackend
     served_name = model_config.name or "jaxrl"
     if inference.backend.type == "vllm":
@@ -60,11 +68,12 @@ def start_rollout_backend(
         from jaxrl.rollout.embedded import EmbeddedBackend
         from jaxrl.serving.server import build_engine_server
 
-        engine = Engine(model, inference)
+        engine = Engine(model, inference.engine_config())
         model_dir = resolve_model_dir(model_config.name, model_config.revision) if model_config.name else None
+        replay = engine.arch.is_moe and moe_routing != "recompute"  # verifiers puts the experts on the trace
         server = build_engine_server(
             engine, inference.server, tokenizer_dir=tokenizer_dir, model_dir=model_dir, model_name=served_name,
-            renderer=renderer,
+            renderer=renderer, return_routed_experts=inference.server.return_routed_experts or replay,
         )  # fmt: skip
         backend = EmbeddedBackend(engine, server, tokenizer_dir=str(tokenizer_dir), renderer=renderer)
     try:

@@ -45,8 +45,9 @@ class ServerConfig(BaseModel):
     """Mixture-of-experts models: every ``/inference/v1/generate`` choice carries
     ``routed_experts``, the experts each token was routed to (vLLM's
     ``--enable-return-routed-experts``; verifiers attaches them to the trace for routing replay).
-    A request's ``sampling_params.return_routed_experts`` overrides it. RL runs with
-    ``[trainer] moe_routing = "replay"`` turn it on for their own server."""
+    A request's ``sampling_params.return_routed_experts`` overrides it. An RL run whose trainer
+    replays routing (an MoE model, ``[trainer] moe_routing`` not "recompute") turns it on for its
+    embedded server (``jaxrl.rollout.factory``)."""
 
     keep_alive_s: float = Field(600.0, gt=0)
     """How long an idle client connection stays open. Long on purpose: env servers pool their

@@ -110,8 +110,10 @@ class EngineServer:
         model_name: str,
         stop_token_ids: Sequence[int] | None = None,
         renderer: Mapping[str, Any] | None = None,
+        return_routed_experts: bool | None = None,
     ) -> EngineServer:
-        """The server ``[inference.server]`` describes (not started)."""
+        """The server ``[inference.server]`` describes (not started); ``return_routed_experts``,
+        when given, in place of ``config.return_routed_experts``."""
         return cls(
             engine,
             tokenizer,
@@ -125,7 +127,9 @@ class EngineServer:
             weights_root=config.weights_root,
             allow_request_chat_template=config.allow_request_chat_template,
             request_template_timeout_s=config.request_template_timeout_s,
-            return_routed_experts=config.return_routed_experts,
+            return_routed_experts=(
+                config.return_routed_experts if return_routed_experts is None else return_routed_experts
+            ),
             renderer=renderer,
         )
 
@@ -141,7 +145,7 @@ class EngineServer:
 
     def start(self, timeout: float = 30.0) -> None:
         """Serve in a background thread (starting the engine if it is not running, after its
-        warm-up when ``inference.warmup``); returns once the socket accepts connections."""
+        warm-up when ``inference.backend.warmup``); returns once the socket accepts connections."""
         if not self.engine.running:
             if self.engine.config.warmup:
                 self.engine.warmup()
@@ -291,9 +295,11 @@ def build_engine_server(
     model_dir: str | Path | None,
     model_name: str,
     renderer: Mapping[str, Any] | None,
+    return_routed_experts: bool | None = None,
 ) -> EngineServer:
     """``engine``'s (not yet started) HTTP server as ``config`` (``[inference.server]``) says;
-    ``model_dir`` is where generation_config.json may be."""
+    ``model_dir`` is where generation_config.json may be; ``return_routed_experts``, when given,
+    in place of the config's (an RL run that replays routing turns it on)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -304,4 +310,5 @@ def build_engine_server(
         model_name=model_name,
         stop_token_ids=eos_token_ids(model_dir, tokenizer),
         renderer=renderer,
+        return_routed_experts=return_routed_experts,
     )

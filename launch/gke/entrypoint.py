@@ -109,7 +109,7 @@ def has_checkpoint(ckpt_dir: Path) -> bool:
 
 def run_paths(train_args: list[str]) -> tuple[Path, Path]:
     """(output_dir, checkpoint dir) of the run ``train_args`` describe, via jaxrl's own config."""
-    from jaxrl.config import load_config
+    from jaxrl.cli import load_config
 
     cfg, _ = load_config(train_args)
     out = Path(cfg.output_dir)

@@ -179,7 +179,7 @@ def restart_policy(max_restarts: int) -> dict[str, Any]:
 
 def read_recipe(config: str) -> dict[str, Any]:
     """The recipe TOML; a relative ``[warmstart] config`` made absolute against the recipe's own
-    directory, as ``jaxrl.config.load_config`` does."""
+    directory, as ``jaxrl.cli.load_config`` does."""
     path = Path(config) if Path(config).is_absolute() else REPO / config
     if not path.exists():
         raise FileNotFoundError(
@@ -385,13 +385,14 @@ def rollout_container(
 ) -> dict[str, Any]:
     """One rollout server: it waits (with a deadline) for the weights it serves, then serves them
     on port ``VLLM_PORT``: vllm-tpu, or ``python -m jaxrl.serve`` (``--rollout-server jaxrl``)
-    reading the recipe's ``[model]`` / ``[inference]`` sections, as the trainer does."""
+    reading the recipe's ``[model]`` / ``[inference]`` sections (the embedded engine's settings in
+    ``[inference.backend]`` included), as the trainer does."""
     model = weights.path
     if args.rollout_server == "jaxrl":
         serve = shlex.join([
             "python", "-m", "jaxrl.serve", "--config", args.config, "--model.name", model,
             "--inference.backend", "embedded", "--inference.max_model_len", str(max_len),
-            "--inference.tensor_parallel", str(tp),
+            "--inference.backend.tensor_parallel", str(tp),
             "--inference.server.host", "0.0.0.0", "--inference.server.port", str(VLLM_PORT),
         ])  # fmt: skip
         image: dict[str, Any] = {"image": args.image, "workingDir": APP}
@@ -424,6 +425,7 @@ def rollout_url(name: str, index: int) -> str:
 def check_runnable(args: argparse.Namespace, recipe: dict[str, Any], train: Slice) -> None:
     """Refuse a layout that cannot run, naming the flag that makes it run."""
     backend = recipe.get("inference", {}).get("backend", "embedded")
+    backend = backend.get("type", "embedded") if isinstance(backend, dict) else backend  # the table or its name
     if "orchestrator" in recipe and train.hosts > 1 and not args.rollout_slice and backend != "external":
         raise ValueError(
             f"--slice {train.name} has {train.hosts} hosts, and multi-host RL samples rollouts from servers on "

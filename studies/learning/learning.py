@@ -46,7 +46,7 @@ from typing import Any
 import tomli_w
 from eval_curves import eval_rewards, paired  # studies/learning/ is on sys.path when run as a script
 
-from jaxrl.config import deep_merge, resolve_recipe_paths
+from jaxrl.cli import deep_merge, resolve_recipe_paths
 
 ROOT = Path(__file__).resolve().parents[2]  # studies/learning/ -> the repository root
 QUIET = {"log": {"progress": False}, "ckpt": {"interval": 0}}

@@ -36,7 +36,8 @@ STEP_KEYS = ("mismatch_kl", "routing_changed_frac", "router_entropy", "expert_lo
 
 def sft(root: Path, model: str, steps: int) -> Path:
     """The SFT warm start of ``model`` ("dense" | "moe"): configs/reverse_text/sft.toml."""
-    from jaxrl.config import build_config, read_toml
+    from jaxrl.cli import build_config
+    from jaxrl.config import read_toml
     from jaxrl.sft import run_sft
 
     out = root / model / "sft"
@@ -54,7 +55,8 @@ def sft(root: Path, model: str, steps: int) -> Path:
 
 def rl(root: Path, arm: str, model_dir: Path, seed: int, steps: int, smoke: bool = False) -> Path:
     """configs/reverse_text/rl.toml from ``model_dir``, ``steps`` steps, an eval every 5."""
-    from jaxrl.config import build_config, read_toml
+    from jaxrl.cli import build_config
+    from jaxrl.config import read_toml
     from jaxrl.rl import run_rl
 
     out = root / arm / f"rl_seed{seed}"

@@ -64,7 +64,7 @@ def jitter_temperatures(jitter: float, seed: int) -> None:
 
 
 def warm_start(root: Path) -> Path:
-    from jaxrl.config import build_config
+    from jaxrl.cli import build_config
     from jaxrl.sft import run_sft
 
     cfg = build_config({
@@ -98,7 +98,7 @@ def recipe_config(model: Path, out: Path, method: str, seed: int, steps: int, ev
 
 
 def run(model: Path, out: Path, method: str, seed: int, steps: int, recipe: bool = False) -> dict:
-    from jaxrl.config import build_config
+    from jaxrl.cli import build_config
     from jaxrl.metrics import read_metrics
     from jaxrl.rl import run_rl
 
@@ -110,8 +110,8 @@ def run(model: Path, out: Path, method: str, seed: int, steps: int, recipe: bool
         "output_dir": str(out), "seed": seed, "model": {"name": str(model)},
         "trainer": {"steps": steps, "seq_len": 128, "micro_batch_rows": 8, "mesh": {"num_devices": 1},
                     "optim": {"lr": 5e-4, "schedule": "constant", "weight_decay": 0.0}, "loss": LOSSES[method]},
-        "inference": {"server": {"port": 0}, "max_model_len": 128, "max_seqs": 16, "prefill_len_buckets": [64, 128],
-                      "prefill_batch_buckets": [4]},
+        "inference": {"server": {"port": 0}, "max_model_len": 128, "max_seqs": 16,
+                      "backend": {"type": "embedded", "prefill_len_buckets": [64, 128], "prefill_batch_buckets": [4]}},
         "orchestrator": {"batch_size": 64, "group_size": 8, "max_async_level": 2,
                          "train": {"sampling": sampling, "env": [{"id": "reverse_text"}]},
                          "eval": {"interval": steps, "num_tasks": 32, "k": 4, "sampling": sampling}},

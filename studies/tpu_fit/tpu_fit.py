@@ -26,7 +26,7 @@ MODELS = ("Qwen3-0.6B", "Qwen3-1.7B", "Qwen3-8B", "Qwen3-32B")
 
 
 def run_config(model: str, seq: int, chips: int, *, max_seqs: int, engine_len: int, rows_per_chip: int) -> Any:
-    from jaxrl.config import build_config
+    from jaxrl.cli import build_config
 
     toml = {
         "model": {"name": f"models/{model}", "dtype": "bfloat16", "param_dtype": "float32"},
@@ -40,8 +40,8 @@ def run_config(model: str, seq: int, chips: int, *, max_seqs: int, engine_len: i
         "inference": {
             "max_model_len": engine_len,
             "max_seqs": max_seqs,
-            "tensor_parallel": min(8, chips),
             "max_batched_tokens": 4096,
+            "backend": {"type": "embedded", "tensor_parallel": min(8, chips)},
         },
         "orchestrator": {"train": {"env": [{"id": "reverse_text"}]}},
     }

@@ -17,7 +17,8 @@ import pytest
 pytest.importorskip("libtpu")
 
 from jaxrl.aot import get_topology, plan
-from jaxrl.config import build_config, read_toml
+from jaxrl.cli import build_config
+from jaxrl.config import read_toml
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = Path(__file__).parent / "small_rl.toml"
@@ -133,6 +134,6 @@ def test_recipe_resolves_and_its_resident_state_fits(recipe: str) -> None:
     if cfg.mode == "rl":
         a, i = run.arch, cfg.inference
         cache = 2 * a.num_layers * i.max_seqs * i.max_model_len * a.num_kv_heads * a.head_dim * 2  # bf16 k and v
-        assert sb["engine_kv_cache"] == cache // i.tensor_parallel
+        assert sb["engine_kv_cache"] == cache // i.backend.tensor_parallel
     # + gradients (as parameters): well under the chip's HBM, leaving room for activations
     assert sum(sb.values()) + sb["trainer_params"] < 0.6 * topo.hbm_per_device

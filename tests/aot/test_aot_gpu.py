@@ -33,7 +33,8 @@ def test_small_model_compiles_for_h100s() -> None:
     """The small model's train step and engine on 4 compile-only H100s, with their memory. The
     references' kernels: cuDNN's fused attention also needs the cuDNN library on this host."""
     from jaxrl.aot import plan
-    from jaxrl.config import build_config, read_toml
+    from jaxrl.cli import build_config
+    from jaxrl.config import read_toml
 
     cfg = build_config(read_toml(SMALL), ["--trainer.kernels", "reference"])
     topo = get_topology("gpu:h100x4")

@@ -14,7 +14,7 @@ from families import build_family_model
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
 from test_hub import write_hub_cache
 
-from jaxrl.config import build_config
+from jaxrl.cli import build_config
 from jaxrl.data.conversations import load_conversations
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Code of a word",

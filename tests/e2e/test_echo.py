@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from jaxrl.config import build_config
+from jaxrl.cli import build_config
 from jaxrl.metrics import read_metrics
 from jaxrl.orchestrator.algo import EchoConfig, GRPOConfig, make_algorithm
 from jaxrl.orchestrator.traces import Rollout
@@ -62,8 +62,9 @@ def echo_run(warm_start, tmp_path_factory) -> Path:
         "trainer": {"steps": STEPS, "seq_len": 1024, "seq_len_buckets": [1024], "micro_batch_rows": 8,
                     "mesh": {"num_devices": 1},
                     "optim": {"lr": 3e-4, "schedule": "constant", "weight_decay": 0.0}},
-        "inference": {"server": {"port": 0}, "max_model_len": 1024, "max_seqs": 16, "prefill_len_buckets": [64, 512],
-                      "prefill_batch_buckets": [4], "decode_batch_buckets": [16]},
+        "inference": {"server": {"port": 0}, "max_model_len": 1024, "max_seqs": 16,
+                      "backend": {"type": "embedded", "prefill_len_buckets": [64, 512], "prefill_batch_buckets": [4],
+                                  "decode_batch_buckets": [16]}},
         "orchestrator": {
             "batch_size": 16, "group_size": 4,
             # A call with a 3-letter key is 51 tokens; 0.7 keeps the tiny model's format intact.

@@ -15,7 +15,7 @@ import pytest
 from families import FAMILIES, build_family_model
 from transformers import AutoTokenizer
 
-from jaxrl.config import build_config
+from jaxrl.cli import build_config
 from jaxrl.data.sft import reference_conversations, sft_dataset
 from jaxrl.metrics import read_metrics
 from jaxrl.models.renderer import model_renderer
@@ -54,8 +54,9 @@ def test_family_sft_and_rl_step_use_its_chat_template(family, tmp_path) -> None:
     run_rl(build_config({
         "output_dir": str(rl_out), "model": {"name": str(model)},
         "trainer": TRAINER | {"steps": 1},
-        "inference": {"server": {"port": 0}, "max_model_len": 256, "max_seqs": 8, "prefill_len_buckets": [128, 256],
-                      "prefill_batch_buckets": [4], "decode_batch_buckets": [8]},
+        "inference": {"server": {"port": 0}, "max_model_len": 256, "max_seqs": 8,
+                      "backend": {"type": "embedded", "prefill_len_buckets": [128, 256], "prefill_batch_buckets": [4],
+                                  "decode_batch_buckets": [8]}},
         "orchestrator": {"batch_size": 8, "group_size": 4, "max_resample": 3,
                          "train": {"sampling": {"max_completion_tokens": 8, "temperature": 1.0},
                                    "env": [{"id": "reverse_text", "args": {"seed": 3}}]}},

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from jaxrl.config import build_config
+from jaxrl.cli import build_config
 from jaxrl.metrics import read_metrics
 from jaxrl.rl import run_rl
 
@@ -26,8 +26,8 @@ def test_two_rl_steps_on_8k_token_samples_with_context_parallelism(tmp_path) -> 
                               "num_kv_heads": 2, "head_dim": 16, "max_position_embeddings": SEQ}},
         "trainer": {"steps": 2, "seq_len": SEQ, "micro_batch_rows": 2, "remat": "full",
                     "mesh": {"fsdp": 2, "context": 4}, "optim": {"lr": 1e-4}},
-        "inference": {"server": {"port": 0}, "max_model_len": SEQ, "max_seqs": 4, "prefill_len_buckets": [512],
-                      "prefill_batch_buckets": [1]},
+        "inference": {"server": {"port": 0}, "max_model_len": SEQ, "max_seqs": 4,
+                      "backend": {"type": "embedded", "prefill_len_buckets": [512], "prefill_batch_buckets": [1]}},
         "orchestrator": {
             "batch_size": 4, "group_size": 2, "max_async_level": 0,
             "train": {"sampling": {"max_completion_tokens": 6, "temperature": 1.0},

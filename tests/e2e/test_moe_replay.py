@@ -8,7 +8,7 @@ import pytest
 import transformers
 from families import build_family_tokenizer
 
-from jaxrl.config import build_config
+from jaxrl.cli import build_config
 from jaxrl.metrics import read_metrics
 from jaxrl.rl import run_rl
 
@@ -32,8 +32,9 @@ def test_rl_with_routing_replay(tmp_path) -> None:
         "output_dir": str(out), "model": {"name": str(model), "renderer": "qwen3"},
         "trainer": {"steps": 2, "seq_len": 256, "seq_len_buckets": [256], "micro_batch_rows": 4, "moe_routing": "replay",
                     "mesh": {"num_devices": 1}, "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"}},
-        "inference": {"server": {"port": 0}, "max_model_len": 256, "max_seqs": 8, "prefill_len_buckets": [128, 256],
-                      "prefill_batch_buckets": [4], "decode_batch_buckets": [8]},
+        "inference": {"server": {"port": 0}, "max_model_len": 256, "max_seqs": 8,
+                      "backend": {"type": "embedded", "prefill_len_buckets": [128, 256], "prefill_batch_buckets": [4],
+                                  "decode_batch_buckets": [8]}},
         "orchestrator": {"batch_size": 8, "group_size": 4, "max_resample": 3,
                          "train": {"sampling": {"max_completion_tokens": 8, "temperature": 1.0},
                                    "env": [{"id": "reverse_text", "args": {"seed": 3}}]}},

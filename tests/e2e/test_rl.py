@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl.config import build_config, deep_merge
+from jaxrl.cli import build_config, deep_merge
 from jaxrl.metrics import NAMESPACES, read_metrics
 from jaxrl.orchestrator.algo import GRPOConfig, make_algorithm
 from jaxrl.orchestrator.traces import Rollout, trace_reward
@@ -59,8 +59,8 @@ def rl_config(model: Path, out: Path, **over) -> dict:
         "model": {"name": str(model)},
         "trainer": {"steps": 8, "seq_len": 128, "micro_batch_rows": 8, "mesh": ONE_DEVICE,
                     "optim": {"lr": 1e-4, "schedule": "constant", "weight_decay": 0.0}},
-        "inference": {"server": {"port": 0}, "max_model_len": 128, "max_seqs": 16, "prefill_len_buckets": [64, 128],
-                      "prefill_batch_buckets": [4]},
+        "inference": {"server": {"port": 0}, "max_model_len": 128, "max_seqs": 16,
+                      "backend": {"type": "embedded", "prefill_len_buckets": [64, 128], "prefill_batch_buckets": [4]}},
         "orchestrator": {
             "batch_size": 32, "group_size": 8,
             "train": {"sampling": {"max_completion_tokens": 16, "temperature": 1.0},

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import transformers
 
-from jaxrl.config import build_config
+from jaxrl.cli import build_config
 from jaxrl.metrics import NAMESPACES, read_metrics
 from jaxrl.sft import run_sft
 
@@ -26,7 +26,7 @@ TINY = {
 
 
 def tiny_cfg(out, **over):
-    from jaxrl.config import deep_merge
+    from jaxrl.cli import deep_merge
 
     return build_config(deep_merge(TINY, {"output_dir": str(out), **over}), [])
 

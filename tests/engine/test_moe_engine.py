@@ -58,7 +58,7 @@ def test_greedy_tokens_match_transformers_generate(moe_dir, make_config, score, 
 
 @pytest.mark.slow  # the MoE sharded invariants run in the slow tier
 def test_expert_parallel_engine_greedy_tokens_match_generate(moe_dir, make_config) -> None:
-    """inference.expert_parallel = 2: each device holds 4 of the 8 experts (the expert MLP sums
+    """inference.backend.expert_parallel = 2: each device holds 4 of the 8 experts (the expert MLP sums
     the two devices' shares), and greedy decoding is still exactly transformers' (as the
     one-device engine is, above); an expert count the axis cannot split fails at load."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(moe_dir).float().eval()
@@ -74,5 +74,5 @@ def test_expert_parallel_engine_greedy_tokens_match_generate(moe_dir, make_confi
         with torch.no_grad():
             want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None)
         assert out.token_ids == want[0, len(prompt) :].tolist()
-    with pytest.raises(ValueError, match="inference.expert_parallel = 3 does not divide the model's 8 experts"):
+    with pytest.raises(ValueError, match="inference.backend.expert_parallel = 3 does not divide the model's 8 experts"):
         Engine.from_pretrained(moe_dir, make_config(expert_parallel=3))

@@ -80,11 +80,11 @@ def test_shared_prefix_reads_come_from_the_named_row_and_change_nothing(dtype) -
 
 def test_dispatch_takes_the_kernel_for_auto_on_cpu_decode_steps() -> None:
     rows = jnp.arange(2)
-    auto = Kernels.create("auto", field="inference.kernels")
+    auto = Kernels.create("auto", field="inference.backend.kernels")
     assert auto.cpu and auto.reference  # the trainer's call sites keep their references
     assert auto.cached_attention(jnp.zeros((2, 1), jnp.int32), rows) is not None
     assert auto.cached_attention(jnp.zeros((2, 4), jnp.int32), rows) is None  # prefill chunks: XLA's
-    reference = Kernels.create("reference", field="inference.kernels")
+    reference = Kernels.create("reference", field="inference.backend.kernels")
     assert reference.cached_attention(jnp.zeros((2, 1), jnp.int32), rows) is None
 
 

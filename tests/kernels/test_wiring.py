@@ -91,7 +91,7 @@ def test_pallas_on_a_backend_without_the_kernels_fails_at_startup() -> None:
     cfg = TrainerConfig(seq_len=SEQ_LEN, seq_len_buckets=[SEQ_LEN], kernels="pallas")
     with pytest.raises(ValueError, match=r'trainer\.kernels = "pallas".*\'cpu\'.*"auto"'):
         Trainer(tiny_model(vocab=64), cfg, mesh)
-    with pytest.raises(ValueError, match=r'inference\.kernels = "pallas"'):
+    with pytest.raises(ValueError, match=r'inference\.backend\.kernels = "pallas"'):
         Engine(tiny_model(vocab=64), EngineConfig(max_model_len=64, kernels="pallas"))
     with pytest.raises(ValueError, match="kernels"):
         EngineConfig(kernels="triton")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jaxrl.config import load_config
+from jaxrl.cli import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import tomli_w
-from external_servers import ENGINE
+from external_servers import ENGINE, SIZES
 from families import build_family_model
 
 from jaxrl.metrics import read_metrics
@@ -59,7 +59,9 @@ def recipe(path: Path) -> Path:
         "trainer": {"steps": 3, "seq_len": 256, "seq_len_buckets": [256], "micro_batch_rows": 4,
                     "mesh": {"data": 1, "fsdp": 4, "tensor": 2},
                     "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"}},
-        "inference": {"external": {"request_timeout_s": 60}, **ENGINE},
+        # One recipe for both sides: the trainer's (--inference.backend external) and the rollout
+        # servers' (jaxrl.serve --inference.backend embedded, which reads the engine's settings).
+        "inference": {"external": {"request_timeout_s": 60}, **SIZES, "backend": ENGINE},
         "orchestrator": {"batch_size": 8, "group_size": 4, "max_async_level": 0, "max_resample": 3,
                          "train": {"sampling": {"max_completion_tokens": 8, "temperature": 1.0},
                                    "env": [{"id": "reverse_text", "args": {"seed": 3}}]}},

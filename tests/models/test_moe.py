@@ -213,7 +213,7 @@ def test_config_fields_and_active_parameter_count() -> None:
 def test_scratch_moe_twin_of_the_main_job_has_its_active_parameter_count() -> None:
     """``[model.scratch] num_experts = 12``: the main job's model with 12 experts, 2 per token, of the
     width that keeps the active parameters equal (190); MoE fields without experts fail in one line."""
-    from jaxrl.config import build_config
+    from jaxrl.cli import build_config
     from jaxrl.models.setup import scratch_hf_config
     from jaxrl.models.tiny import REVERSE_TEXT_MOE
 

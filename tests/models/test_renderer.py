@@ -6,7 +6,7 @@ import pytest
 from families import build_family_tokenizer
 from transformers import AutoTokenizer
 
-from jaxrl.config import build_config
+from jaxrl.cli import build_config
 from jaxrl.models.renderer import resolve_renderer
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl.config import load_config
+from jaxrl.cli import load_config
 from jaxrl.orchestrator.batch import build_batch
 from jaxrl.orchestrator.orchestrator import Orchestrator, check_envs
 

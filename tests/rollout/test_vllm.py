@@ -57,7 +57,7 @@ def make_model(out: Path, seed: int) -> Path:
 def test_short_rl_run_with_vllm_backend(tmp_path) -> None:
     """Rollouts through a verifiers env server against vLLM, weights reloaded every step. First in
     the module, so that the module's shared server (``backend``) is not yet running beside it."""
-    from jaxrl.config import build_config
+    from jaxrl.cli import build_config
     from jaxrl.metrics import read_metrics
     from jaxrl.rl import run_rl
 

@@ -381,7 +381,7 @@ def test_external_config_is_checked_when_loaded(over, needle) -> None:
 
 
 def test_multihost_rl_needs_external_servers(tmp_path) -> None:
-    from jaxrl.config import build_config
+    from jaxrl.cli import build_config
 
     rl = {"model": {"scratch": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 1,
                                 "num_kv_heads": 1, "head_dim": 32, "max_position_embeddings": 64}},
@@ -395,7 +395,7 @@ def test_multihost_rl_needs_external_servers(tmp_path) -> None:
 
 
 def test_the_backend_is_a_union_on_type_and_the_older_shape_reads_the_same() -> None:
-    from jaxrl.config import build_config
+    from jaxrl.cli import build_config
 
     new = InferenceConfig.model_validate({"backend": {"type": "vllm", "python": "/p", "dtype": "float32"}})
     old = InferenceConfig.model_validate({"backend": "vllm", "vllm": {"python": "/p", "dtype": "float32"}})

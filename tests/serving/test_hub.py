@@ -56,8 +56,8 @@ def test_serve_loads_a_hub_id_from_the_offline_cache(model_dir, tokenizer_dir, t
         "--inference.server.port", "0",
         "--inference.max_model_len", "64",
         "--inference.max_seqs", "2",
-        "--inference.prefill_len_buckets", "[32]",
-        "--inference.prefill_batch_buckets", "[1]",
+        "--inference.backend.prefill_len_buckets", "[32]",
+        "--inference.backend.prefill_batch_buckets", "[1]",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=offline_env(hf_home))
     try:

@@ -21,8 +21,8 @@ def test_serve_cli_serves_and_stops_on_sigterm(model_dir, tokenizer_dir) -> None
         "--inference.server.port", "0",
         "--inference.max_model_len", "64",
         "--inference.max_seqs", "2",
-        "--inference.prefill_len_buckets", "[32]",
-        "--inference.prefill_batch_buckets", "[1]",
+        "--inference.backend.prefill_len_buckets", "[32]",
+        "--inference.backend.prefill_batch_buckets", "[1]",
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()

@@ -135,7 +135,7 @@ def test_lora_rl_serves_the_merged_policy(tmp_path) -> None:
     peft = pytest.importorskip("peft")
     from families import build_family_model
 
-    from jaxrl.config import build_config
+    from jaxrl.cli import build_config
     from jaxrl.metrics import read_metrics
     from jaxrl.rl import run_rl
 
@@ -147,8 +147,9 @@ def test_lora_rl_serves_the_merged_policy(tmp_path) -> None:
         "trainer": {"steps": 2, "seq_len": 256, "seq_len_buckets": [256], "micro_batch_rows": 4,
                     "mesh": {"num_devices": 1}, "lora": {"rank": 4, "alpha": 16},
                     "optim": {"lr": 5e-2, "warmup_steps": 0, "schedule": "constant"}},
-        "inference": {"server": {"port": 0}, "max_model_len": 256, "max_seqs": 8, "prefill_len_buckets": [128, 256],
-                      "prefill_batch_buckets": [4], "decode_batch_buckets": [8]},
+        "inference": {"server": {"port": 0}, "max_model_len": 256, "max_seqs": 8,
+                      "backend": {"type": "embedded", "prefill_len_buckets": [128, 256], "prefill_batch_buckets": [4],
+                                  "decode_batch_buckets": [8]}},
         "orchestrator": {"batch_size": 8, "group_size": 4, "max_resample": 3, "max_async_level": 0,
                          "train": {"sampling": {"max_completion_tokens": 8, "temperature": 1.0},
                                    "env": [{"id": "reverse_text", "args": {"seed": 3}}]}},
