@@ -6,7 +6,9 @@ from looping for minutes (``range(500)`` nested three deep) or building a 300 MB
 ``inference.server.allow_request_chat_template`` is on, as vLLM's
 ``--trust-request-chat-template``) render in a fresh ``python -I`` process running this file:
 CPU time and address space are capped with ``setrlimit``, the parent kills it at the wall-clock
-budget, and output beyond ``max_chars`` stops the render. The environment matches what
+budget, and output beyond ``max_chars`` stops the render. The wall-clock budget starts once the
+child has started and imported jinja2 (it says so with one byte): on a loaded host the start-up
+alone can take over a second, and that is not the template's time (``STARTUP_S`` bounds it). The environment matches what
 ``transformers`` gives chat templates (immutable sandbox, ``trim_blocks``, ``lstrip_blocks``,
 ``loopcontrols``, the ``tojson`` filter, ``raise_exception`` and ``strftime_now``).
 
@@ -24,6 +26,8 @@ from datetime import datetime
 from typing import Any
 
 MEMORY_BYTES = 512 << 20  # address space of the child: python + jinja2 (~25 MB) + the rendered prompt
+STARTUP_S = 30.0  # the child's own start-up (python -I + jinja2: ~0.1 s on a quiet host)
+_READY = b"R"
 
 
 class TemplateBudgetError(Exception):
@@ -64,6 +68,10 @@ def _render(template: str, context: dict[str, Any], max_chars: int) -> str:
 def _child() -> None:
     import resource
 
+    import jinja2.sandbox  # noqa: F401  imported before the parent's clock starts
+
+    sys.stdout.buffer.write(_READY)
+    sys.stdout.buffer.flush()
     job = json.loads(sys.stdin.read())
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
     cpu = int(job["timeout_s"]) + 1
@@ -91,9 +99,19 @@ async def render_in_sandbox(
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
     try:
-        stdout, _ = await asyncio.wait_for(proc.communicate(job.encode()), timeout_s)
-    except TimeoutError:
-        raise TemplateBudgetError(f"rendering the chat template took longer than {timeout_s:g} s") from None
+        reader: asyncio.StreamReader = proc.stdout  # type: ignore[assignment]  # a PIPE: never None
+        try:
+            ready = await asyncio.wait_for(reader.readexactly(len(_READY)), STARTUP_S)
+        except TimeoutError:
+            raise TemplateBudgetError(f"the template sandbox did not start within {STARTUP_S:g} s") from None
+        except asyncio.IncompleteReadError:
+            ready = b""
+        if ready != _READY:
+            raise TemplateBudgetError(f"the template sandbox failed to start (exit code {proc.returncode})")
+        try:
+            stdout, _ = await asyncio.wait_for(proc.communicate(job.encode()), timeout_s)
+        except TimeoutError:
+            raise TemplateBudgetError(f"rendering the chat template took longer than {timeout_s:g} s") from None
     finally:
         if proc.returncode is None:
             proc.kill()
