@@ -251,7 +251,7 @@ class _Fetcher:
                 raise self._error(endpoint, pull.param, f"{type(e).__name__}: {e}") from e
         if pending:
             endpoint, pull = futures[next(iter(pending))]
-            raise self._error(endpoint, pull.param, "no answer before the pull's deadline (timeout_s)")
+            raise self._error(endpoint, pull.param, "TimeoutError: no answer before the pull's deadline")
         for tmp, dst in copies:
             dst[...] = tmp
         return buffers
