@@ -20,6 +20,7 @@ param that failed; a partial state is never returned.
 from __future__ import annotations
 
 import functools
+import itertools
 import queue
 import threading
 import time
@@ -229,13 +230,14 @@ class _Fetcher:
             for pull in chunk.piece.pulls:
                 if (region := intersect(pull.region, chunk.box)) is None:
                     continue
-                sub = Pull(pull.endpoint, pull.param, pull.shard, region, pull.itemsize)
-                dst = buf[local_slices(region, chunk.box)]
-                if not dst.flags.c_contiguous:
-                    tmp = np.empty(dst.shape, dst.dtype)
-                    copies.append((tmp, dst))
-                    dst = tmp
-                items.setdefault(pull.endpoint, []).append((sub, dst))
+                for part in _cut(region, pull.itemsize, self.connections):
+                    sub = Pull(pull.endpoint, pull.param, pull.shard, part, pull.itemsize)
+                    dst = buf[local_slices(part, chunk.box)]
+                    if not dst.flags.c_contiguous:
+                        tmp = np.empty(dst.shape, dst.dtype)
+                        copies.append((tmp, dst))
+                        dst = tmp
+                    items.setdefault(pull.endpoint, []).append((sub, dst))
         futures: dict[Future[None], tuple[int, Pull]] = {}
         for endpoint, its in items.items():
             for batch in _split(its, self.connections):
@@ -285,6 +287,23 @@ class _Fetcher:
 
 def _dtype(manifest: Manifest, param: str) -> Any:
     return jax.numpy.dtype(manifest.param(param).dtype)
+
+
+SPLIT_BYTES = 16 << 20
+"""Pulls larger than this are cut into up to ``connections`` parts that travel side by side."""
+
+
+def _cut(region: Box, itemsize: int, connections: int) -> list[Box]:
+    """``region`` in up to ``connections`` parts of at least ``SPLIT_BYTES``, cut along its first
+    dimension longer than 1 (so a part of a contiguous destination stays contiguous)."""
+    parts = min(connections, box_size(region) * itemsize // SPLIT_BYTES)
+    dims = [d for d, (a, b) in enumerate(region) if b - a > 1]
+    if parts < 2 or not dims:
+        return [region]
+    d = dims[0]
+    lo, hi = region[d]
+    bounds = np.linspace(lo, hi, min(parts, hi - lo) + 1).astype(int)
+    return [(*region[:d], (int(a), int(b)), *region[d + 1 :]) for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def _split(items: list[tuple[Pull, np.ndarray]], n: int) -> list[list[tuple[Pull, np.ndarray]]]:

@@ -135,3 +135,18 @@ def test_params_unchanged_since_a_held_version_are_reused_not_pulled(state: nnx.
     a, b = dict(param_leaves(first)), dict(param_leaves(second))
     assert all(b[p] is a[p] for p in unchanged)  # the same device buffers, not copies
     assert same_bits(second, new)
+
+
+def test_large_pulls_travel_in_parts_over_several_connections(state: nnx.State, monkeypatch) -> None:
+    from jaxrl.weight_transfer import puller
+
+    monkeypatch.setattr(puller, "SPLIT_BYTES", 256)  # tiny weights cut as a 1 GB one would be
+    assert puller._cut(((0, 1), (0, 64), (0, 8)), 2, 3) == [
+        ((0, 1), (0, 21), (0, 8)),
+        ((0, 1), (21, 42), (0, 8)),
+        ((0, 1), (42, 64), (0, 8)),
+    ]
+    with Publisher() as pub:
+        assert same_bits(
+            pull_weights(pub.publish(1, state), one_device(state), timeout_s=20, connections=3), state
+        )
