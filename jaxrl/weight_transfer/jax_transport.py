@@ -83,7 +83,7 @@ def _transfer_server(host: str = "127.0.0.1") -> Any:
 class JaxTransferTransport:
     name = "jax"
 
-    def serve(self, source: ShardSource, host: str, port: int, advertise: str | None = None) -> SocketServer:
+    def serve(self, source: ShardSource, host: str, port: int, advertise: str | None = None) -> _JaxServer:
         from jax.experimental import transfer
 
         xfer = transfer.start_transfer_server(_cpu().client, f"{host}:0", [f"{host}:0"])
@@ -109,12 +109,22 @@ class JaxTransferTransport:
                 body = json.dumps({"uuid": uuid, "address": address}).encode()
                 sock.sendall(REPLY.pack(OK, len(body)) + body)
 
-        server = SocketServer(handle, host, port, advertise)
-        server.transfer = xfer  # kept alive as long as the control server
-        return server
+        return _JaxServer(SocketServer(handle, host, port, advertise), xfer)
 
     def connect(self, address: str, deadline: float) -> JaxTransferConnection:
         return JaxTransferConnection(open_socket(address, deadline))
+
+
+class _JaxServer:
+    """The control server and the transfer server it stages into (jax has no call to stop one:
+    it goes when the last reference does)."""
+
+    def __init__(self, control: SocketServer, transfer: Any):
+        self.address, self._control, self._transfer = control.address, control, transfer
+
+    def stop(self) -> None:
+        self._control.stop()
+        self._transfer = None
 
 
 class JaxTransferConnection:

@@ -104,7 +104,10 @@ class Publisher:
             first.setdefault(box_of(s.index, x.shape), s.data)
         boxes = list(first)
         host = jax.device_get([first[b] for b in boxes])
-        return {b: np.asarray(h) for b, h in zip(boxes, host, strict=True)}
+        # On CPU, device_get returns views of the device buffers: when no cast made fresh ones,
+        # those are the trainer's own params, which its next step may donate. Copy them.
+        alias = cast is x and any(d.platform == "cpu" for d in x.sharding.device_set)
+        return {b: np.array(h) if alias else np.asarray(h) for b, h in zip(boxes, host, strict=True)}
 
     def shard(self, version: int, param: str, box: Box) -> np.ndarray:
         """``ShardSource``: the host copy of one shard; raises ``VersionUnavailable``."""

@@ -157,6 +157,10 @@ def _check_target(manifest: Manifest, leaves: dict[str, Any]) -> None:
         raise ValueError(f"pull_weights: the target lacks {missing} and the manifest lacks {extra}")
     for p in manifest.params:
         x = leaves[p.path]
+        if x.sharding is None:
+            raise ValueError(
+                f"pull_weights: the target's {p.path} has no sharding (give ShapeDtypeStructs one)"
+            )
         if tuple(x.shape) != p.shape or jax.numpy.dtype(x.dtype).name != p.dtype:
             raise ValueError(
                 f"pull_weights: {p.path} is {p.dtype}{list(p.shape)} in version {manifest.version}, "

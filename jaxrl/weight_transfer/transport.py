@@ -23,6 +23,7 @@ connection stays usable).
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import struct
 import threading
@@ -34,6 +35,8 @@ import numpy as np
 
 from jaxrl.weight_transfer.manifest import Box, local_slices
 from jaxrl.weight_transfer.plan import Pull
+
+log = logging.getLogger(__name__)
 
 REQUEST = struct.Struct("<I")
 REPLY = struct.Struct("<BQ")
@@ -238,6 +241,8 @@ class SocketServer:
             self._handle(sock)
         except OSError:  # the peer went away, or stop() shut the socket
             pass
+        except Exception:  # a malformed request: drop this connection, keep serving the others
+            log.exception("weight transfer: dropped a connection to %s", self.address)
         finally:
             sock.close()
             with self._lock:
