@@ -14,11 +14,12 @@ This package builds on ``jax`` and numpy only (no jaxrl module but its own): the
 engine each use it without knowing the other.
 """
 
+from jaxrl.weight_transfer.base import VersionUnavailable, WeightTransferError
 from jaxrl.weight_transfer.manifest import Manifest, ParamEntry, Shard, manifest_for, merge_manifests
 from jaxrl.weight_transfer.plan import Plan, Pull, TargetPiece, plan_pulls
 from jaxrl.weight_transfer.publisher import Publisher
 from jaxrl.weight_transfer.puller import PullError, pull_weights
-from jaxrl.weight_transfer.transport import VersionUnavailable, WeightTransferError, get_transport
+from jaxrl.weight_transfer.transport import get_transport
 
 __all__ = [
     "Manifest",

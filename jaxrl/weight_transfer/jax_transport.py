@@ -40,14 +40,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl.weight_transfer.base import FetchFailed, ShardSource, WeightTransferError
 from jaxrl.weight_transfer.plan import Pull
-from jaxrl.weight_transfer.transport import (
+from jaxrl.weight_transfer.tcp import (
     OK,
     REPLY,
-    FetchFailed,
-    ShardSource,
     SocketServer,
-    WeightTransferError,
     open_socket,
     read_reply,
     read_request,

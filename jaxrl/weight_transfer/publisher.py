@@ -20,14 +20,9 @@ from typing import Any, Self
 import jax
 import numpy as np
 
+from jaxrl.weight_transfer.base import Transport, TransportServer, VersionUnavailable, WeightTransferError
 from jaxrl.weight_transfer.manifest import Box, Manifest, ParamEntry, Shard, box_of, param_leaves
-from jaxrl.weight_transfer.transport import (
-    Transport,
-    TransportServer,
-    VersionUnavailable,
-    WeightTransferError,
-    get_transport,
-)
+from jaxrl.weight_transfer.transport import get_transport
 
 
 class Publisher:

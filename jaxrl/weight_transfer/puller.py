@@ -32,6 +32,7 @@ import jax
 import numpy as np
 from jax import lax
 
+from jaxrl.weight_transfer.base import Connection, FetchFailed, Transport, WeightTransferError
 from jaxrl.weight_transfer.manifest import (
     Box,
     Manifest,
@@ -43,13 +44,7 @@ from jaxrl.weight_transfer.manifest import (
     param_path,
 )
 from jaxrl.weight_transfer.plan import Plan, Pull, TargetPiece, plan_pulls
-from jaxrl.weight_transfer.transport import (
-    Connection,
-    FetchFailed,
-    Transport,
-    WeightTransferError,
-    get_transport,
-)
+from jaxrl.weight_transfer.transport import get_transport
 
 
 class PullError(WeightTransferError):
