@@ -131,7 +131,7 @@ def pull_weights(
     with _Fetcher(manifest, get_transport(manifest.transport), connections, deadline) as fetcher:
         for group in chunk_groups(plan, host_bytes):
             buffers = fetcher.fetch_group(group)
-            _place(group, buffers, leaves, devices, placed)
+            _place(group, buffers, devices, placed)
             del buffers
     for path, per_device in placed.items():
         x = leaves[path]
@@ -166,7 +166,6 @@ def _check_target(manifest: Manifest, leaves: dict[str, Any]) -> None:
 def _place(
     group: list[Chunk],
     buffers: list[np.ndarray],
-    leaves: dict[str, Any],
     devices: dict[int, Any],
     placed: dict[str, dict[int, jax.Array]],
 ) -> None:
