@@ -74,6 +74,8 @@ class Trainers:
 
     def _expect(self, proc: subprocess.Popen, prefix: str) -> str:
         line = proc.stdout.readline()
+        while line.startswith("[Gloo]"):  # gloo's collectives announce themselves on stdout
+            line = proc.stdout.readline()
         if not line.startswith(prefix):
             self.kill()
             logs = "\n".join((self.out / f"p{i}.log").read_text()[-2000:] for i in range(PROCESSES))
@@ -87,10 +89,13 @@ class Trainers:
             p.stdin.write(f"publish {self.version}\n")
             p.stdin.flush()
         replies = [json.loads(self._expect(p, "{")) for p in self.procs]
-        return {
+        merged = {
             t: merge_manifests(Manifest.from_json(r["manifests"][t]) for r in replies)
             for t in replies[0]["manifests"]
         }
+        # The publishers' fragments joined == what any process computes from the global shardings.
+        assert all(merged[t] == Manifest.from_json(r["whole"][t]) for r in replies for t in merged)
+        return merged
 
     def reference(self, version: int) -> dict[str, np.ndarray]:
         """The float32 params of ``version`` cast to bfloat16 (on host, round to nearest even as XLA does)."""
