@@ -150,3 +150,15 @@ def test_large_pulls_travel_in_parts_over_several_connections(state: nnx.State, 
         assert same_bits(
             pull_weights(pub.publish(1, state), one_device(state), timeout_s=20, connections=3), state
         )
+
+
+def test_the_pulled_state_is_what_the_engine_swaps_in(state: nnx.State) -> None:
+    # ModelRunner.place (Engine.update_weights_from_state) runs weights.place_state(new, its
+    # abstract state, its shardings): the pulled state passes its checks and lands unchanged.
+    from jaxrl.engine import weights
+
+    like = one_device(state)
+    with Publisher() as pub:
+        pulled = pull_weights(pub.publish(1, state), like, timeout_s=20)
+    placed = weights.place_state(pulled, like, jax.tree.map(lambda x: x.sharding, like))
+    assert same_bits(placed, state)
