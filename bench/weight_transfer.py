@@ -9,6 +9,8 @@ repeats (one round of every method, then the next round), one JSON line per meth
 with the median GB/s (1 GB = 1e9 bytes):
 
 - ``memcpy``: ``np.copyto`` of the array's bytes in this process (one thread): the ceiling.
+- ``memcpy_fresh``: the same into newly allocated memory, as every path that lands a version in
+  new buffers does (the pull; a file load): the first touch of each page costs here.
 - ``socket``: one loopback TCP stream, ``sendall`` of the bytes there, ``recv_into`` a
   preallocated buffer here: what any socket transport can reach on one connection.
 - ``tcp/fetch``, ``jax/fetch``: the transport alone, the whole array into a host buffer over one
@@ -149,7 +151,11 @@ def bench_size(
     def pull(t: str) -> None:
         jax.block_until_ready(pull_weights(manifests[t], target, timeout_s=120, connections=connections))
 
-    methods = {"memcpy": lambda: np.copyto(dst, src), "socket": plain}
+    methods = {
+        "memcpy": lambda: np.copyto(dst, src),
+        "memcpy_fresh": lambda: np.copyto(np.empty(nbytes, np.uint8), src),
+        "socket": plain,
+    }
     for t in TRANSPORTS:
         methods[f"{t}/fetch"] = lambda t=t: fetch(t)
         methods[f"{t}/pull"] = lambda t=t: pull(t)

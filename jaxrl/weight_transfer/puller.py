@@ -171,13 +171,13 @@ def _place(
 ) -> None:
     """Put a group's host buffers on their devices: whole pieces as they are, row chunks into
     the piece's device buffer (created on the first chunk)."""
-    srcs, dsts, where = [], [], []
+    where, on_device = [], []
     for chunk, buf in zip(group, buffers, strict=True):
-        for d in chunk.piece.devices:
-            srcs.append(buf)
-            dsts.append(devices[d])
+        for i, d in enumerate(chunk.piece.devices):
+            # A CPU device takes an aligned host buffer as it is (no copy); a buffer replicated
+            # on several is copied for all but the first, so no two devices share memory.
+            on_device.append(jax.device_put(buf, devices[d], may_alias=None if i == 0 else False))
             where.append((chunk, d))
-    on_device = jax.device_put(srcs, dsts)
     for (chunk, d), x in zip(where, on_device, strict=True):
         per_device = placed[chunk.piece.param]
         if chunk.whole:
@@ -187,6 +187,21 @@ def _place(
             per_device[d] = _zeros(chunk.piece.shape, x.dtype, devices[d])
         row = chunk.box[0][0] - chunk.piece.box[0][0]
         per_device[d] = _write_rows(per_device[d], x, np.int32(row))
+
+
+ALIGN = 64
+"""Byte alignment of host buffers: XLA:CPU adopts a buffer aligned so without a copy (measured,
+jaxlib 0.10.2: ``device_put`` of 1 GB aligned to 16 bytes copies at ~0.6 GB/s, aligned to 64 it
+takes no time)."""
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """``np.empty(shape, dtype)`` starting on an ``ALIGN``-byte boundary."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(n + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start : start + n].view(dtype).reshape(shape)
 
 
 def _zeros(shape: tuple[int, ...], dtype: Any, device: Any) -> jax.Array:
@@ -221,7 +236,7 @@ class _Fetcher:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def fetch_group(self, group: list[Chunk]) -> list[np.ndarray]:
-        buffers = [np.empty(box_shape(c.box), _dtype(self.manifest, c.piece.param)) for c in group]
+        buffers = [aligned_empty(box_shape(c.box), _dtype(self.manifest, c.piece.param)) for c in group]
         items: dict[int, list[tuple[Pull, np.ndarray]]] = {}
         copies: list[tuple[np.ndarray, np.ndarray]] = []  # (temporary, destination) for strided destinations
         for chunk, buf in zip(group, buffers, strict=True):
