@@ -56,6 +56,10 @@ from jaxrl.weight_transfer.tcp import (
     shutdown,
 )
 
+TRANSFER_SIZE = 4 << 20
+"""The transfer server's chunk size. Measured on this 2-core host (1 GiB bfloat16, two processes,
+the raw pull): the default 256 MiB moves 0.17 GB/s, 16 MiB 0.33, 4 MiB 0.45, 1 MiB 0.44."""
+
 STAGED_FOR = datetime.timedelta(minutes=10)
 """How long staged arrays wait for their pull before the transfer server drops them."""
 
@@ -74,7 +78,9 @@ def _transfer_server(host: str = "127.0.0.1") -> Any:
 
     with _local_lock:
         if "server" not in _local:
-            _local["server"] = transfer.start_transfer_server(_cpu().client, f"{host}:0", [f"{host}:0"])
+            _local["server"] = transfer.start_transfer_server(
+                _cpu().client, f"{host}:0", [f"{host}:0"], transfer_size=TRANSFER_SIZE
+            )
         return _local["server"]
 
 
@@ -84,7 +90,9 @@ class JaxTransferTransport:
     def serve(self, source: ShardSource, host: str, port: int, advertise: str | None = None) -> _JaxServer:
         from jax.experimental import transfer
 
-        xfer = transfer.start_transfer_server(_cpu().client, f"{host}:0", [f"{host}:0"])
+        xfer = transfer.start_transfer_server(
+            _cpu().client, f"{host}:0", [f"{host}:0"], transfer_size=TRANSFER_SIZE
+        )
         address = xfer.address()
         if advertise:
             address = f"{advertise}:{address.rpartition(':')[2]}"
