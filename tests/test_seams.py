@@ -1,6 +1,7 @@
 """Dependency seams: jaxrl.parallel knows axis names only; one rules table shards both meshes;
 the engine knows nothing of its HTTP face (jaxrl.serving builds on it) and neither knows the
-rollout backends built on them; no import cycle anywhere in jaxrl, type-only imports included."""
+rollout backends built on them; jaxrl.weight_transfer builds on jax alone; no import cycle
+anywhere in jaxrl, type-only imports included."""
 
 from __future__ import annotations
 
@@ -153,6 +154,15 @@ def test_each_rollout_backend_imports_only_the_protocol_and_shared_helpers() -> 
         siblings = {m for m in IMPORTS[helper] if m.startswith("jaxrl.rollout")}
         assert siblings <= {"jaxrl.rollout.base"}, (helper, sorted(siblings))
     assert set(BACKENDS) <= IMPORTS["jaxrl.rollout.factory"]
+
+
+def test_weight_transfer_builds_on_jax_alone() -> None:
+    # The trainer (publisher) and the engine (puller) both use it, so it may know neither: it
+    # imports no jaxrl module outside itself, and so nothing of models, trainer, engine or the run.
+    inside = [m for m in MODULES if m.startswith("jaxrl.weight_transfer")]
+    assert {"jaxrl.weight_transfer.publisher", "jaxrl.weight_transfer.puller"} <= set(inside)
+    bad = {m: sorted(i for i in TYPED_IMPORTS[m] if not i.startswith("jaxrl.weight_transfer")) for m in inside}
+    assert not any(bad.values()), bad
 
 
 def test_no_import_cycle_among_jaxrl_modules() -> None:

@@ -1,0 +1,69 @@
+"""The transport interface and the errors of this package.
+
+A transport has a server side (a trainer's publisher serves its host copies of the shards it
+holds, ``ShardSource``) and a client side (a server's puller fetches boxes of them into host
+buffers it owns). ``transport.get_transport(name)`` gives one by name: "tcp" (``tcp.py``) or
+"jax" (``jax_transport.py``, ``jax.experimental.transfer``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from jaxrl.weight_transfer.manifest import Box
+from jaxrl.weight_transfer.plan import Pull
+
+
+class WeightTransferError(RuntimeError):
+    """Base of every error of this package."""
+
+
+class VersionUnavailable(WeightTransferError):
+    """A publisher asked for a version it does not hold (never published, or evicted)."""
+
+
+class RemoteError(WeightTransferError):
+    """An endpoint answered a request with an error (its message is this error's)."""
+
+
+class FetchFailed(WeightTransferError):
+    """Raised by ``Connection.fetch``: ``pull`` was being fetched when ``cause`` happened."""
+
+    def __init__(self, pull: Pull, cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.pull, self.cause = pull, cause
+
+
+class ShardSource(Protocol):
+    def shard(self, version: int, param: str, box: Box) -> np.ndarray:
+        """The host copy of ``param``'s shard ``box`` in ``version``; raises ``VersionUnavailable``."""
+        ...
+
+
+class TransportServer(Protocol):
+    address: str  # "host:port" pullers connect to
+
+    def stop(self) -> None: ...
+
+
+class Connection(Protocol):
+    def fetch(self, version: int, items: Sequence[tuple[Pull, np.ndarray]], deadline: float) -> None:
+        """Fill each C-contiguous ``out`` (the pull's region shape and dtype) with the pull's
+        bytes by ``deadline`` (``time.monotonic()``); raises ``FetchFailed`` naming the pull it
+        was on (the cause: ``RemoteError``, ``OSError``, ``TimeoutError``)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Transport(Protocol):
+    name: str
+
+    def serve(
+        self, source: ShardSource, host: str, port: int, advertise: str | None = None
+    ) -> TransportServer: ...
+
+    def connect(self, address: str, deadline: float) -> Connection: ...

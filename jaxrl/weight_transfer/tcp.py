@@ -1,0 +1,267 @@
+"""Raw TCP: the wire format both transports speak, a threaded socket server, and the "tcp" transport.
+
+The TCP transport is the standard library's sockets, one thread per connection, no library:
+the job is to move large contiguous buffers between two hosts as fast as the link allows, and a
+blocking ``sendall`` of a numpy buffer and ``recv_into`` straight into the destination array
+do that with no copy in Python and the GIL released during the transfer. An RPC or messaging
+library (gRPC, ZeroMQ, HTTP) would add framing, copies into its own messages and a dependency for
+nothing this needs; asyncio would add an event loop to code that never waits on more than one
+socket per thread.
+
+Wire format (little-endian). A request is ``u32 length`` + a JSON object
+``{"op": "get", "version": v, "items": [[param, shard box, region box], ...]}``. The reply is,
+per item, ``u8 status, u64 length`` + payload: status 0, the region's bytes in row-major order;
+status 1, a UTF-8 error message, after which the rest of the request's items are not sent (the
+connection stays usable).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxrl.weight_transfer.base import FetchFailed, RemoteError, ShardSource, WeightTransferError
+from jaxrl.weight_transfer.manifest import local_slices
+from jaxrl.weight_transfer.plan import Pull
+
+log = logging.getLogger(__name__)
+
+REQUEST = struct.Struct("<I")
+REPLY = struct.Struct("<BQ")
+OK, ERROR = 0, 1
+MAX_REQUEST = 64 << 20
+
+
+# -- framing helpers (both transports) ---------------------------------------------------------
+
+
+def region_bytes(source: ShardSource, version: int, item: Sequence[Any]) -> np.ndarray:
+    """The C-contiguous array of one request item ``[param, shard, region]`` (a view when the
+    region is contiguous in the shard, else a copy)."""
+    param, shard, region = item[0], tuple(map(tuple, item[1])), tuple(map(tuple, item[2]))
+    array = source.shard(version, param, shard)
+    return np.ascontiguousarray(array[local_slices(region, shard)])
+
+
+def as_bytes(array: np.ndarray) -> memoryview:
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+def send_request(sock: socket.socket, request: dict[str, Any], deadline: float) -> None:
+    body = json.dumps(request).encode()
+    settimeout(sock, deadline)
+    sock.sendall(REQUEST.pack(len(body)) + body)
+
+
+def read_request(sock: socket.socket) -> dict[str, Any] | None:
+    """The next request on a server socket, None when the peer closed it."""
+    head = recv_exact(sock, REQUEST.size, eof_ok=True)
+    if head is None:
+        return None
+    (n,) = REQUEST.unpack(head)
+    if n > MAX_REQUEST:
+        raise ValueError(f"request of {n} bytes")
+    return json.loads(recv_exact(sock, n))
+
+
+def send_error(sock: socket.socket, message: str) -> None:
+    body = message.encode()
+    sock.sendall(REPLY.pack(ERROR, len(body)) + body)
+
+
+def read_reply(sock: socket.socket, deadline: float) -> int:
+    """The next reply header's payload length; raises ``RemoteError`` with the message of an error."""
+    settimeout(sock, deadline)
+    status, n = REPLY.unpack(recv_exact(sock, REPLY.size))
+    if status != OK:
+        raise RemoteError(recv_exact(sock, n).decode(errors="replace"))
+    return n
+
+
+def settimeout(sock: socket.socket, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("weight pull deadline passed")
+    sock.settimeout(left)
+
+
+def recv_exact(sock: socket.socket, n: int, *, eof_ok: bool = False) -> Any:
+    buf = bytearray(n)
+    if not recv_into(sock, memoryview(buf)):
+        if eof_ok:
+            return None
+        raise ConnectionError("connection closed by the peer")
+    return bytes(buf)
+
+
+def recv_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> bool:
+    """Fill ``view`` (by ``deadline``, when given); False when the peer closed before the first
+    byte, ``ConnectionError`` when it closed midway."""
+    got = 0
+    while got < len(view):
+        if deadline is not None:
+            settimeout(sock, deadline)
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            if got == 0:
+                return False
+            raise ConnectionError(f"connection closed by the peer after {got} of {len(view)} bytes")
+        got += n
+    return True
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def open_socket(address: str, deadline: float) -> socket.socket:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("weight pull deadline passed")
+    sock = socket.create_connection(parse_address(address), timeout=left)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+# -- a threaded socket server --------------------------------------------------------------------
+
+
+class SocketServer:
+    """Accepts connections on ``host:port`` (port 0: any free one) and runs ``handle(sock)`` for
+    each in its own daemon thread until the peer closes it or ``stop``."""
+
+    def __init__(
+        self, handle: Callable[[socket.socket], None], host: str, port: int, advertise: str | None = None
+    ):
+        self._handle = handle
+        self._listener = socket.create_server((host, port), backlog=128)
+        self.address = f"{advertise or host}:{self._listener.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
+        self._stopping = False
+        self._accepter = threading.Thread(
+            target=self._accept, name=f"weights-accept-{self.address}", daemon=True
+        )
+        self._accepter.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:  # the listener was closed: stop
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                if self._stopping:
+                    sock.close()
+                    return
+                thread = threading.Thread(target=self._serve, args=(sock,), name="weights-conn", daemon=True)
+                self._conns.add(sock)
+                self._threads.add(thread)
+            thread.start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            self._handle(sock)
+        except OSError:  # the peer went away, or stop() shut the socket
+            pass
+        except Exception:  # a malformed request: drop this connection, keep serving the others
+            log.exception("weight transfer: dropped a connection to %s", self.address)
+        finally:
+            sock.close()
+            with self._lock:
+                self._conns.discard(sock)
+                self._threads.discard(threading.current_thread())
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Close the listener and every connection; wait for their threads."""
+        with self._lock:
+            self._stopping = True
+            conns, threads = list(self._conns), list(self._threads)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
+        except OSError:
+            pass
+        self._listener.close()
+        for sock in conns:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._accepter.join(timeout_s)
+        for thread in threads:
+            thread.join(timeout_s)
+
+
+# -- TCP ---------------------------------------------------------------------------------------
+
+
+class TcpTransport:
+    """Raw bytes over TCP (see the module docstring)."""
+
+    name = "tcp"
+
+    def serve(self, source: ShardSource, host: str, port: int, advertise: str | None = None) -> SocketServer:
+        def handle(sock: socket.socket) -> None:
+            while (request := read_request(sock)) is not None:
+                serve_get(sock, source, request)
+
+        return SocketServer(handle, host, port, advertise)
+
+    def connect(self, address: str, deadline: float) -> TcpConnection:
+        return TcpConnection(open_socket(address, deadline))
+
+
+def serve_get(sock: socket.socket, source: ShardSource, request: dict[str, Any]) -> None:
+    if request.get("op") != "get":
+        send_error(sock, f"unknown op {request.get('op')!r}")
+        return
+    for item in request["items"]:
+        try:
+            data = region_bytes(source, request["version"], item)
+        except (WeightTransferError, KeyError, ValueError) as e:
+            send_error(sock, str(e))
+            return
+        sock.sendall(REPLY.pack(OK, data.nbytes))
+        sock.sendall(as_bytes(data))
+
+
+class TcpConnection:
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+
+    def fetch(self, version: int, items: Sequence[tuple[Pull, np.ndarray]], deadline: float) -> None:
+        request = {"op": "get", "version": version, "items": [[p.param, p.shard, p.region] for p, _ in items]}
+        pull = items[0][0]
+        try:
+            send_request(self._sock, request, deadline)
+            for pull, out in items:
+                n = read_reply(self._sock, deadline)
+                if n != out.nbytes:
+                    raise WeightTransferError(f"the endpoint sent {n} bytes, {out.nbytes} expected")
+                if not recv_into(self._sock, as_bytes(out), deadline):
+                    raise ConnectionError("connection closed by the peer")
+        except (OSError, WeightTransferError) as e:
+            raise FetchFailed(pull, e) from e
+
+    def close(self) -> None:
+        shutdown(self._sock)
+
+
+def shutdown(sock: socket.socket) -> None:
+    """Close ``sock``, waking a thread blocked on it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()

@@ -1,0 +1,164 @@
+"""Publisher and puller in one process: versions kept and refused, a clean stop, pulls racing
+new versions (each whole and right, or refused), target checks and reused (delta) params."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import tiny_model
+from jax.sharding import SingleDeviceSharding
+
+from jaxrl.models.sharding import shard_params
+from jaxrl.parallel.mesh import MeshConfig, make_mesh
+from jaxrl.weight_transfer import Publisher, PullError, VersionUnavailable, get_transport, pull_weights
+from jaxrl.weight_transfer.manifest import param_leaves
+
+
+@pytest.fixture(scope="module")
+def state() -> nnx.State:
+    """The tiny decoder's params, fsdp-4 on devices 0-3."""
+    _, params = nnx.split(tiny_model())
+    return shard_params(params, make_mesh(MeshConfig(data=1, fsdp=4, tensor=1), jax.devices()[:4]))
+
+
+def plus(state: nnx.State, v: float) -> nnx.State:
+    return jax.tree.map(lambda x: x + v, state)
+
+
+def one_device(state: nnx.State, dtype=jnp.bfloat16) -> nnx.State:
+    sh = SingleDeviceSharding(jax.devices()[5])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=sh), state)
+
+
+def same_bits(pulled: nnx.State, state: nnx.State) -> bool:
+    return all(
+        np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b.astype(jnp.bfloat16)).view(np.uint16))
+        for a, b in zip(jax.tree.leaves(pulled), jax.tree.leaves(state), strict=True)
+    )
+
+
+def test_the_newest_versions_are_kept_and_older_ones_refused(state: nnx.State) -> None:
+    with Publisher(keep=2) as pub:
+        for v in (1, 2, 3):
+            pub.publish(v, plus(state, v))
+        assert pub.versions == [2, 3]
+        box = ((0, 64), (0, 8))  # embed [64, 32] under fsdp-4: columns 0-7
+        assert pub.shard(3, "embed", box).dtype == jnp.bfloat16
+        with pytest.raises(
+            VersionUnavailable,
+            match=r"version 1 is not held .* holds versions \[2, 3\]; it keeps the newest 2",
+        ):
+            pub.shard(1, "embed", box)
+        with pytest.raises(ValueError, match="version 3 must be newer than 3"):
+            pub.publish(3, state)
+
+
+def test_the_publisher_listens_on_loopback_and_stops_cleanly(state: nnx.State) -> None:
+    before = set(threading.enumerate())
+    pub = Publisher()
+    host, port = pub.address.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+    manifest = pub.publish(1, state)
+    assert same_bits(
+        pull_weights(manifest, one_device(state), timeout_s=20), state
+    )  # leaves open connections
+    pub.stop()
+    pub.stop()  # idempotent
+    assert set(threading.enumerate()) - before <= {
+        t for t in threading.enumerate() if t.name.startswith("weights-pull")
+    }
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", int(port)), timeout=2)
+    with pytest.raises(RuntimeError, match="after stop"):
+        pub.publish(2, state)
+
+
+def test_pulls_racing_new_versions_get_a_whole_version_or_a_clear_refusal(state: nnx.State) -> None:
+    versions = {v: plus(state, v) for v in range(1, 7)}
+    manifests, outcomes, lock = {}, [], threading.Lock()
+    with Publisher(keep=2) as pub:
+        manifests[1] = pub.publish(1, versions[1])
+
+        def puller() -> None:
+            for _ in range(6):
+                with lock:
+                    v = (
+                        max(manifests) - 1 if len(manifests) > 1 else 1
+                    )  # the older held version: racing eviction
+                try:
+                    ok = same_bits(pull_weights(manifests[v], one_device(state), timeout_s=20), versions[v])
+                    outcomes.append("ok" if ok else f"wrong bits in version {v}")
+                except PullError as e:
+                    outcomes.append("refused" if f"version {v} is not held" in str(e) else repr(e))
+
+        threads = [threading.Thread(target=puller) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for v in range(2, 7):
+            m = pub.publish(v, versions[v])
+            with lock:
+                manifests[v] = m
+        for t in threads:
+            t.join(60)
+    assert set(outcomes) <= {"ok", "refused"} and "ok" in outcomes, outcomes
+
+
+def test_a_target_unlike_the_manifest_is_refused_before_any_pull(state: nnx.State) -> None:
+    with Publisher() as pub:
+        manifest = pub.publish(1, state)
+    with pytest.raises(
+        ValueError, match=r"attn_norm is bfloat16\[2, 32\] in version 1, the target expects float32\[2, 32\]"
+    ):
+        pull_weights(
+            manifest, one_device(state, jnp.float32)
+        )  # the publisher is stopped: nothing was asked of it
+    with pytest.raises(ValueError, match="unknown weight transport 'udp'"):
+        get_transport("udp")
+
+
+def test_params_unchanged_since_a_held_version_are_reused_not_pulled(state: nnx.State) -> None:
+    with Publisher() as pub:
+        first = pull_weights(pub.publish(1, state), one_device(state), timeout_s=20)
+        changed = dict(param_leaves(state)) | {"wq": dict(param_leaves(state))["wq"] + 1}
+        new = jax.tree_util.tree_unflatten(
+            jax.tree.structure(state), [changed[p] for p, _ in param_leaves(state)]
+        )
+        unchanged = {p: 1 for p, _ in param_leaves(state) if p != "wq"}
+        manifest = pub.publish(2, new, unchanged_since=unchanged)
+        second = pull_weights(manifest, one_device(state), timeout_s=20, previous=first, have_version=1)
+    a, b = dict(param_leaves(first)), dict(param_leaves(second))
+    assert all(b[p] is a[p] for p in unchanged)  # the same device buffers, not copies
+    assert same_bits(second, new)
+
+
+def test_large_pulls_travel_in_parts_over_several_connections(state: nnx.State, monkeypatch) -> None:
+    from jaxrl.weight_transfer import puller
+
+    monkeypatch.setattr(puller, "SPLIT_BYTES", 256)  # tiny weights cut as a 1 GB one would be
+    assert puller._cut(((0, 1), (0, 64), (0, 8)), 2, 3) == [
+        ((0, 1), (0, 21), (0, 8)),
+        ((0, 1), (21, 42), (0, 8)),
+        ((0, 1), (42, 64), (0, 8)),
+    ]
+    with Publisher() as pub:
+        assert same_bits(
+            pull_weights(pub.publish(1, state), one_device(state), timeout_s=20, connections=3), state
+        )
+
+
+def test_the_pulled_state_is_what_the_engine_swaps_in(state: nnx.State) -> None:
+    # ModelRunner.place (Engine.update_weights_from_state) runs weights.place_state(new, its
+    # abstract state, its shardings): the pulled state passes its checks and lands unchanged.
+    from jaxrl.engine import weights
+
+    like = one_device(state)
+    with Publisher() as pub:
+        pulled = pull_weights(pub.publish(1, state), like, timeout_s=20)
+    placed = weights.place_state(pulled, like, jax.tree.map(lambda x: x.sharding, like))
+    assert same_bits(placed, state)
