@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 from tiny_qwen3 import save_tiny_qwen3  # bench/ is on sys.path when run as a script
 
+from jaxrl.devicecheck.speed import engine_decode_s, hf_generate_tok_s
+
 
 def host_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
     """Bytes/s of a large numpy copy (read + write counted)."""
@@ -48,8 +50,6 @@ def make_model(out: Path, args: argparse.Namespace) -> int:
 def bench_engine(model_dir: Path, prompts: np.ndarray, args: argparse.Namespace) -> tuple[float, float]:
     from jaxrl.engine.config import EngineConfig
     from jaxrl.engine.engine import Engine
-    from jaxrl.engine.requests import Request
-    from jaxrl.engine.token_sampling import SamplingParams
 
     batch = len(prompts)
     cfg = EngineConfig(
@@ -63,43 +63,15 @@ def bench_engine(model_dir: Path, prompts: np.ndarray, args: argparse.Namespace)
         prefill_batch_buckets=[batch],
     )
     engine = Engine.from_pretrained(model_dir, cfg)
-    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0)
-
-    def run() -> float:
-        reqs = [Request(p.tolist(), params) for p in prompts]
-        t0 = time.perf_counter()
-        outs = engine.generate(reqs)
-        dt = time.perf_counter() - t0
-        assert all(len(o.token_ids) == args.new_tokens for o in outs)
-        return dt
-
-    run()  # compile
-    engine.generate([Request([1, 2], SamplingParams(max_tokens=1))])  # empty the prefix cache's usefulness
-    dt = statistics.median(run() for _ in range(args.repeats))
+    dt = engine_decode_s(engine, prompts, args.new_tokens, args.repeats)  # as the device check times it
     return batch * args.new_tokens / dt, dt
 
 
 def bench_hf(model_dir: Path, prompts: np.ndarray, args: argparse.Namespace) -> float:
-    import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).float().eval()
-    ids = torch.as_tensor(prompts)
-    kw = {
-        "max_new_tokens": args.new_tokens,
-        "min_new_tokens": args.new_tokens,
-        "do_sample": False,
-        "pad_token_id": 0,
-    }
-    with torch.no_grad():
-        model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            out = model.generate(ids, **kw)
-            times.append(time.perf_counter() - t0)
-    assert out.shape[1] == prompts.shape[1] + args.new_tokens
-    return len(prompts) * args.new_tokens / statistics.median(times)
+    return hf_generate_tok_s(model, prompts, args.new_tokens, args.repeats)
 
 
 class VLLMPeer:

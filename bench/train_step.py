@@ -39,45 +39,6 @@ def qwen3_config(a: argparse.Namespace) -> dict:
     ).to_dict()
 
 
-def jaxrl_step(a: argparse.Namespace, hf_config: dict, tokens: np.ndarray):  # type: ignore[no-untyped-def]
-    """A zero-argument callable running one jaxrl optimizer step; returns the step's CE loss."""
-    import jax.numpy as jnp
-
-    from jaxrl.models.setup import init_decoder
-    from jaxrl.parallel.mesh import MeshConfig, make_mesh
-    from jaxrl.trainer.config import TrainerConfig
-    from jaxrl.trainer.step import Trainer
-    from jaxrl.training_sample import TrainingSample
-
-    mesh = make_mesh(MeshConfig(fsdp=1, num_devices=1))
-    model = init_decoder(hf_config, mesh, seed=0, param_dtype=jnp.float32, dtype=jnp.float32)
-    cfg = TrainerConfig(seq_len=a.seq, seq_len_buckets=[a.seq], micro_batch_rows=a.rows, steps=a.steps + 1, remat="none")
-    trainer = Trainer(model, cfg, mesh)
-    samples = [TrainingSample.sft(t, np.ones(len(t))) for t in tokens]
-    return lambda: trainer.train_step(samples)["ce_loss"]
-
-
-def torch_step(a: argparse.Namespace, hf_config: dict, tokens: np.ndarray):  # type: ignore[no-untyped-def]
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config.from_dict(hf_config)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)
-    ids = torch.tensor(tokens, dtype=torch.long)
-
-    def step() -> float:
-        opt.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return float(loss.detach())
-
-    return step
-
-
 def timed(fn) -> float:  # type: ignore[no-untyped-def]
     t0 = time.perf_counter()
     fn()
@@ -117,8 +78,10 @@ def main() -> None:
     import jax
     import torch
 
+    from jaxrl.devicecheck.speed import jaxrl_trainer, torch_train_step
     from jaxrl.models.arch import arch_from_hf_config
     from jaxrl.trainer.flops import measure_matmul_peak
+    from jaxrl.training_sample import TrainingSample
 
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(threads)
@@ -128,17 +91,22 @@ def main() -> None:
     flops_tok = arch.flops_per_token(a.seq)
     load_before = os.getloadavg()[0]
 
-    sides = {"jaxrl": jaxrl_step(a, hf_config, tokens)}
+    # Both sides are built as the device check builds them (jaxrl.devicecheck.speed).
+    trainer = jaxrl_trainer(hf_config, rows=a.rows, seq=a.seq, steps=2 * a.steps + 2, dtype="float32", remat="none")
+    samples = [TrainingSample.sft(t, np.ones(len(t))) for t in tokens]
+    first_loss = trainer.train_step(samples)["ce_loss"]  # compile / warm-up
+    sides = {"jaxrl": lambda: timed(lambda: trainer.train_step(samples))}
+    free_torch = None
     if not a.skip_torch:
-        sides["transformers"] = torch_step(a, hf_config, tokens)
-    losses = {name: step() for name, step in sides.items()}  # compile / warm-up
+        sides["transformers"], free_torch = torch_train_step(hf_config, tokens, "cpu", lr=1e-4)
+        sides["transformers"]()  # warm-up
     times: dict[str, list[float]] = {name: [] for name in sides}
     peaks = [measure_matmul_peak(2048)]
     for _ in range(a.steps):
         for name, step in sides.items():
             # Two steps in a row: the second finds the allocator as its own last step left it,
             # as in a real run, rather than as the other framework left it.
-            times[name] += [timed(step), timed(step)]
+            times[name] += [step(), step()]
         peaks.append(measure_matmul_peak(2048, repeats=3))
     peak = max(peaks)
 
@@ -150,13 +118,16 @@ def main() -> None:
     results = {}
     for name in sides:
         results[name] = summary(times[name], tokens.size, flops_tok, peak)
-        print(json.dumps({"bench": "train_step", "impl": name, **common, **results[name], "first_loss": losses[name]}))
+        first = {"first_loss": first_loss} if name == "jaxrl" else {}
+        print(json.dumps({"bench": "train_step", "impl": name, **common, **results[name], **first}))
     load = {"load_avg_1m_before": load_before, "load_avg_1m_after": os.getloadavg()[0]}
     if "transformers" in results:
         ratio = results["jaxrl"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
         print(json.dumps({"bench": "train_step_ratio", "jaxrl_over_transformers": ratio, **load}))
     else:
         print(json.dumps({"bench": "load", **load}))
+    if free_torch is not None:
+        free_torch()
 
 
 if __name__ == "__main__":

@@ -49,53 +49,67 @@ def _target(dev: Device, key: str, value: float | None) -> dict[str, Any]:
     return {"target": f">= {goal}", "meets_target": met}
 
 
-def _torch_train(dev: Device, shapes: Shapes, tokens: np.ndarray, checkpointing: bool) -> dict[str, Any]:
-    """transformers + torch: bf16 autocast on float32 weights, AdamW (as jaxrl's optimizer),
-    gradient checkpointing on or off. Best of the timed steps."""
+def torch_train_step(
+    hf_config: dict[str, Any], tokens: np.ndarray, device: str, *, checkpointing: bool = False, lr: float = 1e-5
+) -> tuple[Any, Any]:
+    """transformers + torch, the side jaxrl's train step is measured against (here and in
+    ``bench/train_step.py``): AdamW (as jaxrl's optimizer), bf16 autocast on float32 weights off
+    the CPU, gradient checkpointing on or off. Returns ``(step, free)``: ``step()`` runs one
+    optimizer step and returns its seconds; ``free()`` hands torch's memory back."""
     import torch
     import transformers
 
-    device = dev.torch_device
-    assert device is not None
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config.from_dict(shapes.train)
+    cfg = transformers.Qwen3Config.from_dict(hf_config)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().to(device).train()
     if checkpointing:  # transformers 5.24 renamed it; the CUDA image's 5.17 has the old name only
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable()
         else:
             model.gradient_checkpointing_enable()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     ids = torch.as_tensor(tokens, dtype=torch.long, device=device)
     amp = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device != "cpu")
+    held = {"model": model, "opt": opt}
 
     def step() -> float:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with amp:
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss = held["model"](input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        torch.nn.utils.clip_grad_norm_(held["model"].parameters(), 1.0)
+        held["opt"].step()
         torch_sync(device)
         return time.perf_counter() - t0
 
+    def free() -> None:
+        held.clear()  # drop torch's references before handing its memory back
+        torch_free(device)
+
+    return step, free
+
+
+def _torch_train(dev: Device, shapes: Shapes, tokens: np.ndarray, checkpointing: bool) -> dict[str, Any]:
+    """Best of the timed steps of ``torch_train_step`` on the train model."""
+    assert dev.torch_device is not None
+    step, free = torch_train_step(shapes.train, tokens, dev.torch_device, checkpointing=checkpointing)
     try:
         step()  # warm-up
         times = [step() for _ in range(shapes.train_steps)]
     finally:
-        model = opt = None  # drop torch's references before handing its memory back
-        torch_free(device)
+        free()
     return {"step_s": min(times), "tokens_per_s": tokens.size / min(times), "gradient_checkpointing": checkpointing}
 
 
-def _jaxrl_trainer(shapes: Shapes, dtype: str, remat: str) -> Any:
+def jaxrl_trainer(hf_config: dict[str, Any], *, rows: int, seq: int, steps: int, dtype: str, remat: str) -> Any:
+    """``jaxrl.trainer.step.Trainer`` on a random-weight model of ``hf_config`` on one device
+    (float32 parameters, ``dtype`` compute), ``rows x seq`` micro-batches: the side measured."""
     from jaxrl.trainer.config import TrainerConfig
     from jaxrl.trainer.step import Trainer
 
-    cfg = TrainerConfig(seq_len=shapes.train_seq, seq_len_buckets=[shapes.train_seq],
-                        micro_batch_rows=shapes.train_rows, steps=shapes.train_steps + 2, remat=remat)
-    model = random_decoder(shapes.train, param_dtype=jnp.float32, dtype=jnp.dtype(dtype))
+    cfg = TrainerConfig(seq_len=seq, seq_len_buckets=[seq], micro_batch_rows=rows, steps=steps, remat=remat)
+    model = random_decoder(hf_config, param_dtype=jnp.float32, dtype=jnp.dtype(dtype))
     return Trainer(model, cfg, one_device_mesh())
 
 
@@ -131,7 +145,8 @@ def train_step(dev: Device, shapes: Shapes, *, remat: str, profile_dir: Path | N
             torch_line["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     yield torch_line
 
-    trainer = _jaxrl_trainer(shapes, dtype, policy)
+    trainer = jaxrl_trainer(shapes.train, rows=shapes.train_rows, seq=shapes.train_seq,
+                            steps=shapes.train_steps + 2, dtype=dtype, remat=policy)
     first = trainer.train_step(samples)  # compile + warm-up
     steps = [trainer.train_step(samples) for _ in range(shapes.train_steps)]
     best = min(steps, key=lambda m: m["time/train_s"])
@@ -157,34 +172,62 @@ def train_step(dev: Device, shapes: Shapes, *, remat: str, profile_dir: Path | N
                "note": "one train step under jax.profiler.trace (TensorBoard / xprof)"}
 
 
-def _hf_generate(dev: Device, shapes: Shapes, dtype: str, prompts: np.ndarray) -> float:
-    """Output tokens/s of transformers ``generate`` (greedy, exactly ``decode_new`` tokens)."""
+def hf_generate_tok_s(model: Any, prompts: np.ndarray, new_tokens: int, repeats: int, device: str = "cpu") -> float:
+    """Output tokens/s of transformers ``generate`` on ``model`` (greedy, exactly ``new_tokens``
+    tokens per prompt; the median of ``repeats`` after a short warm-up): the side the engine's
+    decode is measured against, here and in ``bench/decode.py``."""
     import torch
-    import transformers
 
+    ids = torch.as_tensor(prompts, device=device)
+    kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        times = []
+        for _ in range(repeats):
+            torch_sync(device)
+            t0 = time.perf_counter()
+            out = model.generate(ids, **kw)
+            torch_sync(device)
+            times.append(time.perf_counter() - t0)
+    assert out.shape[1] == prompts.shape[1] + new_tokens
+    return len(prompts) * new_tokens / statistics.median(times)
+
+
+def engine_decode_s(engine: Any, prompts: np.ndarray, new_tokens: int, repeats: int) -> float:
+    """Median seconds for the engine to generate exactly ``new_tokens`` greedy tokens for every
+    prompt at once (prefill included), after one untimed run of the shapes and with the prefix
+    cache of no use to the timed runs."""
+    from jaxrl.engine.requests import Request
+    from jaxrl.engine.token_sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+
+    def run() -> float:
+        reqs = [Request(p.tolist(), params) for p in prompts]
+        t0 = time.perf_counter()
+        outs = engine.generate(reqs)
+        dt = time.perf_counter() - t0
+        assert all(len(o.token_ids) == new_tokens for o in outs)
+        return dt
+
+    run()  # the first call of each shape
+    engine.generate([Request([1, 2], SamplingParams(max_tokens=1))])  # no prefix-cache hits on the timed runs
+    return statistics.median(run() for _ in range(repeats))
+
+
+def _hf_generate(dev: Device, shapes: Shapes, dtype: str, prompts: np.ndarray) -> float:
+    """``hf_generate_tok_s`` on a random model of the decode shapes on the device."""
+    import transformers
 
     device = dev.torch_device
     assert device is not None
     cfg = transformers.Qwen3Config.from_dict(shapes.decode)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype(dtype)).to(device).eval()
-    ids = torch.as_tensor(prompts, device=device)
-    kw = {"max_new_tokens": shapes.decode_new, "min_new_tokens": shapes.decode_new, "do_sample": False,
-          "pad_token_id": 0}
     try:
-        with torch.no_grad():
-            model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
-            times = []
-            for _ in range(shapes.repeats):
-                torch_sync(device)
-                t0 = time.perf_counter()
-                out = model.generate(ids, **kw)
-                torch_sync(device)
-                times.append(time.perf_counter() - t0)
-        assert out.shape[1] == prompts.shape[1] + shapes.decode_new
+        return hf_generate_tok_s(model, prompts, shapes.decode_new, shapes.repeats, device)
     finally:
         del model
         torch_free(device)
-    return len(prompts) * shapes.decode_new / statistics.median(times)
 
 
 def decode(dev: Device, shapes: Shapes) -> Lines:
@@ -197,8 +240,6 @@ def decode(dev: Device, shapes: Shapes) -> Lines:
     at the mean context). Prefill is in the time, so it is a lower bound."""
     from jaxrl.engine.config import EngineConfig
     from jaxrl.engine.engine import Engine
-    from jaxrl.engine.requests import Request
-    from jaxrl.engine.token_sampling import SamplingParams
     from jaxrl.models.arch import arch_from_hf_config
 
     dtype = _dtype(dev)
@@ -226,21 +267,10 @@ def decode(dev: Device, shapes: Shapes) -> Lines:
     engine = Engine(model, cfg)
     del model
     warmup_s = engine.warmup()
-    params = SamplingParams(max_tokens=shapes.decode_new, temperature=0.0)
     arch = arch_from_hf_config(shapes.decode)
     width = jnp.dtype(dtype).itemsize
     for b, prompts in batches.items():
-        def run(prompts: np.ndarray = prompts) -> float:
-            reqs = [Request(p.tolist(), params) for p in prompts]
-            t0 = time.perf_counter()
-            outs = engine.generate(reqs)
-            dt = time.perf_counter() - t0
-            assert all(len(o.token_ids) == shapes.decode_new for o in outs)
-            return dt
-
-        run()  # first call of each shape (programs are compiled by warmup)
-        engine.generate([Request([1, 2], SamplingParams(max_tokens=1))])  # no prefix-cache hits on the timed run
-        seconds = statistics.median(run() for _ in range(shapes.repeats))
+        seconds = engine_decode_s(engine, prompts, shapes.decode_new, shapes.repeats)
         tok_s = b * shapes.decode_new / seconds
         step_bytes = decode_bytes_per_step(arch, b, shapes.decode_prompt + shapes.decode_new / 2, width, width)
         gbps = step_bytes * (tok_s / b) / 1e9
