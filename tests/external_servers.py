@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import tomli_w
@@ -34,18 +35,21 @@ def env_with_devices(devices: int) -> dict[str, str]:
 
 
 class Serve:
-    """One ``python -m jaxrl.serve`` process (own process group, output in ``log``)."""
+    """One ``python -m jaxrl.serve`` process (own process group, output in ``log``): ``sizes`` of
+    ``[inference]``, ``engine`` of ``[inference.backend]``, ``extra`` arguments."""
 
-    def __init__(self, model_dir: Path, log: Path):
+    def __init__(
+        self, model_dir: Path, log: Path, *, sizes: dict = SIZES, engine: dict = ENGINE, extra: tuple[str, ...] = ()
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        args = [a for k, v in SIZES.items() for a in (f"--inference.{k}", json.dumps(v))]
-        args += [a for k, v in ENGINE.items() for a in (f"--inference.backend.{k}", json.dumps(v))]
+        args = [a for k, v in sizes.items() for a in (f"--inference.{k}", json.dumps(v))]
+        args += [a for k, v in engine.items() for a in (f"--inference.backend.{k}", json.dumps(v))]
         with log.open("w") as f:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "jaxrl.serve", "--model.name", str(model_dir),
-                 "--inference.server.port", str(self.port), *args],
+                 "--inference.server.port", str(self.port), *args, *extra],
                 env=env_with_devices(1), stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
             )  # fmt: skip
 
@@ -70,8 +74,9 @@ class Serve:
             self.proc.wait()
 
 
-def start_servers(model_dir: Path, logs: Path, n: int = 2) -> list[Serve]:
-    servers = [Serve(model_dir, logs / f"serve{i}.log") for i in range(n)]
+def start_servers(model_dir: Path, logs: Path, n: int = 2, **kw: Any) -> list[Serve]:
+    """``n`` servers (``Serve``'s keyword arguments ``kw``), once every one is healthy."""
+    servers = [Serve(model_dir, logs / f"serve{i}.log", **kw) for i in range(n)]
     try:
         for s in servers:
             s.wait_healthy()
@@ -82,8 +87,12 @@ def start_servers(model_dir: Path, logs: Path, n: int = 2) -> list[Serve]:
     return servers
 
 
-def rl_toml(path: Path, model_dir: Path, out: Path, urls: list[str], *, steps: int, mesh: dict, **extra) -> Path:
-    """An RL config over ``urls``: GRPO on reverse_text, 2 groups of 4, on-policy (lag 0)."""
+def rl_toml(
+    path: Path, model_dir: Path, out: Path, urls: list[str], *, steps: int, mesh: dict,
+    weight_transfer: str = "direct", **extra: Any,
+) -> Path:  # fmt: skip
+    """An RL config over ``urls``: GRPO on reverse_text, 2 groups of 4, on-policy (lag 0), weights
+    to the servers by ``weight_transfer``."""
     cfg = {
         "output_dir": str(out),
         "seed": 0,
@@ -91,7 +100,8 @@ def rl_toml(path: Path, model_dir: Path, out: Path, urls: list[str], *, steps: i
         "trainer": {"steps": steps, "seq_len": 256, "seq_len_buckets": [256], "micro_batch_rows": 4, "mesh": mesh,
                     "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"}},
         "inference": {"backend": "external", "base_url": urls, "server": {"port": 0},
-                      "external": {"request_timeout_s": 60, "startup_timeout_s": 30}, **SIZES},
+                      "external": {"request_timeout_s": 60, "startup_timeout_s": 30,
+                                   "weight_transfer": weight_transfer}, **SIZES},
         "orchestrator": {"batch_size": 8, "group_size": 4, "max_async_level": 0, "max_resample": 3,
                          "train": {"sampling": {"max_completion_tokens": 8, "temperature": 1.0},
                                    "env": [{"id": "reverse_text", "args": {"seed": 3}}]}},

@@ -61,6 +61,7 @@ from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.models.setup import DTYPES
 from jaxrl.parallel.rules import check_expert_parallel
+from jaxrl.weight_transfer import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -287,6 +288,15 @@ class Engine:
     def update_weights_from_path(self, path: str | Path, *, version: int | None = None, wait: bool = True) -> int:
         """Load a Hugging Face model directory (same architecture) as the new weights."""
         return self._enqueue_update(self.runner.load(path), version, wait)
+
+    def update_weights_from_manifest(
+        self, manifest: Manifest, *, version: int | None = None, timeout_s: float = 300.0, wait: bool = True
+    ) -> int:
+        """Pull the version ``manifest`` describes from the trainer processes' publishers
+        (``jaxrl.weight_transfer``) onto the engine's shardings in the calling thread, within
+        ``timeout_s``, then swap it in as ``update_weights_from_state`` does. A failed pull raises
+        ``PullError`` naming the endpoint and the param; the engine keeps serving its weights."""
+        return self._enqueue_update(self.runner.pull(manifest, timeout_s=timeout_s), version, wait)
 
     def _enqueue_update(self, state: Any, version: int | None, wait: bool) -> int:
         done = threading.Event()

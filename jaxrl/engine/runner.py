@@ -8,7 +8,7 @@ model runner apart from the scheduler, so that weight hand-off, cache layout and
 change here alone.
 
 Weight swaps (DESIGN contract 6, ``weight_update``): new weights are placed on the runner's
-shardings in the caller's thread (``place`` / ``load``), and ``swap`` installs them, called by
+shardings in the caller's thread (``place`` / ``load`` / ``pull``), and ``swap`` installs them, called by
 the engine between steps only.
 """
 
@@ -38,6 +38,8 @@ from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.models.kv_cache import KVCache
+from jaxrl.weight_transfer import Manifest, pull_weights
+from jaxrl.weight_transfer.manifest import param_path
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,24 @@ class ModelRunner:
         if model.arch != self.arch:
             raise ValueError(f"update_weights: {path} holds a different architecture than the served model")
         return self._served(nnx.state(model))
+
+    def pull(self, manifest: Manifest, *, timeout_s: float) -> Any:
+        """The version ``manifest`` describes pulled from the trainer's publishers
+        (``jaxrl.weight_transfer``) straight onto the runner's shardings, in the manifest's
+        dtypes, then cast to the served dtypes as ``place`` does; ready for ``swap``. Raises
+        ``PullError`` (naming the endpoint and the param) when any piece fails or the deadline
+        passes: nothing is swapped then."""
+        dtypes = {p.path: jnp.dtype(p.dtype) for p in manifest.params}
+        target = jax.tree_util.tree_map_with_path(
+            lambda path, x: jax.ShapeDtypeStruct(
+                x.shape, dtypes.get(param_path(path), x.dtype), sharding=x.sharding
+            ),
+            self._stacked,
+        )
+        pulled = pull_weights(manifest, target, timeout_s=timeout_s)
+        if all(p.dtype == x.dtype for p, x in zip(jax.tree.leaves(pulled), jax.tree.leaves(self._stacked))):
+            return self._served(pulled)  # already fresh buffers on the runner's shardings
+        return self.place(pulled)
 
     def swap(self, state: Any, version: int) -> None:
         """Serve ``state`` (from ``place`` / ``load``) as policy ``version`` from the next call on."""

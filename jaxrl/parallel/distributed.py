@@ -92,3 +92,19 @@ def broadcast_from_main(obj: Any) -> Any:
     size = int(multihost_utils.broadcast_one_to_all(np.int32(data.size)))
     buf = data if is_main_process() else np.zeros(size, np.uint8)
     return pickle.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes())
+
+
+def gather_strings(text: str, max_bytes: int = 512) -> list[str]:
+    """Every process's ``text`` (UTF-8, at most ``max_bytes``), by process index: how the RL
+    trainer's processes learn each other's weight publisher addresses. ``[text]`` with one process."""
+    data = text.encode()
+    if len(data) > max_bytes:
+        raise ValueError(f"gather_strings: {len(data)} bytes, more than {max_bytes}")
+    if jax.process_count() == 1:
+        return [text]
+    from jax.experimental import multihost_utils
+
+    buf = np.zeros(max_bytes, np.uint8)  # zero-padded: addresses hold no NUL
+    buf[: len(data)] = np.frombuffer(data, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(jax.process_count(), max_bytes)
+    return [bytes(row).rstrip(b"\0").decode() for row in rows]

@@ -18,12 +18,15 @@ rename hint). Settings of a backend other than the one chosen are refused, not i
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
+import socket
 import sys
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from jaxrl.engine.config import EngineConfig, EngineSettings, SharedSettings
 from jaxrl.serving.config import ServerConfig
@@ -120,9 +123,10 @@ class ExternalConfig(BaseModel):
     mount), not a ``gs://`` URL."""
 
     weights_dir: str | None = None
-    """Where each policy version is written as HF safetensors for the servers to load (``POST
-    /update_weights``): a local path or a ``gs://`` URL (``etils.epath``) that every server can
-    read. Default ``<output_dir>/rollout_weights``, which only servers on this host can read."""
+    """With ``weight_transfer = "files"``: where each policy version is written as HF safetensors
+    for the servers to load (``POST /update_weights {"path"}``): a local path or a ``gs://`` URL
+    (``etils.epath``) that every server can read. Default ``<output_dir>/rollout_weights``, which
+    only servers on this host can read."""
 
     api_key: str | None = Field(None, min_length=16)
     """Sent as ``Authorization: Bearer <key>`` with every ``/update_weights`` (the servers'
@@ -139,8 +143,64 @@ class ExternalConfig(BaseModel):
     startup_timeout_s: float = Field(300.0, gt=0, le=86400)
     """How long to wait at start for every server's ``GET /health``."""
 
+    weight_transfer: Literal["direct", "files"] = "direct"
+    """How each policy version reaches the servers. "direct" (the default for jaxrl servers):
+    every trainer process serves its own shards of the version over TCP
+    (``jaxrl.weight_transfer``: no gather, no files) and each server pulls exactly the pieces its
+    layout needs (``POST /update_weights {"version", "manifest"}``). "files": HF safetensors
+    written to ``weights_dir`` and loaded by path, the fallback when the servers cannot reach the
+    trainer's hosts, and the only way with ``server = "vllm"`` (vLLM servers load files; "direct"
+    is refused there)."""
+
+    weight_transfer_host: str = "127.0.0.1"
+    """Address each trainer process's weight publisher binds ("direct"; a free port is picked).
+    The default reaches only servers on the trainer's own host; "0.0.0.0" (or the host's own
+    address) lets servers on other hosts pull. The publisher asks no key (``api_key`` guards the
+    servers' routes, not it): anyone who reaches the port can read the weights."""
+
+    weight_transfer_advertise: str | None = None
+    """Address the servers dial to reach a trainer process's publisher ("direct"); default
+    ``weight_transfer_host``, or, when that is a wildcard ("0.0.0.0", "::"), each trainer
+    process's own host name (every process of a multi-host trainer is then reached at its own)."""
+
     def resolve_api_key(self) -> str | None:
         return self.api_key or os.environ.get("JAXRL_INFERENCE_API_KEY") or None
+
+    @field_validator("weight_transfer_host", "weight_transfer_advertise")
+    @classmethod
+    def _an_address(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and not is_host_address(value):
+            raise ValueError(
+                f"inference.backend.{info.field_name} = {value!r}: give a host name or an IP address "
+                '(no scheme, no port), e.g. "127.0.0.1", "0.0.0.0" or "trainer-0.example"'
+            )
+        if info.field_name == "weight_transfer_advertise" and value in WILDCARDS:
+            raise ValueError(
+                f"inference.backend.weight_transfer_advertise = {value!r}: servers cannot dial a wildcard "
+                "address; give this host's name or IP address, or leave it unset"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _vllm_loads_files(self) -> ExternalConfig:
+        """vLLM (and vllm-tpu) servers load weights from files: "files" is their default, and an
+        explicit "direct" is refused (tpu-inference's update_weights ignores an external trainer)."""
+        if self.server == "vllm" and self.weight_transfer == "direct":
+            if "weight_transfer" in self.model_fields_set:
+                raise ValueError(
+                    'inference.backend.weight_transfer = "direct" needs jaxrl.serve servers; vLLM servers load '
+                    'weights from files: set weight_transfer = "files" (or leave it unset) with server = "vllm"'
+                )
+            self.weight_transfer = "files"
+        return self
+
+    def advertised_host(self) -> str:
+        """The host name servers dial for this process's publisher (see ``weight_transfer_advertise``)."""
+        if self.weight_transfer_advertise is not None:
+            return self.weight_transfer_advertise
+        if self.weight_transfer_host in WILDCARDS:
+            return socket.gethostname()
+        return self.weight_transfer_host
 
     @model_validator(mode="after")
     def _vllm_loads_local_paths(self) -> ExternalConfig:
@@ -150,6 +210,22 @@ class ExternalConfig(BaseModel):
                 "path; mount the bucket on the trainer and the servers (GCS FUSE) and give the mounted path"
             )
         return self
+
+
+WILDCARDS = ("0.0.0.0", "::")
+"""Bind addresses that mean "every interface": never an address to dial."""
+
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOST_NAME = re.compile(rf"(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*\.?")
+
+
+def is_host_address(value: str) -> bool:
+    """Whether ``value`` is an IP address or a DNS host name (no scheme, port or path)."""
+    try:
+        ipaddress.ip_address(value)
+        return True
+    except ValueError:
+        return _HOST_NAME.fullmatch(value) is not None
 
 
 def server_root(url: str, field: str = "inference.base_url") -> str:

@@ -3,15 +3,30 @@
 listed in ``inference.base_url``.
 
     env servers -> loopback balancer (``proxy``) -> server 1 .. server N
-    trainer     -> HF safetensors in ``inference.backend.weights_dir`` -> POST /update_weights to each
+    trainer     -> weights (direct from every trainer process, or files) -> POST /update_weights to each
 
-After every optimizer step the trainer's parameters are written once as HF safetensors to a
-directory every server can read (a shared filesystem, or ``gs://`` through ``etils.epath``),
-then each server is told to load them (``POST /update_weights {"path", "version"}``, with the
-``Authorization: Bearer`` key when one is configured; a vLLM server through its RL routes, as
-``backend = "vllm"`` does). The step's policy version counts as
-served once every server has answered: the orchestrator's bounded off-policy lag is then the
-same as with the embedded engine.
+After every optimizer step every server is given the trainer's parameters, in one of two ways
+(``inference.backend.weight_transfer``):
+
+- "direct" (the default for jaxrl servers): every trainer process starts a publisher
+  (``jaxrl.weight_transfer.Publisher``, TCP, at ``weight_transfer_host`` on a free port) at
+  construction, and the processes learn each other's addresses once, at start. Each update,
+  every process publishes its own shards of the new version (cast to ``[model] dtype``, the
+  servers' dtype, on its devices: no gather to process 0, no files); process 0 describes them in
+  a manifest (``manifest_for``: from the global shardings alone) and sends it to each server,
+  ``POST /update_weights {"version", "manifest", "timeout_s"}``; each server pulls exactly the
+  pieces its own layout needs from the processes that hold them, then swaps them in. A server
+  that cannot take a manifest fails the start with one line naming the fix (``weight_transfer =
+  "files"``); nothing falls back to files on its own.
+- "files" (the fallback, and the only way to vLLM servers): the parameters are written once as
+  HF safetensors to a directory every server can read (a shared filesystem, or ``gs://`` through
+  ``etils.epath``), then each server is told to load them (``POST /update_weights {"path",
+  "version"}``; a vLLM server through its RL routes, as ``backend = "vllm"`` does). With several
+  processes every process takes part in writing them (a cross-host gather).
+
+Requests carry the ``Authorization: Bearer`` key when one is configured. The step's policy
+version counts as served once every server has answered: the orchestrator's bounded off-policy
+lag is then the same as with the embedded engine.
 
 Servers keep their own version counters across runs (a server may have served another run or
 an earlier attempt of this one), so the trainer's version ``v`` is sent as ``offset + v``, with
@@ -20,14 +35,16 @@ pushed at start, so every server serves exactly the trainer's policy from the fi
 
 A server that stops answering - a rollout request or a weight update refused, reset, or not
 answered within ``request_timeout_s`` - is reported by its URL as ``RolloutServerDead``; the RL
-loop then checkpoints and stops, and ``--resume`` continues once the server is back.
+loop then checkpoints and stops, and ``--resume`` continues once the server is back. A direct
+pull is bounded on the server too (a little under ``request_timeout_s``), so a trainer process
+that cannot be reached is reported by the server's answer, naming the endpoint and the param.
 
-With several processes (multi-host training) every process takes part in writing the weights
-(a cross-host gather), and process 0 alone talks to the servers.
+Process 0 alone talks to the servers.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Mapping
@@ -41,17 +58,19 @@ from flax import nnx
 
 from jaxrl.endpoint import ModelEndpoint
 from jaxrl.models.decoder import Decoder
-from jaxrl.parallel.distributed import broadcast_from_main
+from jaxrl.parallel.distributed import broadcast_from_main, gather_strings
 from jaxrl.rollout.base import RolloutServerDead
 from jaxrl.rollout.config import ExternalConfig, InferenceConfig
 from jaxrl.rollout.proxy import ProxyServer
 from jaxrl.rollout.weight_files import WeightFiles, reload_vllm_weights, vllm_weight_version
+from jaxrl.weight_transfer import Publisher, manifest_for
 
 logger = logging.getLogger(__name__)
 
 
 class ExternalBackend:
-    """Servers at ``inference.base_url`` behind a loopback balancer, fed weights through files."""
+    """Servers at ``inference.base_url`` behind a loopback balancer, fed weights directly from
+    every trainer process or through files (``inference.backend.weight_transfer``)."""
 
     def __init__(
         self,
@@ -70,8 +89,18 @@ class ExternalBackend:
         self.urls = config.server_urls()
         self.tokenizer_dir = str(tokenizer_dir)
         self.renderer = dict(renderer) if renderer is not None else None
-        weights_root = self.ecfg.weights_dir or Path(output_dir) / "rollout_weights"
-        self.weights = WeightFiles(model, hf_config, weights_root, for_vllm=self.ecfg.server == "vllm")
+        self.direct = self.ecfg.weight_transfer == "direct"
+        self.weights: WeightFiles | None = None
+        self.publisher: Publisher | None = None
+        if self.direct:  # every process serves its own shards of each version
+            self.publisher = Publisher(
+                dtype=model.dtype, transport="tcp", host=self.ecfg.weight_transfer_host,
+                advertise=self.ecfg.advertised_host(),
+            )  # fmt: skip
+        else:
+            weights_root = self.ecfg.weights_dir or Path(output_dir) / "rollout_weights"
+            self.weights = WeightFiles(model, hf_config, weights_root, for_vllm=self.ecfg.server == "vllm")
+        self._endpoints: list[str] = []  # every process's publisher, by process index (at start)
         self.main = jax.process_index() == 0  # only process 0 talks to the servers
         self._model: Decoder | None = model
         self._version = -1  # nothing pushed yet
@@ -89,6 +118,8 @@ class ExternalBackend:
     def start(self, state: nnx.State | Decoder | None = None, version: int = 0) -> ModelEndpoint:
         """Wait for every server, check they serve one model, start the balancer, then push
         ``state`` (or the weights the backend was built with) as ``version``."""
+        if self.publisher is not None:  # every process: learn where the others publish, once
+            self._endpoints = gather_strings(self.publisher.address)
         failure: Exception | None = None
         if self.main:
             try:
@@ -146,7 +177,27 @@ class ExternalBackend:
                 f"rollout server {url}: GET /metrics has no policy_version; backend = \"external\" drives "
                 'jaxrl.serve servers; for vLLM servers set inference.backend.server = "vllm"'
             )
+        if self.direct and not self._takes_manifests(url):
+            raise ValueError(
+                f"rollout server {url} does not take weights by manifest (POST /update_weights has no "
+                '"manifest"; a jaxrl.serve older than direct transfer): update it, or set '
+                'inference.backend.weight_transfer = "files"'
+            )
         return model, int(metrics["policy_version"])
+
+    def _takes_manifests(self, url: str) -> bool:
+        """Whether ``url``'s ``POST /update_weights`` takes a ``manifest`` (its OpenAPI schema says)."""
+        resp = self._http.get(f"{url}/openapi.json")
+        if resp.status_code != 200:
+            return False
+        try:
+            doc = resp.json()
+            body = doc["paths"]["/update_weights"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+            if "$ref" in body:
+                body = doc["components"]["schemas"][body["$ref"].rsplit("/", 1)[-1]]
+            return "manifest" in body["properties"]
+        except (KeyError, TypeError, ValueError):
+            return False
 
     def _get(self, url: str, path: str) -> Any:
         resp = self._http.get(f"{url}{path}")
@@ -158,6 +209,8 @@ class ExternalBackend:
         if self.proxy is not None:
             self.proxy.stop()
             self.proxy = None
+        if self.publisher is not None:
+            self.publisher.stop()
         self._http.close()
 
     @property
@@ -190,17 +243,43 @@ class ExternalBackend:
         return self._version
 
     def update_weights(self, state: nnx.State | Decoder, *, version: int) -> int:
-        """Write ``state`` once, have every server load it as ``version``. Every process calls this."""
+        """Have every server serve ``state`` as ``version``: published by every process (direct)
+        or written once (files), then announced to each server by process 0. Every process calls this."""
         if version <= self._version:
             raise ValueError(f"weight update version {version} must be greater than {self._version}")
+        if self.publisher is not None:
+            self._publish(nnx.state(state) if isinstance(state, Decoder) else state, version)
+        else:
+            self._write(state, version)
+        self._version = version
+        return version
+
+    def _publish(self, state: nnx.State, version: int) -> None:
+        """Direct: this process's shards held by its publisher; process 0 sends the manifest."""
+        assert self.publisher is not None
+        self.publisher.publish(version, state)  # all processes at once: a jitted cast per param
+        if not self.main:
+            return
+        self.check()
+        manifest = manifest_for(version, state, self._endpoints, self.publisher.dtype, transport="tcp")
+        body = {
+            "version": self._offset + version,
+            "manifest": json.loads(manifest.to_json()),
+            # The server gives up a little before this process does, so its answer (naming the
+            # trainer endpoint and param that failed) arrives rather than a timeout of its own.
+            "timeout_s": max(1.0, 0.9 * self.ecfg.request_timeout_s - 1.0),
+        }
+        self._each(lambda url: self._call(url, "POST", "/update_weights", json=body))
+
+    def _write(self, state: nnx.State | Decoder, version: int) -> None:
+        """Files: ``state`` written once (every process takes part); process 0 has each server load it."""
+        assert self.weights is not None
         path = self.weights.write(state, f"policy-{version:08d}")
         if self.main:
             self.check()
             body = {"path": str(path), "version": self._offset + version}
             self._each(lambda url: self._post_update(url, body))
             self.weights.served(path)
-        self._version = version
-        return version
 
     def _post_update(self, url: str, body: dict[str, Any]) -> None:
         if self.ecfg.server == "vllm":

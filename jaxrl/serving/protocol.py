@@ -396,10 +396,32 @@ class CompletionResponse(BaseModel):
 
 
 class UpdateWeightsRequest(_Body):
-    path: StrictStr = Field(min_length=1)
+    """New weights from exactly one source: a model directory (``path``) or the trainer's
+    publishers (``manifest``)."""
+
+    path: Annotated[StrictStr, Field(min_length=1)] | None = None
     """A Hugging Face model directory (config.json + safetensors) with the served architecture."""
+    manifest: dict[str, Any] | None = None
+    """A weight manifest (``jaxrl.weight_transfer.Manifest``, as its ``to_json`` writes it): the
+    trainer processes' publisher endpoints and which shards of every param each holds. The server
+    pulls exactly the pieces its own layout needs from them (its ``version`` is the publishers'
+    key; the policy version served is ``version`` below)."""
     version: Annotated[int, Field(ge=0, le=JSON_INT64_MAX), _JsonInt] | None = None
     """Policy version to assign (must increase); default: current + 1."""
+    timeout_s: Annotated[float, Field(gt=0, le=86400)] | None = None
+    """With ``manifest``: the pull's deadline in seconds (default 300); past it the update fails
+    and the server keeps its weights."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> UpdateWeightsRequest:
+        if (self.path is None) == (self.manifest is None):
+            has = "both" if self.path is not None else "neither"
+            raise ValueError(
+                f"give exactly one of path (a model directory) or manifest (a weight manifest), not {has}"
+            )
+        if self.timeout_s is not None and self.manifest is None:
+            raise ValueError("timeout_s: only with manifest (a pull's deadline)")
+        return self
 
 
 class ErrorBody(BaseModel):

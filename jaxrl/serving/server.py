@@ -3,6 +3,11 @@ vLLM's ``api_router``) that map each request to its handler: ``completions`` (ge
 completions), ``chat`` (chat), ``auth`` (who may update weights, from where),
 ``errors`` (error answers and the schema); bodies are ``protocol``'s.
 
+``/update_weights`` loads a model directory (``path``) or pulls the version a weight manifest
+describes from the trainer's publishers (``manifest``, ``jaxrl.weight_transfer``) in a worker
+thread, so requests keep being served meanwhile; the engine swaps the new weights in between
+steps, or keeps the old ones when the load fails.
+
 Handlers submit requests to the engine (its own thread runs the steps) and await their
 futures; a handler cancelled mid-flight (client gone, shutdown) aborts its requests. Bad input
 gets a 400 whose message names the field; an unexpected error gets a 500 and the server keeps
@@ -44,6 +49,7 @@ from jaxrl.serving.config import ServerConfig
 from jaxrl.serving.errors import BadRequest, Unavailable
 from jaxrl.serving.http_thread import BackgroundServer
 from jaxrl.serving.session_versions import SessionVersions
+from jaxrl.weight_transfer import Manifest, WeightTransferError
 
 SESSION_HEADER = "x-session-id"
 
@@ -254,20 +260,29 @@ class EngineServer:
         )
         async def update_weights(body: protocol.UpdateWeightsRequest, request: Request) -> dict[str, int]:
             auth.require_key(request, self.api_key)
-            path = self.weights_root.check(body.path)
-            try:
-                version = await asyncio.to_thread(self._load_weights, path, body.version)
+            if body.manifest is not None:
+                manifest = parse_manifest(body.manifest)
+                timeout_s = body.timeout_s or PULL_TIMEOUT_S
+                load = partial(self.engine.update_weights_from_manifest, manifest, timeout_s=timeout_s)
+                source = f"version {manifest.version} from {', '.join(manifest.endpoints) or 'no endpoint'}"
+            else:
+                path = self.weights_root.check(body.path)
+                load, source = partial(self._load_weights, path), body.path
+            try:  # off the event loop: requests keep being served while the weights load
+                version = await asyncio.to_thread(load, version=body.version)
             except StaleVersion as e:  # a later update came first
                 raise StarletteHTTPException(409, f"version: {e}") from None
+            except WeightTransferError as e:  # names the endpoint and param; the old weights keep serving
+                raise BadRequest(f"update_weights: {e}") from None
             except RuntimeError as e:  # the engine failed or stops
                 raise Unavailable(f"update_weights: {e}") from None
             except Exception as e:
-                raise BadRequest(f"update_weights: cannot load {body.path}: {type(e).__name__}: {e}") from None
+                raise BadRequest(f"update_weights: cannot load {source}: {type(e).__name__}: {e}") from None
             return protocol.UpdateWeightsResponse(policy_version=version).model_dump()
 
         return app
 
-    def _load_weights(self, path: Path | str, version: int | None) -> int:
+    def _load_weights(self, path: Path | str, *, version: int | None) -> int:
         """Load a model directory as the new weights; a URL (``gs://...``, shared storage of an
         external rollout backend) is first copied to a local temporary directory."""
         if isinstance(path, Path):
@@ -275,6 +290,24 @@ class EngineServer:
         with tempfile.TemporaryDirectory(prefix="jaxrl-update-") as tmp:
             copy_model_dir(path, tmp)
             return self.engine.update_weights_from_path(tmp, version=version)
+
+
+PULL_TIMEOUT_S = 300.0
+"""A manifest pull's deadline when the request names none (``timeout_s``)."""
+
+
+def parse_manifest(body: dict[str, Any]) -> Manifest:
+    """The request's ``manifest`` as a ``Manifest``; a malformed one is a 400 naming the field."""
+    try:
+        manifest = Manifest.from_json(json.dumps(body))
+        if not isinstance(manifest.version, int) or isinstance(manifest.version, bool):
+            raise TypeError(f"version {manifest.version!r} is not an integer")
+        if not all(isinstance(e, str) and ":" in e for e in manifest.endpoints):
+            raise TypeError(f"endpoints {list(manifest.endpoints)!r} are not all host:port")
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        what = f"missing key {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise BadRequest(f"manifest: not a weight manifest (jaxrl.weight_transfer's): {what}") from None
+    return manifest
 
 
 def eos_token_ids(model_dir: str | Path | None, tokenizer: Any) -> list[int]:

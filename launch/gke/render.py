@@ -465,7 +465,9 @@ def render(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
             "--inference.backend", "external",
             "--inference.base_url", urls[0] if len(urls) == 1 else json.dumps(urls),  # every server
             "--inference.backend.server", args.rollout_server,
-            # On the bucket mount, which the servers read at the same path.
+            # Weights through files on the bucket mount, which the servers read at the same path
+            # (direct transfer needs the trainer pods' publisher ports reachable: not rendered yet).
+            "--inference.backend.weight_transfer", "files",
             "--inference.backend.weights_dir", f"{DATA}/{args.name}/rollout_weights",
             # The servers start after the weights exist, then load and compile them.
             "--inference.backend.startup_timeout_s", str(args.wait_timeout_s),

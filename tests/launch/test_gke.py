@@ -187,6 +187,7 @@ def test_disaggregated_jobset(tmp_path) -> None:
     # Every server, by the DNS name JobSet gives pod 0 of rollout Job i.
     assert cfg.inference.base_url == [f"http://rt-rollout-{i}-0.rt:8000/v1" for i in range(3)]
     assert cfg.inference.backend.weights_dir == "/data/rt/rollout_weights"  # the servers' mount too
+    assert cfg.inference.backend.weight_transfer == "files"  # direct needs the trainer's ports: not rendered
     assert cfg.distributed.enabled
 
 

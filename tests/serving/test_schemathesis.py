@@ -67,6 +67,8 @@ def test_no_generated_request_gets_a_server_error(case, live_server) -> None:
 # The rules no JSON schema can state, each answered with a 400 naming the field (as vLLM does):
 # everything else the server refuses, its schema (``protocol.server_schema``) refuses too (ST202).
 BEYOND_THE_SCHEMA = {
+    # exactly one weights source; a manifest's own structure and what it names (endpoints, params)
+    "/update_weights": ("exactly one of path", "timeout_s: only with manifest", "manifest:", "update_weights:"),
     "/inference/v1/generate": ("maximum context length",),  # prompt + max_tokens
     "/v1/completions": ("maximum context length", "max_model_len", "stream_options: only with stream"),
     "/v1/chat/completions": (

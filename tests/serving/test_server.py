@@ -303,7 +303,9 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
      'response_format: {"type": "text"} only: JSON output'),
     ("/v1/completions", {"prompt": [1, -3]}, "vocabulary"),
-    ("/update_weights", {}, "path: Field required"),
+    ("/update_weights", {}, "exactly one of path (a model directory) or manifest (a weight manifest), not neither"),
+    ("/update_weights", {"path": "x", "manifest": {}}, "exactly one of path (a model directory) or manifest"),
+    ("/update_weights", {"manifest": {"version": 1, "endpoints": []}}, "manifest: not a weight manifest"),
     # Every sampling value is range-checked before it reaches the engine thread (a top_k of 2**31
     # once overflowed an int32 array there and left the server answering 503 for good).
     *sampling_cases(),
