@@ -10,13 +10,19 @@
 #      Step 3 runs in a network namespace with no network at all (unshare -n, loopback only)
 #      where this host allows it, and with no pip configuration (no find-links, no index).
 #
-#   bash scripts/rehearse_offline_install.sh [WORKDIR]    # default .ci-venvs/rehearsal (emptied first)
+#   bash scripts/rehearse_offline_install.sh [WORKDIR] [PHASE]
+#
+# WORKDIR: default .ci-venvs/rehearsal. PHASE: "all" (the default), "install" (1-3's installs:
+# WORKDIR is emptied first; network and disk, so CI runs it in the background beside other work)
+# or "smoke" (3's smoke run, on what "install" left in WORKDIR; CPU, so CI runs it alone).
 #
 # CI runs it (.ci/run); it keeps the document true. Times on this 2-core host: see docs/accelerator.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 WORK=${1:-$ROOT/.ci-venvs/rehearsal}
+PHASE=${2:-all}
+case $PHASE in all|install|smoke) ;; *) echo "PHASE: all, install or smoke (got $PHASE)" >&2; exit 2;; esac
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 py312() {
@@ -29,7 +35,14 @@ quiet_pip() {  # quiet_pip PYTHON ARGS...: without the warnings about this host'
   "$py" -m pip install --quiet "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
 stamp() { echo "[$(( SECONDS ))s] $*"; }
+NO_NET=()  # the target's commands run with no network where this host allows a namespace
+if unshare -n true 2>/dev/null; then
+  NO_NET=(unshare -n sh -c 'ip link set lo up 2>/dev/null || true; exec "$@"' sh)
+else
+  echo "   (unshare -n is not allowed here: the install runs with --no-index only)"
+fi
 
+if [ "$PHASE" != smoke ]; then  # 1-3: the installs
 rm -rf "$WORK"
 mkdir -p "$WORK"
 PY=$(py312)
@@ -53,17 +66,17 @@ stamp "2. here: the wheelhouse"
   -o "$WORK/wheels"
 
 stamp "3. the target, without network: one install command, then the smoke run"
-NO_NET=()
-if unshare -n true 2>/dev/null; then
-  NO_NET=(unshare -n sh -c 'ip link set lo up 2>/dev/null || true; exec "$@"' sh)
-else
-  echo "   (unshare -n is not allowed here: the install runs with --no-index only)"
-fi
 cd "$WORK"  # no checkout on sys.path: jaxrl comes from the installed wheel
 env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u PIP_INDEX_URL PIP_CONFIG_FILE=/dev/null \
   "${NO_NET[@]}" "$IMG" -m pip install --quiet --no-index --no-deps "$WORK"/wheels/*.whl
 "$IMG" -m pip check
 stamp "   installed; jaxrl from $("$IMG" -c 'import jaxrl, os; print(os.path.dirname(jaxrl.__file__))')"
+fi
+[ "$PHASE" = install ] && { stamp "installed (the smoke run: PHASE smoke)"; exit 0; }
+IMG=$WORK/image/bin/python
+[ -x "$IMG" ] || { echo "$WORK/image: no install to run the smoke on (run PHASE install first)" >&2; exit 1; }
+cd "$WORK"
+stamp "4. the smoke run, without network"
 env -u XLA_FLAGS JAX_PLATFORMS=cpu "${NO_NET[@]}" timeout -k 10 900 \
   "$IMG" -m jaxrl.devicecheck --smoke --out "$WORK/devicecheck-out" > "$WORK/smoke.log"
 cat "$WORK"/devicecheck-out/lines-*.jsonl | "$IMG" -c '

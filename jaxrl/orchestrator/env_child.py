@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 
 from jaxrl.envs import register_plugin
@@ -70,12 +71,22 @@ def _read_line(fd: int) -> bytes:
     return data
 
 
+ORPHAN_GRACE_S = 2.0
+"""Seconds an orphaned env server gets for verifiers' graceful teardown before it exits hard:
+rollouts in flight belong to a trainer that is gone, so nothing is lost by cutting them. (Pool
+workers follow this process on their own: verifiers arms each with a death pipe.)"""
+
+
 def _exit_with_parent() -> None:
-    """SIGTERM ourselves (a graceful verifiers teardown) once the orchestrator's end of stdin closes."""
+    """Once the orchestrator's end of stdin closes (it stopped us, or died): SIGTERM ourselves (a
+    graceful verifiers teardown), and exit hard if that has not ended the process within
+    ``ORPHAN_GRACE_S`` (a teardown waiting on rollouts in flight kept an orphan alive > 10 s)."""
     with contextlib.suppress(OSError):
         while os.read(0, 65536):  # the raw fd: a buffered reader would hold its lock at exit
             pass
     os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(ORPHAN_GRACE_S)
+    os._exit(1)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
