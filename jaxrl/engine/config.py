@@ -21,6 +21,7 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jaxrl.kernel_dispatch import KernelChoice
+from jaxrl.sampling_contract import MAX_LOGPROBS
 
 
 def _powers_of_two(lo: int, hi: int, factor: int = 2) -> list[int]:
@@ -129,6 +130,11 @@ class EngineSettings(BaseModel):
     """Compile every device program (``program_bound()`` of them) when the HTTP server starts,
     before ``GET /health`` answers: no rollout then waits on a compile. The time is printed and
     reported as ``warmup_s`` in ``GET /metrics``. Off: programs compile on first use."""
+
+    max_logprobs: int = Field(MAX_LOGPROBS, ge=0, le=MAX_LOGPROBS)
+    """Most ``top_logprobs`` (chat) or ``logprobs`` (completions) a request may ask for (vLLM's
+    ``--max-logprobs``, default 20); more is a 400 naming the field. Every program outputs this
+    many top log-probs per token, computed only in batches where some request asks (0: never)."""
 
     min_prefix_reuse: int = Field(16, ge=1)
     """Shortest shared prefix worth copying from another sequence's cache row (a row left by the

@@ -160,6 +160,11 @@ class Engine:
         return self.arch.vocab_size
 
     @property
+    def max_logprobs(self) -> int:
+        """Most top log-probs a request may ask for per token (``max_logprobs``, at most the vocabulary)."""
+        return self.runner.layout.top_logprobs
+
+    @property
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
@@ -240,6 +245,11 @@ class Engine:
         for t in request.params.stop_token_ids:
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {self.vocab_size})")
+        if request.params.top_logprobs > self.max_logprobs:
+            raise ValueError(
+                f"top_logprobs: at most {self.max_logprobs} on this engine (inference.backend.max_logprobs); "
+                f"asked for {request.params.top_logprobs}"
+            )
 
     def submit(self, request: Request) -> Future[Completion]:
         """Queue a request (thread-safe); raises ValueError on a request the engine cannot serve."""
@@ -437,16 +447,16 @@ class Engine:
         return idle
 
     def _run_prefill(self, plan: PrefillPlan) -> None:
-        tokens, logprobs, experts = self.runner.prefill(plan)
+        tokens, logprobs, top, experts = self.runner.prefill(plan)
         marks = [len(seq.tokens) for seq in plan.seqs]
-        done = self.scheduler.finish_prefill(plan, tokens, logprobs, self.runner.version, experts)
+        done = self.scheduler.finish_prefill(plan, tokens, logprobs, self.runner.version, experts, top)
         self._stream(plan.seqs, marks)
         self._deliver(done)
 
     def _run_decode(self, plan: DecodePlan) -> None:
-        tokens, logprobs, experts = self.runner.decode(plan)
+        tokens, logprobs, top, experts = self.runner.decode(plan)
         marks = [len(seq.tokens) for seq in plan.seqs]
-        done = self.scheduler.finish_decode(plan, tokens, logprobs, self.runner.version, experts)
+        done = self.scheduler.finish_decode(plan, tokens, logprobs, self.runner.version, experts, top)
         self._stream(plan.seqs, marks)
         self._deliver(done)
 
@@ -459,7 +469,7 @@ class Engine:
             if on_tokens is None or len(seq.tokens) == mark:
                 continue
             try:
-                on_tokens(TokenDelta(seq.tokens[mark:], seq.logprobs[mark:], seq.versions[mark:]))
+                on_tokens(TokenDelta(seq.tokens[mark:], seq.logprobs[mark:], seq.versions[mark:], seq.top[mark:]))
             except Exception:  # the reader's bug: its request goes on, the others are untouched
                 log.exception("on_tokens of request %s failed", seq.request.request_id)
 

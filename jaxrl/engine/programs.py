@@ -27,22 +27,22 @@ from jax.sharding import Mesh
 
 from jaxrl.engine import weights
 from jaxrl.engine.config import EngineConfig
-from jaxrl.engine.token_sampling import SamplingBatch, TokenCounts, penalize, sample
+from jaxrl.engine.token_sampling import SamplingBatch, TokenCounts, penalize, sample_with_top
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.kv_cache import KVCache
 from jaxrl.models.setup import DTYPES
 
 
-def _prefill(graphdef, state, cache, counts, tokens, positions, rows, last, sampling, *, kernels):  # type: ignore[no-untyped-def]
+def _prefill(graphdef, state, cache, counts, tokens, positions, rows, last, sampling, *, kernels, top):  # type: ignore[no-untyped-def]
     """One batch of prompt chunks. ``kernels`` gives the projections of the served layout; the
     attention is the reference on every backend (``Kernels.cached_attention`` takes one-token
-    steps only)."""
+    steps only). ``top``: top log-probs output per token (``sample_with_top``)."""
     model, kernels = kernels.bind(graphdef, state)
     hidden, cache, experts = _forward(model, tokens, positions, cache, rows, kernels)
     h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
     logits = penalize(model.logits_f32(h_last, kernels), counts, rows, sampling)
-    next_tokens, logprobs = sample(logits, sampling)
-    return cache, next_tokens, logprobs, experts
+    next_tokens, logprobs, top_ids, top_logprobs = sample_with_top(logits, sampling, top)
+    return cache, next_tokens, logprobs, (top_ids, top_logprobs), experts
 
 
 def routing_dtype(num_experts: int) -> Any:
@@ -63,7 +63,7 @@ def _forward(model, tokens, positions, cache, rows, kernels):  # type: ignore[no
     return hidden, cache, aux.experts.astype(routing_dtype(arch.num_experts))
 
 
-def _decode(graphdef, steps, state, cache, counts, tokens, positions, rows, sampling, shared, *, kernels):  # type: ignore[no-untyped-def]
+def _decode(graphdef, steps, state, cache, counts, tokens, positions, rows, sampling, shared, *, kernels, top):  # type: ignore[no-untyped-def]
     """``steps`` decode steps over the whole cache, read and written in place (donated).
     ``counts`` (``TokenCounts``, donated too) counts each fed token (the one sampled last) as
     generated before the step samples, for the penalties.
@@ -81,12 +81,12 @@ def _decode(graphdef, steps, state, cache, counts, tokens, positions, rows, samp
         counts = counts.count(rows, tok)
         hidden, cache, experts = _forward(model, tok[:, None], pos[:, None], cache, rows, kernels)
         logits = penalize(model.logits_f32(hidden[:, 0], kernels), counts, rows, sampling)
-        new, logp = sample(logits, replace(sampling, draw_position=index))
-        return (cache, counts, new, pos + 1, index + 1), (new, logp, experts[:, 0])
+        new, logp, top_ids, top_logp = sample_with_top(logits, replace(sampling, draw_position=index), top)
+        return (cache, counts, new, pos + 1, index + 1), (new, logp, (top_ids, top_logp), experts[:, 0])
 
     carry = (cache, counts, tokens, positions, sampling.draw_position)
-    (cache, counts, *_), (new_tokens, logprobs, experts) = jax.lax.scan(body, carry, None, length=steps)
-    return cache, counts, new_tokens, logprobs, experts
+    (cache, counts, *_), (new_tokens, logprobs, tops, experts) = jax.lax.scan(body, carry, None, length=steps)
+    return cache, counts, new_tokens, logprobs, tops, experts
 
 
 def _reset_counts(counts: TokenCounts, row: jax.Array, prompt_mask: jax.Array) -> TokenCounts:
@@ -130,6 +130,7 @@ class EngineLayout:
     cache_dtype: Any
     cache_sharding: Any
     counts_shape: tuple[int, int]  # (max_seqs, vocab): ``TokenCounts`` of the penalties
+    top_logprobs: int  # top log-probs every program outputs per token (``max_logprobs``, at most the vocab)
     inputs: Any  # sharding of host-fed inputs and of the token counts (replicated)
     key: tuple  # every shape the programs compile for (keys the program cache)
 
@@ -140,7 +141,9 @@ class EngineLayout:
         key = (shape, str(jnp.dtype(cache_dtype)), tuple(config.decode_buckets()))
         key += tuple(map(tuple, (config.prefill_lengths(), config.prefill_batches(), config.decode_step_counts())))
         counts = (config.max_seqs, arch.vocab_size)
-        return cls(mesh, shape, cache_dtype, weights.cache_sharding(mesh, shape), counts, weights.replicated(mesh), key + counts)
+        top = min(config.max_logprobs, arch.vocab_size)
+        sharding = weights.cache_sharding(mesh, shape)
+        return cls(mesh, shape, cache_dtype, sharding, counts, top, weights.replicated(mesh), key + counts + (top,))
 
     def abstract_cache(self) -> KVCache:
         one = jax.ShapeDtypeStruct(self.cache_shape, self.cache_dtype, sharding=self.cache_sharding)
@@ -164,7 +167,7 @@ class EngineLayout:
         a = self._abstract
         return SamplingBatch(
             a((batch,), f32), a((batch,), f32), a((batch,), i32), a((batch, 2), jnp.uint32), a((batch,), i32),
-            a((batch,), f32), a((batch,), f32), a((batch,), f32),
+            a((batch,), f32), a((batch,), f32), a((batch,), f32), a((batch,), i32),
         )
 
     def prefill_inputs(self, batch: int, length: int) -> tuple[Any, ...]:
@@ -198,15 +201,15 @@ def engine_programs(graphdef: nnx.GraphDef, layout: EngineLayout, kernels: Kerne
     cache_out = KVCache(cache_sh, cache_sh)
     counts_out = TokenCounts(inputs_sh, inputs_sh)
     prefill = jax.jit(
-        traces.wrap(partial(_prefill, graphdef, kernels=kernels)),
+        traces.wrap(partial(_prefill, graphdef, kernels=kernels, top=layout.top_logprobs)),
         donate_argnums=(1,),
-        out_shardings=(cache_out, inputs_sh, inputs_sh, inputs_sh),
+        out_shardings=(cache_out, inputs_sh, inputs_sh, (inputs_sh, inputs_sh), inputs_sh),
     )
     decode = jax.jit(
-        traces.wrap(partial(_decode, graphdef, kernels=kernels)),
+        traces.wrap(partial(_decode, graphdef, kernels=kernels, top=layout.top_logprobs)),
         static_argnums=(0,),  # steps
         donate_argnums=(2, 3),
-        out_shardings=(cache_out, counts_out, inputs_sh, inputs_sh, inputs_sh),
+        out_shardings=(cache_out, counts_out, inputs_sh, inputs_sh, (inputs_sh, inputs_sh), inputs_sh),
     )
     copy = jax.jit(traces.wrap(_copy_row), donate_argnums=(0,), out_shardings=cache_out)
     reset = jax.jit(traces.wrap(_reset_counts), donate_argnums=(0,), out_shardings=counts_out)

@@ -39,6 +39,9 @@ class TokenDelta:
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Per token, when the request asks (``SamplingParams.top_logprobs``): its most likely
+    (token id, log-prob) pairs, most likely first; else empty."""
 
 
 @dataclass
@@ -60,6 +63,10 @@ class Completion:
     token_versions: list[int] = field(default_factory=list)
     """The weights version that sampled each completion token (``weight_update = "immediate"``
     swaps weights between engine steps, so one completion can span versions)."""
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Per completion token, when the request asks (``SamplingParams.top_logprobs``): the most
+    likely (token id, log-prob) pairs of the distribution it was drawn from, most likely first
+    (``jaxrl.engine.token_sampling.sample_with_top``); else empty."""
 
 
 class Sequence:
@@ -79,6 +86,7 @@ class Sequence:
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []  # the weights version that sampled each token
+        self.top: list[list[tuple[int, float]]] = []  # top log-probs of each token (when asked)
         self.finish_reason: str | None = None
         self.stop_token: int | None = None
         self.routing: list[np.ndarray] = []  # chunks of routing records of the row's positions, in order
@@ -111,11 +119,17 @@ class Sequence:
         done = np.asarray(self.tokens[: self.fed], np.int32)
         return np.concatenate([self.prompt[: self.prefilled], done])
 
-    def append(self, token: int, logprob: float, version: int) -> bool:
-        """Record a sampled token; returns True when the sequence is finished."""
+    def append(
+        self, token: int, logprob: float, version: int, top: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> bool:
+        """Record a sampled token (``top``: the most likely tokens' ids and log-probs, kept as far
+        as the request asks); returns True when the sequence is finished."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
         self.versions.append(version)
+        if self.params.top_logprobs and top is not None:
+            n = self.params.top_logprobs
+            self.top.append([(int(t), float(lp)) for t, lp in zip(top[0][:n], top[1][:n])])
         stop_fn = self.request.stop_fn
         if token in self.stop_ids:
             self.finish_reason, self.stop_token = "stop", token
@@ -140,4 +154,5 @@ class Sequence:
             stop_token=self.stop_token,
             routed_experts=self.routed_experts(),
             token_versions=list(self.versions),
+            top_logprobs=list(self.top),
         )

@@ -43,8 +43,9 @@ from jaxrl.weight_transfer.manifest import param_path
 
 log = logging.getLogger(__name__)
 
-DeviceOutputs = tuple[np.ndarray, np.ndarray, np.ndarray]
-"""Sampled tokens, their log-probs and the experts each fed token used (host arrays)."""
+DeviceOutputs = tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray], np.ndarray]
+"""Sampled tokens, their log-probs, the top log-probs (ids, log-probs; zeros in a batch where no
+request asks) and the experts each fed token used (host arrays)."""
 
 
 class ModelRunner:
@@ -186,16 +187,16 @@ class ModelRunner:
     def prefill(self, plan: PrefillPlan) -> DeviceOutputs:
         with self._timer("prefill"):
             args = self._put((plan.tokens, plan.positions, plan.rows, plan.last, plan.sampling))
-            self.cache, tokens, logprobs, experts = self._prefill_fn(self.state, self.cache, self.counts, *args)
-            return jax.device_get((tokens, logprobs, experts))
+            self.cache, tokens, logprobs, top, experts = self._prefill_fn(self.state, self.cache, self.counts, *args)
+            return jax.device_get((tokens, logprobs, top, experts))
 
     def decode(self, plan: DecodePlan) -> DeviceOutputs:
         with self._timer("decode"):
             args = self._put((plan.tokens, plan.positions, plan.rows, plan.sampling, (plan.share_rows, plan.share_lens)))
-            self.cache, self.counts, tokens, logprobs, experts = self._decode_fn(
+            self.cache, self.counts, tokens, logprobs, top, experts = self._decode_fn(
                 plan.steps, self.state, self.cache, self.counts, *args
             )
-            return jax.device_get((tokens, logprobs, experts))
+            return jax.device_get((tokens, logprobs, top, experts))
 
     def reset(self) -> None:
         """After a failed device call: rebuild the buffers it consumed (donation)."""

@@ -43,6 +43,11 @@ from jaxrl.engine.requests import Sequence
 from jaxrl.engine.token_sampling import SamplingBatch
 
 
+def _top(top: tuple[np.ndarray, np.ndarray] | None, *index: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """One token's (ids, log-probs) of the most likely tokens, or None."""
+    return None if top is None else (top[0][index], top[1][index])
+
+
 def bucket_at_least(buckets: list[int], n: int) -> int:
     return buckets[min(bisect_left(buckets, n), len(buckets) - 1)]
 
@@ -219,10 +224,17 @@ class Scheduler:
         return PrefillPlan(chosen, chunk, tokens, positions, rows, last, sampling)
 
     def finish_prefill(
-        self, plan: PrefillPlan, tokens: np.ndarray, logprobs: np.ndarray, version: int, experts: np.ndarray | None = None
+        self,
+        plan: PrefillPlan,
+        tokens: np.ndarray,
+        logprobs: np.ndarray,
+        version: int,
+        experts: np.ndarray | None = None,
+        top: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> list[Sequence]:
         """Advance prefill; sequences whose prompt is complete get their first token.
-        ``experts`` [B, T, n_moe_layers, k]: the chunk's routing (empty for a dense model)."""
+        ``experts`` [B, T, n_moe_layers, k]: the chunk's routing (empty for a dense model);
+        ``top``: (ids, log-probs) [B, max_logprobs] of the most likely tokens (None: not computed)."""
         self.stats.prefill_calls += 1
         done: list[Sequence] = []
         for i, (seq, n) in enumerate(zip(plan.seqs, plan.chunk)):
@@ -234,7 +246,7 @@ class Scheduler:
             self.stats.prefill_tokens += n
             if not seq.prefilling:
                 self.stats.generated_tokens += 1
-                if seq.append(int(tokens[i]), float(logprobs[i]), version):
+                if seq.append(int(tokens[i]), float(logprobs[i]), version, _top(top, i)):
                     self._retire(seq)
                     done.append(seq)
         return done
@@ -268,9 +280,16 @@ class Scheduler:
         return share_rows, share_lens
 
     def finish_decode(
-        self, plan: DecodePlan, tokens: np.ndarray, logprobs: np.ndarray, version: int, experts: np.ndarray | None = None
+        self,
+        plan: DecodePlan,
+        tokens: np.ndarray,
+        logprobs: np.ndarray,
+        version: int,
+        experts: np.ndarray | None = None,
+        top: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> list[Sequence]:
-        """Consume ``tokens``/``logprobs`` [steps, B] and ``experts`` [steps, B, n_moe_layers, k]
+        """Consume ``tokens``/``logprobs`` [steps, B], ``top`` ([steps, B, max_logprobs] ids and
+        log-probs, or None) and ``experts`` [steps, B, n_moe_layers, k]
         (the routing of the token fed at each step; empty for a dense model); tokens drawn after
         a sequence finished are discarded (their cache writes lie beyond the row's recorded
         tokens, so they are harmless)."""
@@ -284,7 +303,7 @@ class Scheduler:
                     seq.record_routing(experts[k, i : i + 1])
                 seq.fed += 1
                 self.stats.generated_tokens += 1
-                if seq.append(int(tokens[k, i]), float(logprobs[k, i]), version):
+                if seq.append(int(tokens[k, i]), float(logprobs[k, i]), version, _top(top, k, i)):
                     self._retire(seq)
                     done.append(seq)
                     break

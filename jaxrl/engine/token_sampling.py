@@ -62,6 +62,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # [-2, 2]; subtracted per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # > 0; divides positive (multiplies negative) logits of every
     # token in the prompt or the generated tokens
+    top_logprobs: int = 0  # most likely tokens whose log-probs are returned with each token (0: none)
 
     def __post_init__(self) -> None:
         # Device arrays are float32 / int32: a value that does not fit must fail here, in the
@@ -82,6 +83,8 @@ class SamplingParams:
             raise ValueError(
                 f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}"
             )
+        if not 0 <= self.top_logprobs <= _I32_MAX:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
@@ -112,6 +115,7 @@ class SamplingBatch:
     presence: jax.Array  # f32[B]; 0 = off
     frequency: jax.Array  # f32[B]; 0 = off
     repetition: jax.Array  # f32[B]; 1 = off
+    top_logprobs: jax.Array  # i32[B]: top log-probs the row asks for (0: none)
 
     @classmethod
     def host(
@@ -124,6 +128,7 @@ class SamplingBatch:
         seed = np.zeros((size, 2), np.uint32)
         index = np.zeros(size, np.int32)
         presence, frequency, repetition = np.zeros(size, np.float32), np.zeros(size, np.float32), np.ones(size, np.float32)
+        top = np.zeros(size, np.int32)
         for i, (p, s, g) in enumerate(zip(params, seeds, draw_position)):
             temp[i] = 0.0 if p.greedy else p.temperature
             top_p[i] = p.top_p
@@ -131,7 +136,8 @@ class SamplingBatch:
             seed[i] = (s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF)
             index[i] = g
             presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
-        return cls(temp, top_p, top_k, seed, index, presence, frequency, repetition)
+            top[i] = min(p.top_logprobs, _I32_MAX)
+        return cls(temp, top_p, top_k, seed, index, presence, frequency, repetition, top)
 
 
 @jax.tree_util.register_dataclass
@@ -247,8 +253,21 @@ def argmax_first(x: jax.Array) -> jax.Array:
 
 
 def sample(logits: jax.Array, batch: SamplingBatch) -> tuple[jax.Array, jax.Array]:
+    """``sample_with_top`` without the top log-probs: (tokens i32[B], logprobs f32[B])."""
+    tokens, logprobs, _, _ = sample_with_top(logits, batch, 0)
+    return tokens, logprobs
+
+
+def sample_with_top(
+    logits: jax.Array, batch: SamplingBatch, top: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Draw one token per row of ``logits`` (f32 [B, V], penalised already when the request asks:
-    ``penalize``); returns (tokens i32[B], logprobs f32[B]).
+    ``penalize``); returns (tokens i32[B], logprobs f32[B], top_ids i32[B, top], top_logprobs
+    f32[B, top]): the ``top`` (static) most likely tokens of the same distribution the sampled
+    token's log-prob is read from, by the same arithmetic (a sampled token among them has its own
+    log-prob there, bit for bit), in descending order (``lax.top_k``: ties by lower id). They are
+    computed only when some row asks (``batch.top_logprobs``; zeros otherwise), so batches that
+    do not ask pay nothing but the small output.
 
     A draw is one uniform number per row mapped through the cumulative distribution (inverse
     CDF): exact sampling from ``softmax(logits / T)`` (restricted to the kept tokens when
@@ -284,4 +303,14 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> tuple[jax.Array, jax.Arra
     tokens = jnp.where(greedy, best, drawn).astype(jnp.int32)
     picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)
     logprobs = ((picked - row_max) - log_total)[:, 0]
-    return tokens, logprobs
+    top = min(top, scaled.shape[-1])
+
+    def top_k() -> tuple[jax.Array, jax.Array]:
+        values, ids = jax.lax.top_k(scaled, top)
+        return ids.astype(jnp.int32), (values - row_max) - log_total
+
+    def no_top() -> tuple[jax.Array, jax.Array]:
+        return jnp.zeros((*greedy.shape, top), jnp.int32), jnp.zeros((*greedy.shape, top), jnp.float32)
+
+    top_ids, top_logprobs = jax.lax.cond(jnp.any(batch.top_logprobs > 0), top_k, no_top) if top else no_top()
+    return tokens, logprobs, top_ids, top_logprobs

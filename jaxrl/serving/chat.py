@@ -17,6 +17,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from jaxrl.engine.requests import Completion
+from jaxrl.engine.token_sampling import SamplingParams
 from jaxrl.serving import protocol
 from jaxrl.serving.completions import CompletionServing, stop_strings, usage
 from jaxrl.serving.errors import BadRequest
@@ -29,7 +30,6 @@ PROMPT_CHARS_PER_TOKEN = 64  # rendered prompts longer than this x max_model_len
 SANDBOX_SLOTS = 2  # request-supplied templates rendering at once (each in its own process)
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_CONTROL = re.compile(r"<\|[^|>]*\|>")
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
@@ -49,11 +49,39 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
         )
     if not calls:
         return text, []
-    return text[: text.index("<tool_call>")].strip(), calls
+    return text[: text.index("<tool_call>")], calls
 
 
-def renderer_tool_calls(parsed: Any) -> tuple[str, list[dict[str, Any]]]:
-    """(content, OpenAI tool_calls) of a renderer's ``ParsedResponse``. A call the renderer could
+def _markup_start(text: str, body: int) -> int:
+    """Where the markup (a ``<tool_call>`` tag) before a call's body at ``body`` starts: after
+    the last whitespace before it."""
+    head = text[:body].rstrip()
+    return max(head.rfind(c) for c in " \t\r\n") + 1
+
+
+def with_whitespace(text: str, content: str, *, end: int, closed: bool = True) -> str:
+    """A parser's trimmed ``content`` widened to the whitespace around it in ``text``, the
+    completion text it was parsed from, up to ``end`` (where a first tool call starts): a parser
+    takes out only what it parses (reasoning, calls, their tags), as vLLM's do. An empty
+    ``content`` is the whitespace ending ``text[:end]`` (after closed reasoning: ``closed``; an
+    answer of whitespace alone is itself)."""
+    if not content:
+        head = text[:end]
+        return head[len(head.rstrip()) :] if closed else ""
+    start = text.rfind(content, 0, end)
+    if start < 0:
+        return content  # the parser rewrote it: nothing to align
+    stop = start + len(content)
+    while start > 0 and text[start - 1].isspace():
+        start -= 1
+    while stop < end and text[stop].isspace():
+        stop += 1
+    return text[start:stop]
+
+
+def renderer_tool_calls(parsed: Any, content: str | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """(content, OpenAI tool_calls) of a renderer's ``ParsedResponse`` (``content``: its content
+    with the whitespace around it, ``with_whitespace``; None: as parsed). A call the renderer could
     not parse (broken JSON, no name) stays in the content as the model wrote it, as in
     ``parse_tool_calls`` and vLLM's Hermes parser: a malformed call is visible to the client and
     in the rollout's record, never dropped."""
@@ -70,8 +98,8 @@ def renderer_tool_calls(parsed: Any) -> tuple[str, list[dict[str, Any]]]:
                 "function": {"name": tc.name, "arguments": arguments},
             }
         )
-    content = "\n".join(part for part in (parsed.content, *broken) if part)
-    return content, calls
+    own = parsed.content if content is None else content
+    return "\n".join(part for part in (own, *broken) if part), calls
 
 
 def _message(m: protocol.ChatMessage) -> dict[str, Any]:
@@ -103,19 +131,20 @@ class ChatServing:
         self._renderers: dict[str, Any] = {}
         self._sandbox_slots = asyncio.Semaphore(SANDBOX_SLOTS)
         self._max_prompt_chars = PROMPT_CHARS_PER_TOKEN * completion.engine.max_model_len
+        self._special_tokens = sorted(set(self.tokenizer.all_special_tokens), key=len, reverse=True)
 
     async def chat_stream(self, body: protocol.ChatCompletionRequest, session: str | None) -> AsyncIterator[dict[str, Any]]:
         """``stream: true``: the chat is rendered and submitted now (a refused request raises,
         before any chunk); the chunks follow the engine (``streaming.chat_chunks``)."""
         prompt, renderer = await self.render(body)
-        params = self.completion.params(body, len(prompt), body.max_completion_tokens or body.max_tokens)
+        params = self.params(body, len(prompt))
         stops = stop_strings(body)
         stream = self.completion.stream(prompt, params, session, stops)
         return chat_chunks(self, stream, body, prompt, renderer, stops)
 
     async def chat(self, body: protocol.ChatCompletionRequest, session: str | None) -> dict[str, Any]:
         prompt, renderer = await self.render(body)
-        params = self.completion.params(body, len(prompt), body.max_completion_tokens or body.max_tokens)
+        params = self.params(body, len(prompt))
         stops = stop_strings(body)
         completions = await self.completion.complete(prompt, params, session, stops)
         choices = [self.choice(i, c, stops, body, renderer, prompt) for i, c in enumerate(completions)]
@@ -130,6 +159,18 @@ class ChatServing:
         if body.return_token_ids:
             out["prompt_token_ids"] = prompt
         return out
+
+    def params(self, body: protocol.ChatCompletionRequest, prompt_len: int) -> list[SamplingParams]:
+        """The engine's sampling settings of a chat request (``CompletionServing.params``)."""
+        longest = self.completion.engine.max_model_len - 1  # what the schema publishes (a prompt holds a token)
+        for field in ("max_tokens", "max_completion_tokens"):  # both checked, whichever is used
+            value = getattr(body, field)
+            if value is not None and value > longest:
+                raise BadRequest(f"{field}: at most {longest} on this server (max_model_len - 1), got {value}")
+        if body.top_logprobs and not body.logprobs:
+            raise BadRequest("top_logprobs: only with logprobs: true (set it, or drop top_logprobs)")
+        top = self.completion.top_logprobs("top_logprobs", body.top_logprobs) if body.logprobs else 0
+        return self.completion.params(body, prompt_len, body.max_completion_tokens or body.max_tokens, top)
 
     # -- rendering -----------------------------------------------------------------------------
 
@@ -236,7 +277,7 @@ class ChatServing:
         ids, text = self.completion.visible(c, stops)
         message = self.message(ids, text, body, renderer, prompt)
         finish = "tool_calls" if "tool_calls" in message and c.finish_reason == "stop" else c.finish_reason
-        logprobs = {"content": self.logprob_entries(ids, c.logprobs)} if body.logprobs else None
+        logprobs = {"content": self.logprob_entries(ids, c.logprobs, c.top_logprobs)} if body.logprobs else None
         choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
         if body.return_token_ids:
             choice["token_ids"] = c.token_ids
@@ -251,32 +292,54 @@ class ChatServing:
         prompt: list[int] | None = None,
     ) -> dict[str, Any]:
         """The assistant message of completion tokens ``ids`` (``text``: as the client sees them):
-        content (control tokens dropped), reasoning, tool calls (parsed by the run's renderer,
-        else Qwen/Hermes blocks when the request offers tools)."""
-        reasoning = None
+        content, reasoning, tool calls (parsed by the run's renderer, else Qwen/Hermes blocks when
+        the request offers tools). The content is the text of the tokens (special tokens
+        skipped) less only what the parsers took out, whitespace kept, as vLLM returns it:
+        renderers trim the content they parse, so ``with_whitespace`` puts back what
+        surrounds it. It is null only beside tool calls and empty."""
+        reasoning, closed = None, True
         no_calls = body.tool_choice == "none"  # a call the model writes stays in the content as text
         tools = None if no_calls else body.tools
         if renderer is not None:
             parsed = renderer.parse_response(ids, tools=tools, prompt_ids=prompt)
-            reasoning = parsed.reasoning_content
+            reasoning, closed = parsed.reasoning_content, parsed.reasoning_complete is not False
+            raws = [tc.raw for tc in parsed.tool_calls if tc.raw]
+            ends = [_markup_start(text, i) for i in (text.find(r) for r in raws) if i >= 0]
+            own = with_whitespace(text, parsed.content, end=min(ends, default=len(text)), closed=closed)
             if no_calls:
-                content = "\n".join(p for p in (parsed.content, *(tc.raw for tc in parsed.tool_calls)) if p)
+                content = "\n".join(p for p in (own, *raws) if p)
                 tool_calls = []
             else:
-                content, tool_calls = renderer_tool_calls(parsed)
+                content, tool_calls = renderer_tool_calls(parsed, own)
         else:
             content, tool_calls = parse_tool_calls(text) if tools else (text, [])
-        message: dict[str, Any] = {"role": "assistant", "content": _CONTROL.sub("", content) or None}
+        content = self.without_special_tokens(content)
+        message: dict[str, Any] = {"role": "assistant", "content": None if tool_calls and not content else content}
         if reasoning:
             message["reasoning_content"] = reasoning
         if tool_calls:
             message["tool_calls"] = tool_calls
         return message
 
-    def logprob_entries(self, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
-        """OpenAI chat log-prob entries of ``ids`` (only the sampled token's: ``top_logprobs`` empty)."""
+    def without_special_tokens(self, text: str) -> str:
+        """``text`` without the tokenizer's special tokens (what decoding with
+        ``skip_special_tokens`` gives, as vLLM returns chat content)."""
+        for token in self._special_tokens:
+            text = text.replace(token, "")
+        return text
+
+    def logprob_entries(
+        self, ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]] = ()
+    ) -> list[dict[str, Any]]:
+        """OpenAI chat log-prob entries of ``ids``; ``top_logprobs`` lists the request's
+        ``top_logprobs`` most likely tokens of each (``top``: none asked, empty lists)."""
         entries = []
-        for t, lp in zip(ids, logprobs):
-            piece = self.completion.piece(t)
-            entries.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []})
+        for k, (t, lp) in enumerate(zip(ids, logprobs)):
+            entry = self._entry(t, lp)
+            entry["top_logprobs"] = [self._entry(i, v) for i, v in top[k]] if k < len(top) else []
+            entries.append(entry)
         return entries
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        piece = self.completion.piece(token_id)
+        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}

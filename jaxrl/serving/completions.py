@@ -137,9 +137,22 @@ class CompletionServing:
         self.model_name = model_name
         self.default_stop_ids = list(default_stop_ids)
 
-    def params(self, body: protocol.SamplingFields, prompt_len: int, max_tokens: int | None) -> list[SamplingParams]:
+    def top_logprobs(self, field: str, n: int | None) -> int:
+        """``n`` top log-probs asked for by request field ``field`` (None: 0), within the server's
+        cap (``inference.backend.max_logprobs``, what its schema publishes as the maximum)."""
+        cap = self.engine.max_logprobs
+        if n is not None and n > cap:
+            raise BadRequest(
+                f"{field}: at most {cap} on this server (inference.backend.max_logprobs), got {n}: ask for {cap} or fewer"
+            )
+        return n or 0
+
+    def params(
+        self, body: protocol.SamplingFields, prompt_len: int, max_tokens: int | None, top_logprobs: int = 0
+    ) -> list[SamplingParams]:
         """Engine sampling settings of a request's ``n`` choices. Like vLLM, a prompt plus
-        ``max_tokens`` beyond ``max_model_len`` is refused rather than silently cut short."""
+        ``max_tokens`` beyond ``max_model_len`` is refused rather than silently cut short.
+        ``top_logprobs``: from ``top_logprobs`` (checked against the cap)."""
         limit = self.engine.max_model_len
         if max_tokens is None:
             max_tokens = max(limit - prompt_len, 1)  # a too-long prompt is refused by the engine
@@ -163,6 +176,7 @@ class CompletionServing:
                     presence_penalty=body.presence_penalty,
                     frequency_penalty=body.frequency_penalty,
                     repetition_penalty=body.repetition_penalty,
+                    top_logprobs=top_logprobs,
                 )
                 for seed in seeds
             ]
@@ -234,6 +248,24 @@ class CompletionServing:
     def piece(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def text_logprobs(
+        self, ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]], offset: int = 0
+    ) -> dict[str, Any]:
+        """A completion choice's ``logprobs`` (OpenAI's legacy shape, as vLLM fills it) for tokens
+        ``ids`` whose text starts at character ``offset``: ``top_logprobs`` per token maps the
+        most likely tokens' text, and the sampled token's, to their log-probs (None when the
+        request asks for none: ``logprobs: 0``)."""
+        pieces = [self.piece(t) for t in ids]
+        starts = [offset + sum(len(p) for p in pieces[:k]) for k in range(len(pieces))]
+        tops = None
+        if top:
+            tops = []
+            for piece, lp, entries in zip(pieces, logprobs, top):
+                d = {self.piece(t): v for t, v in entries}
+                d.setdefault(piece, lp)
+                tops.append(d)
+        return {"tokens": pieces, "token_logprobs": list(logprobs), "top_logprobs": tops, "text_offset": starts}
+
     # -- /inference/v1/generate ----------------------------------------------------------------
 
     async def generate(self, body: protocol.GenerateRequest, session: str | None) -> dict[str, Any]:
@@ -287,7 +319,8 @@ class CompletionServing:
 
     def text_request(self, body: protocol.CompletionRequest) -> tuple[list[int], list[SamplingParams], list[str]]:
         prompt = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
-        return prompt, self.params(body, len(prompt), body.max_tokens), stop_strings(body)
+        top = self.top_logprobs("logprobs", body.logprobs)
+        return prompt, self.params(body, len(prompt), body.max_tokens, top), stop_strings(body)
 
     async def completions(self, body: protocol.CompletionRequest, session: str | None) -> dict[str, Any]:
         prompt, params, stops = self.text_request(body)
@@ -297,14 +330,7 @@ class CompletionServing:
             ids, text = self.visible(c, stops)
             logprobs = None
             if body.logprobs is not None:
-                pieces = [self.piece(t) for t in ids]
-                offsets = [sum(len(p) for p in pieces[:k]) for k in range(len(pieces))]
-                logprobs = {
-                    "tokens": pieces,
-                    "token_logprobs": c.logprobs[: len(ids)],
-                    "top_logprobs": None,
-                    "text_offset": offsets,
-                }
+                logprobs = self.text_logprobs(ids, c.logprobs[: len(ids)], c.top_logprobs[: len(ids)])
             choices.append(
                 {"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason, "token_ids": c.token_ids}
             )

@@ -14,7 +14,9 @@ when ``stream_options.include_usage``), token by token as the engine samples the
 ranges) plus ``n`` (choice i uses seed + i when a seed is given), ``stop`` strings,
 ``ignore_eos`` (drop the tokenizer's EOS from the stop tokens) and ``logprobs``; ``min_p`` and
 ``min_tokens`` are not implemented and accept only their neutral value 0 (the schema says so).
-Only the sampled token's log-prob is returned (``top_logprobs`` lists are empty).
+Chat ``top_logprobs`` (with ``logprobs: true``) and completions' ``logprobs`` return that many
+most likely tokens per token as vLLM and OpenAI shape them, up to the server's cap
+(``inference.backend.max_logprobs``, vLLM's 20 by default; more is a 400 naming the field).
 
 Which distribution a log-prob is of: ``LOGPROBS`` below (also the OpenAPI description).
 
@@ -51,6 +53,8 @@ from pydantic_core import PydanticCustomError
 # (the orchestrator validates its sampling settings with them and must not import the engine side).
 from jaxrl.sampling_contract import (
     JSON_INT64_MAX,
+    JSON_INT64_MIN,
+    MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     FrequencyPenalty,
     LogprobCount,
@@ -110,6 +114,28 @@ LogprobCountInt = Annotated[LogprobCount, _JsonInt]
 RESERVED_TEMPLATE_KWARGS = ("tokenize", "add_generation_prompt", "tools", "conversation", "messages")
 
 
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_EXACT = {float(b): b for b in (JSON_INT64_MIN, JSON_INT64_MAX)}
+
+
+def _exact_integer_bounds(node: Any) -> None:
+    """Integer bounds published as the integers the models enforce. FastAPI writes every bound as
+    a double (``2147483647.0``), and a double cannot hold ``JSON_INT64_MIN`` (-(2**63) + 513): the
+    schema then said -9.223372036854775e18, above the enforced minimum, so seeds below the
+    published minimum were accepted. The int64 bounds are the only ones past 2**53."""
+    if isinstance(node, list):
+        for item in node:
+            _exact_integer_bounds(item)
+    elif isinstance(node, dict):
+        if node.get("type") == "integer":
+            for key in _BOUNDS:
+                b = node.get(key)
+                if isinstance(b, float) and b.is_integer():
+                    node[key] = _EXACT.get(b, int(b)) if abs(b) >= 2**53 else int(b)
+        for value in node.values():
+            _exact_integer_bounds(value)
+
+
 def server_schema(
     schema: dict[str, Any],
     *,
@@ -118,15 +144,18 @@ def server_schema(
     allow_request_chat_template: bool,
     template_kwargs: Collection[str] | None = None,
     routes_experts: bool = True,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> dict[str, Any]:
     """``schema`` (the app's OpenAPI document) narrowed to what one server accepts: token ids in
     its vocabulary, a token prompt shorter than ``max_model_len``, ``max_tokens`` below it (a
     prompt holds at least one token), no request-supplied chat template unless allowed, and only
     the ``chat_template_kwargs`` keys its renderer takes (``template_kwargs``; None: any), and no
-    ``return_routed_experts: true`` from a dense model (``routes_experts`` False). The
+    ``return_routed_experts: true`` from a dense model (``routes_experts`` False), and at most
+    ``max_logprobs`` top log-probs (chat ``top_logprobs``, completions ``logprobs``). The
     server enforces each of these with a 400 naming the field; what no schema can say (prompt +
     max_tokens within max_model_len, a text or chat prompt's token count, a template that fails
     on the given messages) is left to that 400 alone."""
+    _exact_integer_bounds(schema)
     defs = schema.get("components", {}).get("schemas", {})
     token = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
     prompt = {"type": "array", "items": token, "minItems": 1, "maxItems": max_model_len - 1}
@@ -143,6 +172,10 @@ def server_schema(
             for v in variants(props.get(field, {})):
                 if v.get("type") == "integer":
                     v["maximum"] = max_model_len - 1
+    for name, field in (("ChatCompletionRequest", "top_logprobs"), ("CompletionRequest", "logprobs")):
+        for v in variants(defs[name]["properties"].get(field, {})):
+            if v.get("type") == "integer":
+                v["maximum"] = max_logprobs
     defs["GenerateRequest"]["properties"]["token_ids"].update(prompt)
     for v in variants(defs["CompletionRequest"]["properties"]["prompt"]):
         if v.get("type") == "array":
@@ -399,7 +432,14 @@ class UpdateWeightsRequest(_Body):
     """New weights from exactly one source: a model directory (``path``) or the trainer's
     publishers (``manifest``)."""
 
-    path: Annotated[StrictStr, Field(min_length=1)] | None = None
+    path: (
+        Annotated[
+            StrictStr,
+            Field(min_length=1, pattern=r"^[^\x00]+$"),
+            _refused_because("a non-empty string with no NUL byte: a model directory or a gs:// URL"),
+        ]
+        | None
+    ) = None
     """A Hugging Face model directory (config.json + safetensors) with the served architecture."""
     manifest: dict[str, Any] | None = None
     """A weight manifest (``jaxrl.weight_transfer.Manifest``, as its ``to_json`` writes it): the

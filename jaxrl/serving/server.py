@@ -199,6 +199,7 @@ class EngineServer:
             allow_request_chat_template=self.chat.allow_request_chat_template,
             template_kwargs=self.chat.template_kwarg_names(),
             routes_experts=self.engine.arch.is_moe,
+            max_logprobs=self.engine.max_logprobs,
         )
         errors.install(app, narrow)
 

@@ -76,6 +76,7 @@ class _Tokens:
         self._serving, self._stops, self._stop_ids = serving, stops, stop_ids
         self.ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []  # top log-probs per token (when asked)
         self.sent: dict[str, str] = {}  # text sent, per field ("content", "reasoning_content", "text")
         self.logprobs_sent = 0  # visible tokens whose log-probs were sent
         self.ids_sent = 0  # token ids sent (return_token_ids)
@@ -84,6 +85,7 @@ class _Tokens:
         for d in deltas:
             self.ids += d.token_ids
             self.logprobs += d.logprobs
+            self.top += d.top_logprobs
 
     def visible(self) -> tuple[list[int], str]:
         """``CompletionServing.visible`` of the completion so far (its stop token is its last)."""
@@ -101,10 +103,11 @@ class _Tokens:
         self.sent[field] = value
         return value[len(sent) :]
 
-    def new_logprobs(self, visible: int) -> tuple[list[int], list[float]]:
-        """Ids and log-probs of the visible tokens (the first ``visible``) not sent yet."""
+    def new_logprobs(self, visible: int) -> tuple[list[int], list[float], list[list[tuple[int, float]]]]:
+        """Ids, log-probs and top log-probs of the visible tokens (the first ``visible``) not sent yet."""
         start, self.logprobs_sent = self.logprobs_sent, max(self.logprobs_sent, visible)
-        return self.ids[start : self.logprobs_sent], self.logprobs[start : self.logprobs_sent]
+        end = self.logprobs_sent
+        return self.ids[start:end], self.logprobs[start:end], self.top[start:end]
 
     def new_ids(self) -> list[int]:
         start, self.ids_sent = self.ids_sent, len(self.ids)
@@ -151,8 +154,9 @@ async def chat_chunks(
         yield chunk([first], **({"prompt_token_ids": prompt} if body.return_token_ids and i == 0 else {}))
 
     def tokens_part(state: _Tokens, visible: int) -> dict[str, Any]:
-        ids, logprobs = state.new_logprobs(visible)
-        part: dict[str, Any] = {"logprobs": {"content": chat.logprob_entries(ids, logprobs)} if body.logprobs and ids else None}
+        ids, logprobs, top = state.new_logprobs(visible)
+        entries = chat.logprob_entries(ids, logprobs, top)
+        part: dict[str, Any] = {"logprobs": {"content": entries} if body.logprobs and ids else None}
         if body.return_token_ids:
             part["token_ids"] = state.new_ids()
         return part
@@ -170,7 +174,8 @@ async def chat_chunks(
                     if field == "content" and (TOOL_CALL_TAG in text or (tools and renderer is None)):
                         continue  # a call is (or may be) written: the content comes whole at the end
                     value = message.get(field) or ""
-                    value = value.strip() if renderer is not None else value  # as renderers end it
+                    if field == "reasoning_content" and renderer is not None:
+                        value = value.strip()  # renderers trim the reasoning they end (the content keeps its own)
                     if grown := state.grow(field, _settled(value, pending)):
                         delta[field] = grown
                 part = tokens_part(state, len(ids))
@@ -226,13 +231,11 @@ async def completion_chunks(
                 completions.append(done)
                 ids, text = serving.visible(done, stops)
                 text = state.grow("text", text, final=True)
-            new_ids, new_logprobs = state.new_logprobs(len(ids))
+            new_ids, new_logprobs, new_top = state.new_logprobs(len(ids))
             logprobs = None
             if body.logprobs is not None and new_ids:
-                pieces = [serving.piece(t) for t in new_ids]
-                starts = [offsets[i] + sum(len(p) for p in pieces[:k]) for k in range(len(pieces))]
-                offsets[i] += sum(len(p) for p in pieces)
-                logprobs = {"tokens": pieces, "token_logprobs": new_logprobs, "top_logprobs": None, "text_offset": starts}
+                logprobs = serving.text_logprobs(new_ids, new_logprobs, new_top, offsets[i])
+                offsets[i] += sum(len(p) for p in logprobs["tokens"])
             token_ids = state.new_ids()
             finish = None if done is None else done.finish_reason
             if text or logprobs or token_ids or finish:

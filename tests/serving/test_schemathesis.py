@@ -77,6 +77,7 @@ BEYOND_THE_SCHEMA = {
         "max_model_len",
         "the chat template failed",  # the template's own rules on the messages
         "the rendered prompt has over",
+        "top_logprobs: only with logprobs",
     ),
 }
 

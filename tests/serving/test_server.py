@@ -8,6 +8,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 from openai import AsyncOpenAI, OpenAI
 from renderers import Qwen3RendererConfig, create_renderer
@@ -206,7 +207,7 @@ def test_parse_tool_calls() -> None:
         'Let me check.\n<tool_call>\n{"name": "lookup_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     )
     content, calls = parse_tool_calls(text)
-    assert content == "Let me check."
+    assert content == "Let me check.\n"  # only the call is taken out (vLLM's Hermes parser)
     assert [c["function"] for c in calls] == [{"name": "lookup_weather", "arguments": '{"city": "Oslo"}'}]
     assert parse_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
 
@@ -343,6 +344,15 @@ BAD = [
         "top_logprobs",
     ),
     ("/update_weights", {"path": "x", "version": 2**70}, "version"),
+    ("/update_weights", {"path": "/tmp/a\x00b"}, "path: a non-empty string with no NUL byte"),
+    ("/v1/completions", {"prompt": [1, 2], "logprobs": 21}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs: only with logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": -(2**63)}, "seed"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2, "max_tokens": MAX_LEN},
+        "max_tokens: at most 1023",
+    ),
 ]
 
 
@@ -510,11 +520,11 @@ def test_tool_choice_none_leaves_a_written_call_as_text(server, tokenizer) -> No
         return server.chat.choice(0, done, [], body)
 
     for auto in (answer(), answer(tool_choice="auto")):
-        assert auto["finish_reason"] == "tool_calls" and auto["message"]["content"] == "Sure."
+        assert auto["finish_reason"] == "tool_calls" and auto["message"]["content"] == "Sure.\n"  # as written
         assert [c["function"]["name"] for c in auto["message"]["tool_calls"]] == ["f"]
     none = answer(tool_choice="none")
     assert none["finish_reason"] == "stop" and "tool_calls" not in none["message"]
-    assert none["message"]["content"] == text
+    assert none["message"]["content"] == tokenizer.decode(ids, skip_special_tokens=True)  # the call as text
 
 
 def test_the_schema_names_only_the_template_kwargs_the_renderer_takes(server) -> None:
@@ -839,3 +849,124 @@ def test_allowed_request_templates_render_in_a_budgeted_sandbox(server, tokenize
             assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
     finally:
         srv.stop()
+
+
+def _reference_top(model, prompt: list[int], completion: list[int], temperature: float, k: int) -> list[list[tuple[int, float]]]:
+    """Per completion token, the ``k`` most likely (id, log-prob) of log_softmax(logits / T) from
+    the trainer's full forward (no cache), in numpy."""
+    seq = np.asarray(prompt + completion, np.int32)
+    hidden, _ = model(seq[None], np.arange(len(seq))[None])
+    logits = np.asarray(hidden[0], np.float64) @ np.asarray(model.lm_head_weight(), np.float64)
+    rows = logits[len(prompt) - 1 : len(seq) - 1] / temperature
+    logp = rows - rows.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    order = np.argsort(-logp, axis=-1, kind="stable")[:, :k]
+    return [[(int(i), float(row[i])) for i in ids] for row, ids in zip(logp, order)]
+
+
+def test_top_logprobs_are_the_models_most_likely_tokens(server, tokenizer, model_dir, other_model_dir) -> None:
+    """Chat ``top_logprobs`` and completions' ``logprobs: k`` return the k most likely tokens of
+    the distribution each token was drawn from (numpy over the trainer's forward), the sampled
+    token's log-prob equal to its own entry; streamed entries equal the whole answer's."""
+    piece = lambda t: tokenizer.decode([t])
+    chat_body = {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0.7, "seed": 5,
+        "logprobs": True, "top_logprobs": 20, "return_token_ids": True, "ignore_eos": True,
+    }  # fmt: skip
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        r = client.post("/v1/chat/completions", json=chat_body)
+        assert r.status_code == 200, r.text
+        chat = r.json()
+        protocol.ChatCompletionResponse.model_validate(chat)
+        ids, entries = chat["choices"][0]["token_ids"], chat["choices"][0]["logprobs"]["content"]
+        served = {0: model_dir, 1: other_model_dir}[server.engine.policy_version]  # after the update test: 1
+        model = load_decoder(served)
+        everything = _reference_top(model, chat["prompt_token_ids"], ids, 0.7, server.engine.vocab_size)
+        want = [ref[:20] for ref in everything]
+        for t, entry, ref, full in zip(ids, entries, want, everything, strict=True):
+            top = entry["top_logprobs"]
+            np.testing.assert_allclose([e["logprob"] for e in top], [v for _, v in ref], atol=1e-4)
+            for e in top:  # each entry is a token with that log-prob (near-ties may swap ranks)
+                assert any(piece(i) == e["token"] and abs(v - e["logprob"]) < 1e-4 for i, v in full), e
+                assert e["bytes"] == list(e["token"].encode())
+            mine = [e for e in top if e["token"] == piece(t) and abs(e["logprob"] - entry["logprob"]) < 1e-4]
+            if t in [i for i, _ in ref]:  # the sampled token's value is its entry's, bit for bit
+                assert any(e["logprob"] == entry["logprob"] for e in mine), (entry, top)
+        assert any(t in [i for i, _ in ref] for t, ref in zip(ids, want))  # some sampled token is in its top k
+
+        with client.stream("POST", "/v1/chat/completions", json={**chat_body, "stream": True}) as resp:
+            lines = [line[6:] for line in resp.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+        streamed = [e for c in map(json.loads, lines) for ch in c["choices"] if ch["logprobs"] for e in ch["logprobs"]["content"]]
+        assert streamed == entries
+
+        body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "logprobs": 2, "ignore_eos": True}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        protocol.CompletionResponse.model_validate(r.json())
+        want = _reference_top(model, [5, 6, 7], choice["token_ids"], 1.0, 2)
+        for t, lp, top, ref in zip(choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["logprobs"]["top_logprobs"], want, strict=True):
+            assert t == ref[0][0]  # greedy: the most likely token
+            assert top[piece(t)] == lp and set(top) <= {piece(i) for i, _ in ref} | {piece(t)}
+            np.testing.assert_allclose(sorted(top.values(), reverse=True), [v for _, v in ref][: len(top)], atol=1e-4)
+        plain = client.post("/v1/completions", json={**body, "logprobs": 0}).json()["choices"][0]
+        assert plain["logprobs"]["top_logprobs"] is None and plain["token_ids"] == choice["token_ids"]
+
+
+def test_chat_content_is_the_text_of_its_tokens(server, tokenizer) -> None:
+    """Content keeps its whitespace (an all-whitespace answer is that whitespace, not null); the
+    renderer's reasoning and tool-call parsing take out only what they parse, as vLLM's parsers
+    do; and over HTTP the content is the decode of the returned token ids, special tokens skipped."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    qwen3 = ChatServing(server.completion, renderer={"name": "qwen3"})
+    renderer = qwen3._chat_renderer({})
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    cases = [  # (completion text, content with the renderer, content without)
+        ("\n\n  \n", "\n\n  \n", "\n\n  \n"),
+        ("  Hello\n\n", "  Hello\n\n", "  Hello\n\n"),
+        ("<think>\nhm</think>\n\n Hi \n", "\n\n Hi \n", "\nhm\n\n Hi \n"),
+        ("<think>\nhm</think>\n\n", "\n\n", "\nhm\n\n"),
+        (f" Sure. \n{call}", " Sure. \n", " Sure. \n"),
+        (f"\n{call}", "\n", "\n"),  # vLLM's Hermes parser: the text before the call, null only if empty
+        (call, None, None),
+    ]
+    for text, with_renderer, without in cases:
+        ids = tokenizer.encode(text, add_special_tokens=False) + [end]
+        done = Completion("r", [1], ids, [-0.5] * len(ids), "stop", 0, 0, 0, stop_token=end)
+        body = protocol.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools)
+        assert qwen3.choice(0, done, [], body, renderer, [1])["message"]["content"] == with_renderer, text
+        assert server.chat.choice(0, done, [], body)["message"]["content"] == without, text
+    plain = protocol.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    done = Completion("r", [1], [end], [-0.5], "stop", 0, 0, 0, stop_token=end)
+    assert server.chat.choice(0, done, [], plain)["message"]["content"] == ""  # an empty answer: "", as vLLM
+
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12, "n": 4, "seed": 2, "return_token_ids": True}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        ids = choice["token_ids"][:-1] if choice["finish_reason"] == "stop" else choice["token_ids"]
+        assert choice["message"]["content"] == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_the_published_limits_are_the_enforced_ones(server) -> None:
+    """Each bound /openapi.json publishes for a chat request's integer fields is enforced: the
+    bound itself is accepted and one past it is a 400 naming the field."""
+    schema = httpx.get(server.url + "/openapi.json").json()["components"]["schemas"]["ChatCompletionRequest"]
+    base = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 1, "logprobs": True}
+    for field in ("seed", "max_tokens", "max_completion_tokens", "top_logprobs", "top_k", "n"):
+        (bounds,) = [v for v in schema["properties"][field].get("anyOf", [schema["properties"][field]]) if v.get("type") == "integer"]
+        for edge, step in (("minimum", -1), ("maximum", 1)):
+            if edge not in bounds:
+                continue
+            value = bounds[edge]
+            if field in ("max_tokens", "max_completion_tokens") and edge == "maximum":
+                value = 1  # the largest that fits the prompt is not the schema's concern: its +1 is
+            elif field == "n" and edge == "maximum":
+                value = 2  # keep the accepted case small
+            ok = httpx.post(server.url + "/v1/chat/completions", json={**base, field: value}, timeout=120)
+            assert ok.status_code == 200, (field, value, ok.text)
+            assert isinstance(bounds[edge], int), (field, bounds)  # exact: no double rounding of 2**63 - 513
+            r = httpx.post(server.url + "/v1/chat/completions", json={**base, field: bounds[edge] + step}, timeout=60)
+            assert r.status_code == 400, (field, bounds[edge] + step, r.text)
+            assert r.json()["error"]["message"].startswith(field), r.text
