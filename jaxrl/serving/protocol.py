@@ -243,7 +243,10 @@ class _Streaming(_Body):
 
 class GenerateSamplingParams(SamplingFields):
     max_tokens: MaxTokensInt | None = None  # None: up to max_model_len
-    logprobs: LogprobCountInt | None = None  # None: no log-probs in the response
+    logprobs: Annotated[int, Field(ge=0, le=1), _JsonInt] | None = None
+    """0 or 1: each completion token's own log-prob in the response (None: none). This endpoint
+    returns no top log-probs, so a count above 1 is refused rather than ignored: ask
+    ``/v1/completions`` (``logprobs``) or ``/v1/chat/completions`` (``top_logprobs``) for them."""
     return_routed_experts: bool | None = None
     """Mixture-of-experts models: return each choice's ``routed_experts`` (None: the server's
     ``inference.server.return_routed_experts``); refused on a dense model."""

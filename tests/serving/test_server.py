@@ -315,6 +315,8 @@ BAD = [
         {"token_ids": [1], "sampling_params": {"logprobs": 21}},
         "sampling_params.logprobs",
     ),
+    # no top log-probs on this endpoint: a count above 1 is refused, not ignored
+    ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"logprobs": 2}}, "sampling_params.logprobs"),
     (
         "/inference/v1/generate",
         {"token_ids": [1], "sampling_params": {"seed": 2**63 - 512, "n": 2}},
