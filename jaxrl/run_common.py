@@ -16,7 +16,7 @@ from jaxrl.metrics import MetricsLogger, truncate_jsonl
 from jaxrl.models.hf_io import export_hf
 from jaxrl.models.renderer import RendererSpec, model_renderer
 from jaxrl.models.setup import prepare_model
-from jaxrl.parallel.distributed import barrier, initialize, is_main_process
+from jaxrl.parallel.distributed import barrier, initialize, is_main_process, meet_over
 from jaxrl.parallel.mesh import make_mesh
 from jaxrl.preemption import RunAborted, StopRequest
 from jaxrl.trainer.checkpoint import Checkpointer
@@ -34,6 +34,7 @@ class TrainingRun:
         if is_main_process():
             (self.out / "config.json").write_text(cfg.model_dump_json(indent=2))
         self.mesh = make_mesh(cfg.trainer.mesh)
+        meet_over(self.mesh)  # every process connected over the whole mesh before any train step
         model, self.tokenizer_dir, self.hf_config = prepare_model(cfg.model, self.mesh, self.out)
         from transformers import AutoTokenizer
 

@@ -81,6 +81,22 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def meet_over(mesh: jax.sharding.Mesh) -> None:
+    """Every process runs one collective over all of ``mesh``'s devices, now, while they start in
+    step. On CPU (gloo) the first collective over a set of devices also connects them, within a
+    30 s deadline. Left to the train step, processes can reach it further apart than that (seen
+    on a resumed 2-process run on a loaded host: one process's step programs ready well before
+    the other's), and the run fails. Later collectives over a connected set wait as long as they must."""
+    if jax.process_count() == 1:
+        return
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(mesh.axis_names))
+    ones = jax.make_array_from_callback((mesh.devices.size,), sharding, lambda index: np.ones(1, np.int32))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    total = int(jax.jit(lambda x: x.sum(), out_shardings=replicated)(ones))
+    if total != mesh.devices.size:
+        raise RuntimeError(f"meet_over: {total} of the mesh's {mesh.devices.size} devices answered")
+
+
 def broadcast_from_main(obj: Any) -> Any:
     """Process 0's ``obj`` on every process (pickled; the others' argument is ignored): how
     multi-host RL hands process 0's batch to every process. Identity with one process."""

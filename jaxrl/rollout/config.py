@@ -158,6 +158,12 @@ class ExternalConfig(BaseModel):
     address) lets servers on other hosts pull. The publisher asks no key (``api_key`` guards the
     servers' routes, not it): anyone who reaches the port can read the weights."""
 
+    weight_transfer_port: int = Field(0, ge=0, le=65535)
+    """Port each trainer process's weight publisher listens on ("direct"); 0 (the default) picks a
+    free one, which suits one host. A fixed port is what a pod can declare (the GKE trainer's
+    ``containerPort`` named ``weights``, launch/gke/render.py) and a firewall can open, so servers
+    on other hosts can reach it; every process of a multi-host trainer uses it on its own host."""
+
     weight_transfer_advertise: str | None = None
     """Address the servers dial to reach a trainer process's publisher ("direct"); default
     ``weight_transfer_host``, or, when that is a wildcard ("0.0.0.0", "::"), each trainer

@@ -9,9 +9,9 @@ After every optimizer step every server is given the trainer's parameters, in on
 (``inference.backend.weight_transfer``):
 
 - "direct" (the default for jaxrl servers): every trainer process starts a publisher
-  (``jaxrl.weight_transfer.Publisher``, TCP, at ``weight_transfer_host`` on a free port) at
-  construction, and the processes learn each other's addresses once, at start. Each update,
-  every process publishes its own shards of the new version (cast to ``[model] dtype``, the
+  (``jaxrl.weight_transfer.Publisher``, TCP, at ``weight_transfer_host`` on
+  ``weight_transfer_port``, a free one when 0) at construction, and the processes learn each
+  other's addresses once, at start. Each update, every process publishes its own shards of the new version (cast to ``[model] dtype``, the
   servers' dtype, on its devices: no gather to process 0, no files); process 0 describes them in
   a manifest (``manifest_for``: from the global shardings alone) and sends it to each server,
   ``POST /update_weights {"version", "manifest", "timeout_s"}``; each server pulls exactly the
@@ -35,7 +35,9 @@ pushed at start, so every server serves exactly the trainer's policy from the fi
 
 A server that stops answering - a rollout request or a weight update refused, reset, or not
 answered within ``request_timeout_s`` - is reported by its URL as ``RolloutServerDead``; the RL
-loop then checkpoints and stops, and ``--resume`` continues once the server is back. A direct
+loop then checkpoints and stops, and ``--resume`` continues once the server is back: the resumed
+run's start pushes the current version to every server before the balancer sends it a rollout,
+so a restarted server never serves its base weights to the run. A direct
 pull is bounded on the server too (a little under ``request_timeout_s``), so a trainer process
 that cannot be reached is reported by the server's answer, naming the endpoint and the param.
 
@@ -95,7 +97,7 @@ class ExternalBackend:
         if self.direct:  # every process serves its own shards of each version
             self.publisher = Publisher(
                 dtype=model.dtype, transport="tcp", host=self.ecfg.weight_transfer_host,
-                advertise=self.ecfg.advertised_host(),
+                port=self.ecfg.weight_transfer_port, advertise=self.ecfg.advertised_host(),
             )  # fmt: skip
         else:
             weights_root = self.ecfg.weights_dir or Path(output_dir) / "rollout_weights"

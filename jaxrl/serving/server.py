@@ -265,7 +265,7 @@ class EngineServer:
                 manifest = parse_manifest(body.manifest)
                 timeout_s = body.timeout_s or PULL_TIMEOUT_S
                 load = partial(self.engine.update_weights_from_manifest, manifest, timeout_s=timeout_s)
-                source = f"version {manifest.version} from {', '.join(manifest.endpoints) or 'no endpoint'}"
+                source = f"trainer version {manifest.version} from {', '.join(manifest.endpoints) or 'no endpoint'}"
             else:
                 path = self.weights_root.check(body.path)
                 load, source = partial(self._load_weights, path), body.path
@@ -279,6 +279,9 @@ class EngineServer:
                 raise Unavailable(f"update_weights: {e}") from None
             except Exception as e:
                 raise BadRequest(f"update_weights: cannot load {source}: {type(e).__name__}: {e}") from None
+            # One line per swap: what an operator (and the GKE test) reads to follow the versions served.
+            generated = self.engine.metrics().generated_tokens
+            print(f"jaxrl.serve: policy version {version} ({source}); {generated} tokens generated before", flush=True)
             return protocol.UpdateWeightsResponse(policy_version=version).model_dump()
 
         return app

@@ -6,12 +6,16 @@ environment GKE and JobSet inject, and JobSet's failure policy.
 What is run is the manifest ``render.py`` wrote, so what is tested is what is shipped. Per pod:
 
 - the container's ``command`` and ``env`` (a ``secretKeyRef`` is read from this environment's
-  variable of the same name, when set), ``python`` being this interpreter;
+  variable of the same name, when set; a ``fieldRef`` to the pod's name, IP, or the labels and
+  annotations Job and JobSet put on it is the pod's value), ``python`` being this interpreter;
+  ``$(VAR)`` in the command expanded as Kubernetes does (the container's declared variables, and
+  those the Job controller and GKE add to its spec: ``$$`` escapes, an unknown one stays as is);
 - ``TPU_WORKER_ID`` (the pod's index in its Job), ``TPU_WORKER_HOSTNAMES`` (its Job's pods),
   ``JOBSET_NAME``, ``REPLICATED_JOB_NAME``, ``JOB_INDEX``, ``JOB_COMPLETION_INDEX``, ``HOSTNAME``;
 - an address of its own, ``127.A.B.k`` (one random ``127.A.B.0/24`` per run): JobSet's DNS names
   (``<jobset>-<job>-<i>-<p>.<jobset>``) and ``0.0.0.0`` in the command become that address, so
-  every pod binds its rendered ports (8000, JAX's 8476) as it would on its own node;
+  every pod binds its rendered ports (8000, JAX's 8476, the weight publisher's 8477) as it would
+  on its own node;
 - the bucket mount (``/data``) is ``--bucket``; the image's ``/app`` is a directory of links to
   this repository (one per pod, so each pod's ``outputs`` link is its own);
 - one CPU device per TPU chip the pod requests (``--xla_force_host_platform_device_count``).
@@ -121,6 +125,29 @@ def translate(text: str, pod: Pod, names: dict[str, str], bucket: Path, app: Pat
     return re.sub(r"(?<![\w./-])/app(?=/|\b|$)", str(app), text)
 
 
+def pod_fields(pod: Pod) -> dict[str, str]:
+    """The pod fields a ``fieldRef`` may name, as Kubernetes, the Job controller and JobSet set them."""
+    meta = {
+        "batch.kubernetes.io/job-completion-index": str(pod.completion),
+        "jobset.sigs.k8s.io/jobset-name": pod.jobset,
+        "jobset.sigs.k8s.io/replicatedjob-name": pod.job,
+        "jobset.sigs.k8s.io/job-index": str(pod.index),
+    }
+    fields = {"metadata.name": pod.name, "status.podIP": pod.address}
+    for kind in ("labels", "annotations"):
+        fields |= {f"metadata.{kind}['{k}']": v for k, v in meta.items()}
+    return fields
+
+
+K8S_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def expand(text: str, declared: dict[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion of a command: a declared variable's value, ``$$`` -> ``$``,
+    anything else left as written."""
+    return K8S_VAR.sub(lambda m: "$" if m.group(0) == "$$" else declared.get(m.group(1), m.group(0)), text)
+
+
 def image_dir(work: Path, pod: Pod) -> Path:
     """The pod's ``/app``: links to the repository's entries, without ``outputs`` (the entry
     point links its own to the bucket)."""
@@ -132,22 +159,43 @@ def image_dir(work: Path, pod: Pod) -> Path:
     return app
 
 
+def declared_env(pod: Pod, names: dict[str, str], bucket: Path, app: Path) -> dict[str, str]:
+    """The variables in the container's spec: its own ``env`` (values, field references) and those
+    the Job controller (``JOB_COMPLETION_INDEX``) and GKE's TPU webhook (``TPU_WORKER_*``) add."""
+    env: dict[str, str] = {}
+    fields = pod_fields(pod)
+    for var in pod.container.get("env", []):
+        source = var.get("valueFrom", {})
+        if "value" in var:
+            env[var["name"]] = translate(str(var["value"]), pod, names, bucket, app)
+        elif "fieldRef" in source:
+            path = source["fieldRef"]["fieldPath"]
+            if path not in fields:
+                raise ValueError(f"{pod.name}: env {var['name']}: fieldRef {path!r} is not emulated here; "
+                                 f"use one of {sorted(fields)}")  # fmt: skip
+            env[var["name"]] = fields[path]
+        elif "secretKeyRef" in source and var["name"] in os.environ:
+            env[var["name"]] = os.environ[var["name"]]
+    return {
+        **env,
+        "JOB_COMPLETION_INDEX": str(pod.completion),
+        "TPU_WORKER_ID": str(pod.completion),
+        "TPU_WORKER_HOSTNAMES": ",".join(pod.peers),
+    }
+
+
 def pod_env(pod: Pod, names: dict[str, str], bucket: Path, app: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     for var in pod.container.get("env", []):
-        if "value" in var:
-            env[var["name"]] = translate(str(var["value"]), pod, names, bucket, app)
-        elif "secretKeyRef" in var.get("valueFrom", {}) and var["name"] not in os.environ:
+        if "secretKeyRef" in var.get("valueFrom", {}) and var["name"] not in os.environ:
             ref = var["valueFrom"]["secretKeyRef"]
             print(f"[local] {pod.name}: secret {ref['name']}/{ref['key']} not set here (export {var['name']})")
+    env |= declared_env(pod, names, bucket, app)
     env |= {
-        "TPU_WORKER_ID": str(pod.completion),
-        "TPU_WORKER_HOSTNAMES": ",".join(pod.peers),
         "JOBSET_NAME": pod.jobset,
         "REPLICATED_JOB_NAME": pod.job,
         "JOB_INDEX": str(pod.index),
-        "JOB_COMPLETION_INDEX": str(pod.completion),
         "HOSTNAME": pod.name,
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={pod.chips}",
@@ -158,12 +206,19 @@ def pod_env(pod: Pod, names: dict[str, str], bucket: Path, app: Path) -> dict[st
     return env
 
 
+def pod_command(pod: Pod, names: dict[str, str], bucket: Path, app: Path) -> list[str]:
+    """The container's command and args as Kubernetes runs them (``$(VAR)`` expanded), then
+    translated for this machine; ``python`` is this interpreter."""
+    c = pod.container
+    declared = declared_env(pod, names, bucket, app)
+    cmd = [translate(expand(a, declared), pod, names, bucket, app) for a in [*c.get("command", []), *c.get("args", [])]]
+    return [sys.executable, *cmd[1:]] if cmd and cmd[0] == "python" else cmd
+
+
 def start(pod: Pod, names: dict[str, str], bucket: Path, work: Path, attempt: int) -> None:
     app = image_dir(work, pod)
     c = pod.container
-    cmd = [translate(a, pod, names, bucket, app) for a in [*c.get("command", []), *c.get("args", [])]]
-    if cmd and cmd[0] == "python":
-        cmd[0] = sys.executable
+    cmd = pod_command(pod, names, bucket, app)
     cwd = translate(c.get("workingDir", APP), pod, names, bucket, app)
     pod.log = work / "logs" / f"attempt-{attempt}" / f"{pod.name}.log"
     pod.log.parent.mkdir(parents=True, exist_ok=True)

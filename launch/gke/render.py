@@ -1,7 +1,8 @@
 """Render a GKE JobSet manifest for a jaxrl run on a TPU v5e / v6e / v5p slice.
 
     python launch/gke/render.py --slice v6e-16 --image IMAGE --bucket BUCKET \\
-        --config configs/reverse_text/rl.toml [--rollout-slice v6e-8 --rollout-replicas 2] \\
+        --config configs/reverse_text/rl.toml [--rollout-slice v6e-8 --rollout-replicas 2 \\
+        [--rollout-server jaxrl] [--weight-transfer files]] \\
         [--model ORG/NAME | gs://...] [--hf-token-secret hf] [--extra-pip SPEC] \\
         [-o jobset.yaml] [-- --trainer.steps 100 ...]
 
@@ -9,9 +10,11 @@ One replicated Job ("trainer") runs ``launch/gke/entrypoint.py`` - i.e. ``python
 jaxrl.train --config ... --distributed.enabled true`` - on every host of the slice; JAX finds
 its peers from the TPU_WORKER_* variables GKE injects. With ``--rollout-slice`` a second
 replicated Job ("rollout") runs vllm-tpu (or ``jaxrl.serve``) servers, one per single-host slice,
-and the trainer spreads its rollouts over all of them as external servers, pushing new weights
-to each after every step (see launch/gke/README.md). Everything a run writes lands in the
-bucket, mounted at /data by the GCS FUSE CSI driver.
+and the trainer spreads its rollouts over all of them as external servers, giving each every new
+version: jaxrl.serve servers pull it straight from every trainer pod (``--weight-transfer direct``,
+their default: each trainer process publishes on port ``WEIGHTS_PORT`` of its pod, advertised by
+its JobSet DNS name), vLLM servers load it from files on the bucket (see launch/gke/README.md).
+Everything a run writes lands in the bucket, mounted at /data by the GCS FUSE CSI driver.
 
 Only layouts that can run are rendered: RL on a multi-host slice needs ``--rollout-slice``, and
 the starting weights must be readable by every pod (a hub id or ``gs://`` path is fetched once
@@ -40,6 +43,16 @@ REPO = Path(__file__).resolve().parents[2]
 DATA = "/data"  # the bucket's mount point in every container
 APP = "/app"  # the repository inside the image (launch/gke/Dockerfile)
 VLLM_PORT = 8000
+# Each trainer process's weight publisher (direct transfer): the rollout servers pull every
+# version from this port of every trainer pod (``inference.backend.weight_transfer_port``).
+WEIGHTS_PORT = 8477
+# The pod's index in its Job, as Kubernetes sets it on an Indexed Job's pods (JobSet's Jobs are
+# Indexed); declared in the container's env so that ``$(JOB_COMPLETION_INDEX)`` in its command
+# expands to it, which makes each trainer process's own DNS name.
+POD_INDEX_ENV = {
+    "name": "JOB_COMPLETION_INDEX",
+    "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}},
+}
 # The vllm-tpu release the rollout servers run: pinned (never `latest`), and the vLLM release
 # whose RL routes (pause / reload_weights / update_weight_version) and `--enable-scale-out`
 # generate API jaxrl's weight sync is tested against (the CPU build of the same release).
@@ -279,7 +292,12 @@ def compile_cache(args: argparse.Namespace) -> dict[str, str]:
     return {"name": "JAX_COMPILATION_CACHE_DIR", "value": f"{DATA}/{args.name}/jax_cache"}
 
 
-def trainer_container(args: argparse.Namespace, s: Slice, weights: Weights, overrides: list[str]) -> dict[str, Any]:
+def trainer_container(
+    args: argparse.Namespace, s: Slice, weights: Weights, overrides: list[str], direct: bool
+) -> dict[str, Any]:
+    """The entry point on every host of the trainer slice. ``direct``: each process publishes
+    its weights on ``WEIGHTS_PORT`` (declared as the port named ``weights``) and advertises its
+    pod's JobSet DNS name, ``<jobset>-trainer-0-<i>.<jobset>``, for the rollout servers to dial."""
     # Multi-host: JAX's multi-controller runtime, its peers read from GKE's TPU_WORKER_* variables.
     dist = ["--distributed.enabled", "true"] if s.hosts > 1 else []
     fetch = ["--fetch", weights.source, "--fetch-to", weights.path] if weights.source else []
@@ -312,6 +330,9 @@ def trainer_container(args: argparse.Namespace, s: Slice, weights: Weights, over
             {"containerPort": 8476, "name": "jax-coord"},
         ],
     }
+    if direct:
+        container["env"].append(POD_INDEX_ENV)
+        container["ports"].append({"containerPort": WEIGHTS_PORT, "name": "weights"})
     if args.hf_token_secret:  # a gated or private hub model: the token from a Kubernetes secret
         secret, _, key = args.hf_token_secret.partition(":")
         container["env"].append(
@@ -417,6 +438,30 @@ def rollout_container(
     }
 
 
+def trainer_host(name: str) -> str:
+    """Each trainer pod's own DNS name (JobSet's ``<jobset>-<job>-<job index>-<pod index>.<jobset>``),
+    its pod index written ``$(JOB_COMPLETION_INDEX)`` for Kubernetes to expand in the command."""
+    return f"{name}-trainer-0-$(JOB_COMPLETION_INDEX).{name}"
+
+
+def weight_transfer_args(args: argparse.Namespace) -> list[str]:
+    """How the trainer gives the rollout servers each version: ``direct`` (every trainer process
+    publishes its shards on ``WEIGHTS_PORT`` of its pod; jaxrl.serve servers pull them) or
+    ``files`` (safetensors on the bucket mount, which the servers read at the same path: the
+    fallback, and always for vLLM, whose tpu-inference ``update_weights`` ignores an external trainer)."""
+    if args.weight_transfer == "direct":
+        return [
+            "--inference.backend.weight_transfer", "direct",
+            "--inference.backend.weight_transfer_host", "0.0.0.0",
+            "--inference.backend.weight_transfer_port", str(WEIGHTS_PORT),
+            "--inference.backend.weight_transfer_advertise", trainer_host(args.name),
+        ]  # fmt: skip
+    return [
+        "--inference.backend.weight_transfer", "files",
+        "--inference.backend.weights_dir", f"{DATA}/{args.name}/rollout_weights",
+    ]  # fmt: skip
+
+
 def rollout_url(name: str, index: int) -> str:
     """Stable DNS name JobSet gives rollout server ``index`` (pod 0 of rollout Job ``index``)."""
     return f"http://{name}-rollout-{index}-0.{name}:{VLLM_PORT}/v1"
@@ -434,6 +479,11 @@ def check_runnable(args: argparse.Namespace, recipe: dict[str, Any], train: Slic
         )
     if args.rollout_slice and "orchestrator" not in recipe:
         raise ValueError(f"--rollout-slice: {args.config} is not an RL recipe (no [orchestrator]); drop --rollout-slice")
+    if args.weight_transfer == "direct" and args.rollout_server == "vllm":
+        raise ValueError(
+            "--weight-transfer direct: vLLM servers load weights from files (tpu-inference's update_weights "
+            "ignores an external trainer); drop --weight-transfer or add --rollout-server jaxrl"
+        )
 
 
 def render(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
@@ -465,10 +515,7 @@ def render(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
             "--inference.backend", "external",
             "--inference.base_url", urls[0] if len(urls) == 1 else json.dumps(urls),  # every server
             "--inference.backend.server", args.rollout_server,
-            # Weights through files on the bucket mount, which the servers read at the same path
-            # (direct transfer needs the trainer pods' publisher ports reachable: not rendered yet).
-            "--inference.backend.weight_transfer", "files",
-            "--inference.backend.weights_dir", f"{DATA}/{args.name}/rollout_weights",
+            *weight_transfer_args(args),
             # The servers start after the weights exist, then load and compile them.
             "--inference.backend.startup_timeout_s", str(args.wait_timeout_s),
             *overrides,
@@ -478,7 +525,8 @@ def render(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
         jobs.append(replicated_job("rollout", roll, pod, replicas=args.rollout_replicas))
         # The run is over when the trainer is; the servers are then torn down with the JobSet.
         spec["successPolicy"] = {"operator": "All", "targetReplicatedJobs": ["trainer"]}
-    pod = tpu_pod_spec(train, trainer_container(args, train, run_weights(args, recipe), overrides),
+    direct = bool(args.rollout_slice) and args.weight_transfer == "direct"
+    pod = tpu_pod_spec(train, trainer_container(args, train, run_weights(args, recipe), overrides, direct),
                        args.service_account, args.bucket)  # fmt: skip
     jobs.insert(0, replicated_job("trainer", train, pod))
     spec["replicatedJobs"] = jobs
@@ -544,6 +592,12 @@ def parser() -> argparse.ArgumentParser:
         help="rollout server: vllm-tpu (--rollout-image) or python -m jaxrl.serve (the jaxrl image)",
     )  # fmt: skip
     p.add_argument(
+        "--weight-transfer", choices=("direct", "files"), default=None,
+        help="how the rollout servers get each version: direct (default with --rollout-server jaxrl: "
+        f"they pull it from every trainer pod's port {WEIGHTS_PORT}) or files (on the bucket; the fallback, "
+        "and what vLLM servers always use)",
+    )  # fmt: skip
+    p.add_argument(
         "--wait-timeout-s", type=int, default=3600,
         help="deadline of every wait (weights fetched or exported, rollout servers healthy)",
     )
@@ -560,6 +614,12 @@ def main(argv: list[str] | None = None) -> int:
         if value < low:
             print(f"error: {flag} {value}: must be >= {low}", file=sys.stderr)
             return 2
+    if args.weight_transfer is not None and not args.rollout_slice:
+        print(f"error: --weight-transfer {args.weight_transfer}: it feeds rollout servers; add --rollout-slice "
+              "or drop --weight-transfer", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.weight_transfer is None:
+        args.weight_transfer = "files" if args.rollout_server == "vllm" else "direct"
     try:
         manifest = render(args, argv[cut + 1 :])
     except (ValueError, FileNotFoundError) as e:

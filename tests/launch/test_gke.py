@@ -35,6 +35,7 @@ def load(name: str):
 
 render = load("render")
 entrypoint = load("entrypoint")
+local = load("local")
 
 IMAGE = "REGION-docker.pkg.dev/PROJECT/REPO/jaxrl:TAG"
 BASE = ["--image", IMAGE, "--bucket", "BUCKET", "--config", "configs/reverse_text/rl.toml"]
@@ -78,9 +79,10 @@ def pod(job: dict) -> dict:
     return job["template"]["spec"]["template"]["spec"]
 
 
-def train_args(job: dict) -> list[str]:
-    """The ``jaxrl.train`` arguments of the trainer container (entry point flags removed)."""
-    cmd = pod(job)["containers"][0]["command"]
+def train_args(job: dict, env: dict[str, str] | None = None) -> list[str]:
+    """The ``jaxrl.train`` arguments of the trainer container (entry point flags removed), with
+    ``$(VAR)`` expanded from ``env`` as Kubernetes does."""
+    cmd = [local.expand(a, env or {}) for a in pod(job)["containers"][0]["command"]]
     assert cmd[:2] == ["python", "/app/launch/gke/entrypoint.py"]
     args = list(cmd[2:])
     for flag in ("--output-root", "--fetch", "--fetch-to", "--fetch-revision", "--pip", "--wait-timeout-s"):
@@ -187,8 +189,52 @@ def test_disaggregated_jobset(tmp_path) -> None:
     # Every server, by the DNS name JobSet gives pod 0 of rollout Job i.
     assert cfg.inference.base_url == [f"http://rt-rollout-{i}-0.rt:8000/v1" for i in range(3)]
     assert cfg.inference.backend.weights_dir == "/data/rt/rollout_weights"  # the servers' mount too
-    assert cfg.inference.backend.weight_transfer == "files"  # direct needs the trainer's ports: not rendered
+    assert cfg.inference.backend.weight_transfer == "files"  # vLLM loads files (tpu-inference ignores a trainer)
     assert cfg.distributed.enabled
+    trainer = pod(jobs(m)["trainer"])["containers"][0]
+    assert "weights" not in [p["name"] for p in trainer["ports"]]  # no publisher: nothing pulls from it
+    assert "--inference.backend.weight_transfer_advertise" not in trainer["command"]
+
+
+def test_jaxrl_servers_pull_each_version_from_every_trainer_pod(tmp_path) -> None:
+    """Direct transfer, the default with jaxrl.serve servers: every trainer process publishes on
+    the declared port ``weights`` of its pod, bound on every interface, and advertises its pod's
+    JobSet DNS name, its index expanded by Kubernetes from the env the container declares."""
+    m = rendered(tmp_path, ["--slice", "v5p-16", *BASE, "--name", "rt", "--rollout-slice", "v5e-1",
+                            "--rollout-replicas", "2", "--rollout-server", "jaxrl", "--rollout-tensor-parallel", "1"])  # fmt: skip
+    trainer = pod(jobs(m)["trainer"])["containers"][0]
+    assert {"containerPort": render.WEIGHTS_PORT, "name": "weights"} in trainer["ports"]
+    assert render.POD_INDEX_ENV in trainer["env"]
+    assert render.POD_INDEX_ENV["valueFrom"] == {
+        "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
+    }
+    cmd = trainer["command"]
+    assert cmd[cmd.index("--inference.backend.weight_transfer_advertise") + 1] == "rt-trainer-0-$(JOB_COMPLETION_INDEX).rt"
+    assert "--inference.backend.weights_dir" not in cmd  # no files
+    assert m["spec"]["network"] == {"enableDNSHostnames": True}  # the DNS names exist
+    for index in (0, 1):  # as Kubernetes expands the command on pod ``index``
+        cfg, _ = load_config(train_args(jobs(m)["trainer"], {"JOB_COMPLETION_INDEX": str(index)}))
+        b = cfg.inference.backend
+        assert (b.server, b.weight_transfer, b.weight_transfer_host, b.weight_transfer_port) == (
+            "jaxrl", "direct", "0.0.0.0", render.WEIGHTS_PORT)  # fmt: skip
+        assert b.advertised_host() == f"rt-trainer-0-{index}.rt"
+    # --weight-transfer files: the fallback, through the bucket, with nothing to publish.
+    m = rendered(tmp_path, ["--slice", "v5p-16", *BASE, "--name", "rt", "--rollout-slice", "v5e-1", "--rollout-server",
+                            "jaxrl", "--rollout-tensor-parallel", "1", "--weight-transfer", "files"])  # fmt: skip
+    cfg, _ = load_config(train_args(jobs(m)["trainer"]))
+    assert (cfg.inference.backend.weight_transfer, cfg.inference.backend.weights_dir) == ("files", "/data/rt/rollout_weights")
+    trainer = pod(jobs(m)["trainer"])["containers"][0]
+    assert "weights" not in [p["name"] for p in trainer["ports"]] and render.POD_INDEX_ENV not in trainer["env"]
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--rollout-slice", "v6e-8", "--weight-transfer", "direct"], "--weight-transfer direct: vLLM servers load weights from files"),
+    (["--weight-transfer", "files"], "--weight-transfer files: it feeds rollout servers; add --rollout-slice"),
+])  # fmt: skip
+def test_weight_transfer_the_servers_cannot_use_is_refused_naming_the_flag(capsys, extra, message) -> None:
+    assert render.main(["--slice", "v6e-16" if "--rollout-slice" in extra else "v6e-8", *BASE, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
 
 
 @pytest.mark.parametrize(("heads", "kv", "chips", "tp"), [
@@ -332,7 +378,6 @@ def test_sigterm_reaches_the_trainer_process(tmp_path) -> None:
             proc.kill()
 
 
-local = load("local")
 
 
 @pytest.mark.parametrize("slice_name", ["v6e-16", "v5p-32"])
@@ -443,6 +488,16 @@ def test_local_runner_maps_names_mounts_and_the_failure_policy(tmp_path) -> None
     assert local.failure_reason(pods[0], 75) == "PodFailurePolicy"  # preempted: a free restart
     assert local.failure_reason(pods[0], 1) == "BackoffLimitExceeded"  # counted against maxRestarts
     assert local.failure_reason(pods[2], 75) == "BackoffLimitExceeded"  # the rule names the trainer container
+    # Direct transfer: each trainer pod binds its publisher on its own address and advertises its
+    # own DNS name (Kubernetes expands $(JOB_COMPLETION_INDEX) from the declared fieldRef).
+    cmd = local.pod_command(pods[1], names, Path("/b"), Path("/i"))
+    flag = lambda name: cmd[cmd.index(f"--inference.backend.{name}") + 1]  # noqa: E731
+    assert (flag("weight_transfer_host"), flag("weight_transfer_port"), flag("weight_transfer_advertise")) == (
+        "127.9.9.3", "8477", "127.9.9.3")  # fmt: skip
+    assert local.expand("a-$(JOB_COMPLETION_INDEX).b $$(X) $(UNSET)", {"JOB_COMPLETION_INDEX": "1"}) == "a-1.b $(X) $(UNSET)"
+    fields = local.pod_fields(pods[3])
+    assert fields["metadata.annotations['batch.kubernetes.io/job-completion-index']"] == "0"
+    assert fields["metadata.labels['jobset.sigs.k8s.io/job-index']"] == "1" and fields["status.podIP"] == "127.9.9.5"
 
 
 def test_a_user_package_that_does_not_install_stops_the_pod_naming_it(tmp_path) -> None:

@@ -1,5 +1,7 @@
 """The rendered GKE job, run here: ``render.py`` writes a JobSet (2 trainer hosts x 4 chips of a
-v5p-16 + 2 single-chip rollout slices serving ``python -m jaxrl.serve``), and
+v5p-16 + 2 single-chip rollout slices serving ``python -m jaxrl.serve``, fed by direct weight
+transfer: every trainer process publishes on its pod's port ``weights`` under its JobSet DNS
+name, and every server pulls each version from both), and
 ``launch/gke/local.py`` starts every pod's command as a local process with the environment GKE
 injects (CPU devices for chips, 127.A.B.k addresses for JobSet's DNS names, a folder for the
 bucket). One real run covers:
@@ -13,13 +15,15 @@ bucket). One real run covers:
     restarts the whole set (counted against maxRestarts; the trainer is stopped with SIGTERM and
     checkpoints, as on GKE), and the run finishes.
 
-No step is missing or duplicated in metrics.jsonl.
+No step is missing or duplicated in metrics.jsonl; every server, in every attempt, pulled the
+trainer's current version before it served a token and then every step's version in turn.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -38,6 +42,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 HUB_ID = "jaxrl-test/tiny-qwen3"
 NAME = "rt"
+# The line a jaxrl.serve server prints for each version it swaps in (jaxrl/serving/server.py).
+SWAPPED = re.compile(r"jaxrl\.serve: policy version \d+ \(trainer version (\d+) from ([^)]*)\); (\d+) tokens generated before")
 DEADLINE_S = 900  # safety net only: the whole run takes ~4 min on a loaded 2-core machine
 
 
@@ -135,3 +141,22 @@ def test_rendered_jobset_fetches_once_resumes_after_preemption_and_a_dead_server
     assert "fetching jaxrl-test/tiny-qwen3" in logs[0].read_text()
     assert all("already fetched" in p.read_text() for p in logs[1:])
     assert any((bucket / NAME / "jax_cache").iterdir())  # restarts find the compiled programs on the bucket
+    # Direct transfer: every server pulled from both trainer pods at the rendered port ("weights"),
+    # dialled by their DNS names (here the pods' addresses).
+    publishers = ", ".join(f"{pods()[f'{NAME}-trainer-0-{i}']['address']}:8477" for i in (0, 1))
+    attempts = sorted((work / "logs").glob("attempt-*"), key=lambda d: int(d.name.split("-")[1]))
+    seen: dict[int, set[int]] = {0: set(), 1: set()}
+    for attempt in attempts:
+        first = []
+        for server in (0, 1):
+            found = SWAPPED.findall((attempt / f"{NAME}-rollout-{server}-0.log").read_text())
+            assert found and {src for _, src, _ in found} == {publishers}, (attempt.name, server, found)
+            swaps = [(int(v), int(n)) for v, _, n in found]
+            versions = [v for v, _ in swaps]
+            # The trainer's current version, pulled before the server generated any token (a
+            # restarted server never serves its base weights), then every step's, in order.
+            assert swaps[0][1] == 0 and versions == list(range(versions[0], versions[0] + len(versions))), swaps
+            first.append(versions[0])
+            seen[server] |= set(versions)
+        assert first[0] == first[1] and (first[0] >= 1) == (attempt != attempts[0]), first  # a resumed run's version
+    assert all(seen[server] >= {1, 2, 3} for server in seen), seen  # every server followed every step

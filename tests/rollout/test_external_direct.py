@@ -216,6 +216,8 @@ def test_a_server_without_manifests_fails_the_start_naming_the_fix(model_dir, to
         ({"weight_transfer_host": "10.0.0.1:9000"}, "weight_transfer_host"),
         ({"weight_transfer_advertise": "0.0.0.0"}, "servers cannot dial a wildcard address"),
         ({"weight_transfer_advertise": ""}, "weight_transfer_advertise"),
+        ({"weight_transfer_port": 65536}, "weight_transfer_port"),  # a TCP port, or 0 for a free one
+        ({"weight_transfer_port": -1}, "weight_transfer_port"),
     ],
 )  # fmt: skip
 def test_weight_transfer_config_is_checked_in_one_line(backend, message) -> None:
@@ -234,6 +236,7 @@ def test_weight_transfer_defaults() -> None:
     assert (jaxrl.weight_transfer, jaxrl.weight_transfer_host, jaxrl.weight_transfer_advertise) == (
         "direct", "127.0.0.1", None
     )
+    assert jaxrl.weight_transfer_port == 0  # a free port: one host needs no fixed one
     assert jaxrl.advertised_host() == "127.0.0.1"
     assert resolve(server="vllm").weight_transfer == "files"  # vLLM servers load files
     assert resolve(server="vllm", weight_transfer="files").weight_transfer == "files"
