@@ -1,25 +1,42 @@
 """Weight delivery to rollout servers, as ``inference.backend = "external"`` does it every step:
-the trainer writes HF safetensors to a shared directory, every server loads them.
+through files (the trainer writes HF safetensors to a shared directory, every server loads them)
+or directly (every trainer process publishes its shards, every server pulls them: whole, or only
+the blocks a step changed).
 
     python bench/weight_delivery.py [--models qwen3-0.6b qwen3-8b] [--layers-8b 2] [--writers 4] [--dir DIR]
+                                    [--direct-8b] [--fractions F ...] [--repeats 2]
 
-Two paths, side by side in one run, at real Qwen3 shapes in bfloat16 (one JSON line each):
+First this host's own limits (``host`` line: memcpy and one loopback socket stream, GB/s) and
+the changed fraction of real optimizer steps (``changed_fraction`` lines: AdamW at the main
+recipe's lr 5e-4 on a tiny Qwen3-shaped model, the bfloat16 serving bytes that changed per step,
+by element, whole tensor and block size). Then, per model, one JSON line per path:
 
 - ``gather``: today's path. ``export_hf`` gathers every weight to process 0 (``device_get``) and
   writes 2 GB shards there, one after another; then ``sync``.
 - ``parallel``: every trainer host writes the tensors it holds, at once (``--writers`` processes,
   each one host's share, no gather); then ``sync``. ``write_s`` includes turning the weights into
   HF tensors (``of_which_convert_s``, done by one process here, by every host on a pod).
+- ``direct``: 2 trainer processes (``jax.distributed``, 2 CPU devices each, the params on the
+  trainer's fsdp layout) publish the version (``Publisher``: cast, copy to host) and 2 server
+  processes (one CPU device each) pull it whole at once over loopback TCP (``pull_weights``);
+  ``step_s`` = publish + the slower pull, median of ``--repeats`` versions.
+- ``direct_delta``: the same with ``Publisher(delta=True)``: each version changes a fraction of
+  every shard's 64 KiB blocks (the measured changed fraction of a real step, then each of
+  ``--fractions``) and the servers, holding the version before, pull only the changed blocks;
+  ``publish_s`` includes the block compare. ``socket_GBps_adjacent``: one loopback socket stream
+  measured right before and after these paths (the host's load drifts), ``vs_socket``: both
+  servers' pull rate together against it.
 
-Both are then loaded the way a ``jaxrl.serve`` server does it (``load_decoder`` from the
+The files paths are then loaded the way a ``jaxrl.serve`` server does it (``load_decoder`` from the
 directory), with the files dropped from the page cache first (``posix_fadvise DONTNEED``) so the
 read comes from disk, not memory. Per path: bytes, write and load seconds, bytes/s, and the
 seconds a step spends on delivery (write + load; servers load in parallel on their own hosts).
 
 Qwen3-8B (16.4 GB) does not fit this machine's free memory three times over (model, host copy,
 load), so it runs with ``--layers-8b`` of its 36 layers (embeddings and head whole) and the
-line also gives the time extrapolated by bytes to all 36 layers (``extrapolated_*``). The
-numbers are this machine's disk: a TPU VM writing through GCS FUSE sees other bandwidths; the
+line also gives the time extrapolated by bytes to all 36 layers (``extrapolated_*``). Its direct
+paths (2 trainers holding two versions, 2 servers holding two) need ~6x its bytes of memory and
+run only with ``--direct-8b``. The file paths' numbers are this machine's disk: a TPU VM writing through GCS FUSE sees other bandwidths; the
 ratio of the two paths is what carries over.
 """
 
@@ -30,6 +47,9 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -145,6 +165,153 @@ def measure(label: str, name: str, layers: int | None, full_layers: int, args: a
         shutil.rmtree(root, ignore_errors=True)
 
 
+class Procs:
+    """The direct paths' processes (bench/weight_direct.py), driven one JSON line at a time."""
+
+    def __init__(self, name: str, layers: int | None, trainers: int, servers: int):
+        script = str(Path(__file__).with_name("weight_direct.py"))
+        common = ["--model", name] + ([] if layers is None else ["--layers", str(layers)])
+        with socket_port() as port:
+            coordinator = f"127.0.0.1:{port}"
+
+        def spawn(args: list[str], devices: int) -> subprocess.Popen:
+            env = os.environ | {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+            return subprocess.Popen([sys.executable, script, *args, *common], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+
+        self.trainers = [
+            spawn(["trainer", "--process-id", str(i), "--num-processes", str(trainers), "--coordinator", coordinator], 2)
+            for i in range(trainers)
+        ]
+        self.servers = [spawn(["server"], 1) for _ in range(servers)]
+        for p in self.trainers + self.servers:
+            self.read(p)
+
+    @staticmethod
+    def read(p: subprocess.Popen) -> dict[str, Any]:
+        while (line := p.stdout.readline()).strip()[:1] != "{":  # type: ignore[union-attr]
+            if not line:
+                raise RuntimeError(f"bench process {p.args[2]} exited {p.wait()}")
+        return json.loads(line)
+
+    def ask(self, procs: list[subprocess.Popen], cmd: dict[str, Any]) -> list[dict[str, Any]]:
+        for p in procs:
+            p.stdin.write(json.dumps(cmd) + "\n")  # type: ignore[union-attr]
+            p.stdin.flush()  # type: ignore[union-attr]
+        return [self.read(p) for p in procs]
+
+    def step(self, version: int, fraction: float | None) -> dict[str, Any]:
+        """Publish ``version`` on every trainer, then pull it on every server at once."""
+        pub = self.ask(self.trainers, {"op": "publish", "version": version, "fraction": fraction})
+        publish_s = max(p["publish_s"] for p in pub)  # the processes publish at once (after a barrier)
+        manifest = pub[0]["manifest"]
+        t0 = time.perf_counter()
+        pulls = self.ask(self.servers, {"op": "pull", "manifest": manifest})
+        pull_s = time.perf_counter() - t0
+        changed = sum(p.get("changed_bytes", 0) for p in pub)
+        total = sum(p.get("bytes", 0) for p in pub)
+        return {"publish_s": publish_s, "pull_s": pull_s, "delta": all(p["delta"] for p in pulls),
+                "changed_fraction": changed / total if total else None}  # fmt: skip
+
+    def stop(self) -> None:
+        for p in self.trainers + self.servers:
+            try:
+                p.stdin.write(json.dumps({"op": "quit"}) + "\n")  # type: ignore[union-attr]
+                p.stdin.close()  # type: ignore[union-attr]
+            except OSError:
+                pass
+        for p in self.trainers + self.servers:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def socket_port() -> Any:
+    import contextlib
+    import socket
+
+    @contextlib.contextmanager
+    def port() -> Any:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            yield s.getsockname()[1]
+
+    return port()
+
+
+def measure_direct(label: str, name: str, layers: int | None, full_layers: int, fractions: list[tuple[str, float]],
+                   args: argparse.Namespace) -> None:  # fmt: skip
+    """The ``direct`` and ``direct_delta`` lines of one model (see the module docstring)."""
+    from weight_direct import abstract_params, socket_GBps
+
+    size = sum(int(x.size) * 2 for _, x in abstract_params(name, layers))
+    procs = Procs(name, layers, trainers=2, servers=2)
+    sockets = [socket_GBps(256 << 20)]  # this host's socket right before and after: its load drifts
+    try:
+        steps = [procs.step(v, None) for v in range(1, args.repeats + 1)]
+        rows = [("direct", None, steps)]
+        for kind, fraction in fractions:
+            procs.ask(procs.trainers, {"op": "reset", "delta": True})
+            procs.ask(procs.servers, {"op": "forget"})
+            procs.step(1, None)  # the base every server then holds
+            rows.append(("direct_delta", (kind, fraction), [procs.step(v, fraction) for v in range(2, args.repeats + 2)]))
+        sockets.append(socket_GBps(256 << 20))
+    finally:
+        procs.stop()
+    socket_now = statistics.mean(sockets)
+    for path, fraction, runs in rows:
+        publish_s = statistics.median(r["publish_s"] for r in runs)
+        pull_s = statistics.median(r["pull_s"] for r in runs)
+        step_s = statistics.median(r["publish_s"] + r["pull_s"] for r in runs)
+        row = {
+            "bench": "weight_delivery", "model": label, "path": path, "layers": layers or full_layers,
+            "trainers": 2, "servers": 2, "bytes": size, "publish_s": round(publish_s, 3), "pull_s": round(pull_s, 3),
+            "step_s": round(step_s, 3), "GBps": round(size / step_s / 1e9, 3),
+            "pull_GBps_per_server": round(size / pull_s / 1e9, 3), "repeats": len(runs),
+        }  # fmt: skip
+        if path == "direct":  # both servers pull at once: their sum against one socket stream
+            row |= {"socket_GBps_adjacent": round(socket_now, 3),
+                    "vs_socket": round(2 * row["pull_GBps_per_server"] / socket_now, 3)}  # fmt: skip
+        else:
+            row |= {"fraction_source": fraction[0], "fraction_asked": fraction[1],
+                    "changed_fraction": round(statistics.median(r["changed_fraction"] for r in runs), 4),
+                    "applied_as_delta": all(r["delta"] for r in runs)}  # fmt: skip
+        if layers is not None:
+            per_layer = (size - bytes_outside_layers(preset(name))) / layers
+            full = size + per_layer * (full_layers - layers)
+            row |= {"extrapolated_layers": full_layers, "extrapolated_bytes": int(full),
+                    "extrapolated_step_s": round(step_s * full / size, 2)}  # fmt: skip
+        print(json.dumps(row), flush=True)
+
+
+def preset(name: str) -> dict[str, Any]:
+    from jaxrl.models.presets import preset_hf_config
+
+    hf = preset_hf_config(name)
+    assert hf is not None
+    return hf
+
+
+def host_limits() -> dict[str, float]:
+    from weight_direct import memcpy_GBps, socket_GBps
+
+    row = {"memcpy_GBps": round(memcpy_GBps(1 << 30), 3), "socket_GBps": round(socket_GBps(1 << 30), 3)}
+    print(json.dumps({"bench": "weight_delivery", "path": "host", "bytes": 1 << 30, **row}), flush=True)
+    return row
+
+
+def real_step_fraction(args: argparse.Namespace) -> float:
+    """The ``changed_fraction`` lines; returns the median fraction of bytes in changed 64 KiB
+    blocks (what a delta sends) after the first step."""
+    from weight_direct import changed_fraction
+
+    rows = changed_fraction(args.optimizer_steps, (4 << 10, 64 << 10, 1 << 20), lr=5e-4)
+    for r in rows:
+        print(json.dumps({"bench": "weight_delivery", "path": "changed_fraction", "lr": 5e-4, **r}), flush=True)
+    return statistics.median(r["bytes_64k"] for r in rows[1:] or rows)
+
+
 def bytes_outside_layers(hf: dict[str, Any]) -> int:
     """Embedding, final norm and (untied) head, in bfloat16."""
     d, v = hf["hidden_size"], hf["vocab_size"]
@@ -157,15 +324,26 @@ def main() -> None:
     ap.add_argument("--layers-8b", type=int, default=2, help="Qwen3-8B layers built here (of 36)")
     ap.add_argument("--writers", type=int, default=4, help="trainer hosts writing at once (v5p-32: 4)")
     ap.add_argument("--dir", default=None, help="where the files go (default: the temp dir)")
+    ap.add_argument("--direct-8b", action="store_true", help="also the direct paths of the Qwen3-8B subset (~6x its bytes of memory)")
+    ap.add_argument("--fractions", type=float, nargs="*", default=[0.05],
+                    help="direct_delta also at these changed fractions (after the measured one)")  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=2, help="versions per direct path (the median is reported)")
+    ap.add_argument("--optimizer-steps", type=int, default=3, help="real optimizer steps for the changed fraction")
     args = ap.parse_args()
-    if not 1 <= args.layers_8b <= 36 or args.writers < 1:
-        ap.error("--layers-8b must be in 1..36 and --writers >= 1")
-    from jaxrl.models.presets import preset_hf_config
-
+    if not 1 <= args.layers_8b <= 36 or args.writers < 1 or args.repeats < 1 or args.optimizer_steps < 1:
+        ap.error("--layers-8b must be in 1..36 and --writers, --repeats, --optimizer-steps >= 1")
+    if not all(0 <= f <= 1 for f in args.fractions):
+        ap.error("--fractions must be in [0, 1]")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    host_limits()
+    fractions = [("real_step", real_step_fraction(args))] + [("asked", f) for f in args.fractions]
     for label in args.models:
         name, layer_arg = SHAPES[label]
-        full = preset_hf_config(name)["num_hidden_layers"]  # type: ignore[index]
-        measure(label, name, args.layers_8b if layer_arg else None, full, args)
+        full = preset(name)["num_hidden_layers"]
+        layers = args.layers_8b if layer_arg else None
+        measure(label, name, layers, full, args)
+        if layer_arg is None or args.direct_8b:
+            measure_direct(label, name, layers, full, fractions, args)
 
 
 if __name__ == "__main__":

@@ -243,7 +243,7 @@ class _Stepper:
             "time/weight_sync_s": t_sync,
             "time/step_s": time.perf_counter() - t0,
         }
-        return metrics | engine_metrics(self.backend)
+        return metrics | self.backend.weight_metrics() | engine_metrics(self.backend)
 
     def _collect(self, step: int) -> dict[str, Any]:
         """Process 0: a batch with learning signal for ``step`` (resampling up to max_resample)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -72,6 +73,10 @@ class ModelRunner:
         # Always a copy: the caller (the trainer) may donate or overwrite its arrays later.
         self.state: nnx.State = self._served(weights.place_state(state, state, self.param_shardings))
         self.version = 0
+        # The last state pulled by manifest, as (lineage, manifest version, arrays): the only base a
+        # delta manifest is applied over. Any other source of weights (place, load) forgets it.
+        self._pulled: tuple[str, int, Any] | None = None
+        self._pulled_lock = threading.Lock()
         self.layout = EngineLayout.create(self.arch, config, model.dtype, mesh)
         self.cache = KVCache(*(self._zero_cache() for _ in range(2)))
         self.counts = self.layout.zero_counts()
@@ -93,10 +98,12 @@ class ModelRunner:
     def place(self, state: nnx.State | Decoder) -> Any:
         """New weights (the trainer's params pytree, any sharding) copied onto the runner's
         shardings, ready for ``swap``."""
+        self._forget_pulled()
         return self._served(weights.place_state(state, self._stacked, self.param_shardings))
 
     def load(self, path: str | Path) -> Any:
         """A Hugging Face model directory (same architecture) loaded as new weights, ready for ``swap``."""
+        self._forget_pulled()
         model = load_decoder(
             path, param_dtype=self._param_dtype, dtype=self._compute_dtype, sharding_fn=self._sharding_fn
         )
@@ -109,7 +116,14 @@ class ModelRunner:
         (``jaxrl.weight_transfer``) straight onto the runner's shardings, in the manifest's
         dtypes, then cast to the served dtypes as ``place`` does; ready for ``swap``. Raises
         ``PullError`` (naming the endpoint and the param) when any piece fails or the deadline
-        passes: nothing is swapped then."""
+        passes: nothing is swapped then.
+
+        A delta manifest is applied over the last state pulled when that is exactly its base
+        (same lineage, version ``manifest.base_version``); otherwise the version is pulled whole.
+        That state is kept for the next delta: the served state itself when the manifest's dtypes
+        are the served ones (no extra memory), else one more copy in the manifest's dtypes."""
+        with self._pulled_lock:
+            lineage, have, previous = self._pulled or (None, None, None)
         dtypes = {p.path: jnp.dtype(p.dtype) for p in manifest.params}
         target = jax.tree_util.tree_map_with_path(
             lambda path, x: jax.ShapeDtypeStruct(
@@ -117,10 +131,19 @@ class ModelRunner:
             ),
             self._stacked,
         )
-        pulled = pull_weights(manifest, target, timeout_s=timeout_s)
+        pulled = pull_weights(
+            manifest, target, timeout_s=timeout_s, previous=previous, have_version=have, have_lineage=lineage
+        )
+        with self._pulled_lock:
+            if self._pulled is None or self._pulled[0] != manifest.lineage or self._pulled[1] < manifest.version:
+                self._pulled = (manifest.lineage, manifest.version, pulled)
         if all(p.dtype == x.dtype for p, x in zip(jax.tree.leaves(pulled), jax.tree.leaves(self._stacked))):
             return self._served(pulled)  # already fresh buffers on the runner's shardings
-        return self.place(pulled)
+        return self._served(weights.place_state(pulled, self._stacked, self.param_shardings))
+
+    def _forget_pulled(self) -> None:
+        with self._pulled_lock:
+            self._pulled = None
 
     def swap(self, state: Any, version: int) -> None:
         """Serve ``state`` (from ``place`` / ``load``) as policy ``version`` from the next call on."""

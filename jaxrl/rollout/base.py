@@ -57,6 +57,11 @@ class RolloutBackend(Protocol):
         """The serving engine's own counters, when it exposes them in jaxrl's form."""
         ...
 
+    def weight_metrics(self) -> dict[str, float]:
+        """What the last ``update_weights`` sent, as ``weights/...`` metric keys ({} when the
+        backend measures nothing, e.g. ``weights/changed_fraction`` of a delta publisher)."""
+        ...
+
     def token_versions(self, session_id: str) -> list[list[int]] | None:
         """The policy version of each token of each generate answer sent for ``session_id``
         (verifiers' trace id), in answer order, taken once; None where the backend does not know

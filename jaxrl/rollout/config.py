@@ -152,6 +152,23 @@ class ExternalConfig(BaseModel):
     trainer's hosts, and the only way with ``server = "vllm"`` (vLLM servers load files; "direct"
     is refused there)."""
 
+    weight_transfer_delta: bool = False
+    """With "direct": publish each version as a delta against the one before it, so a server
+    that holds exactly that version pulls only the changed 64 KiB blocks of each shard, in the
+    serving dtype (``jaxrl.weight_transfer.delta``); a server that missed a version or restarted
+    pulls the version whole. It costs no trainer memory (the publisher holds the previous version
+    anyway), one compare pass over this process's host copy per step on the trainer, and a copy
+    of the base on each server. Off by default because it saves nothing at the recipes' learning
+    rates: an AdamW step at lr 5e-4 changes ~96% of the bfloat16 elements and every 64 KiB block
+    (bench/weight_delivery.py, ``changed_fraction``). Turn it on where a step leaves most serving
+    bytes unchanged (learning rates far below the bf16 resolution of the weights, frozen parts);
+    each step then logs ``weights/changed_fraction``."""
+
+    weight_transfer_full_every: int = Field(10, ge=1, le=100_000)
+    """With ``weight_transfer_delta``: every this many versions one is published whole (1: every
+    version whole, deltas off in effect), bounding how long a server's weights rest on a chain
+    of deltas."""
+
     weight_transfer_host: str = "127.0.0.1"
     """Address each trainer process's weight publisher binds ("direct"; a free port is picked).
     The default reaches only servers on the trainer's own host; "0.0.0.0" (or the host's own

@@ -53,6 +53,9 @@ class EmbeddedBackend:
     def metrics(self) -> EngineMetrics | None:
         return self.engine.metrics()
 
+    def weight_metrics(self) -> dict[str, float]:
+        return {}  # an in-process reshard: nothing travels
+
     def token_versions(self, session_id: str) -> list[list[int]] | None:
         return self.server.session_versions.take(session_id)
 

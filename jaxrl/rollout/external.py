@@ -15,8 +15,12 @@ After every optimizer step every server is given the trainer's parameters, in on
   servers' dtype, on its devices: no gather to process 0, no files); process 0 describes them in
   a manifest (``manifest_for``: from the global shardings alone) and sends it to each server,
   ``POST /update_weights {"version", "manifest", "timeout_s"}``; each server pulls exactly the
-  pieces its own layout needs from the processes that hold them, then swaps them in. A server
-  that cannot take a manifest fails the start with one line naming the fix (``weight_transfer =
+  pieces its own layout needs from the processes that hold them, then swaps them in. With
+  ``weight_transfer_delta`` (off by default) a version is published as a delta against the one
+  before it (``weight_transfer_full_every``: one whole version every so many): a server that
+  pulled exactly that base pulls only the changed blocks, any other pulls the version whole
+  (``jaxrl.weight_transfer.delta``); each step logs what changed (``weights/changed_fraction``,
+  process 0's shards). A server that cannot take a manifest fails the start with one line naming the fix (``weight_transfer =
   "files"``); nothing falls back to files on its own.
 - "files" (the fallback, and the only way to vLLM servers): the parameters are written once as
   HF safetensors to a directory every server can read (a shared filesystem, or ``gs://`` through
@@ -98,6 +102,7 @@ class ExternalBackend:
             self.publisher = Publisher(
                 dtype=model.dtype, transport="tcp", host=self.ecfg.weight_transfer_host,
                 port=self.ecfg.weight_transfer_port, advertise=self.ecfg.advertised_host(),
+                delta=self.ecfg.weight_transfer_delta, full_every=self.ecfg.weight_transfer_full_every,
             )  # fmt: skip
         else:
             weights_root = self.ecfg.weights_dir or Path(output_dir) / "rollout_weights"
@@ -106,6 +111,7 @@ class ExternalBackend:
         self.main = jax.process_index() == 0  # only process 0 talks to the servers
         self._model: Decoder | None = model
         self._version = -1  # nothing pushed yet
+        self._weight_metrics: dict[str, float] = {}
         self._offset = self._offset_base = 0
         self._dead: RolloutServerDead | None = None
         self._endpoint: ModelEndpoint | None = None
@@ -259,11 +265,18 @@ class ExternalBackend:
     def _publish(self, state: nnx.State, version: int) -> None:
         """Direct: this process's shards held by its publisher; process 0 sends the manifest."""
         assert self.publisher is not None
-        self.publisher.publish(version, state)  # all processes at once: a jitted cast per param
+        # All processes at once: a jitted cast per param. They publish the same versions with the
+        # same settings, so every fragment names the same base; process 0's says which.
+        fragment = self.publisher.publish(version, state)
+        self._weight_metrics = self._changes(version, fragment.base_version)
         if not self.main:
             return
         self.check()
-        manifest = manifest_for(version, state, self._endpoints, self.publisher.dtype, transport="tcp")
+        manifest = manifest_for(
+            version, state, self._endpoints, self.publisher.dtype, transport="tcp",
+            lineage=self.publisher.lineage, base_version=fragment.base_version,
+            block_bytes=self.publisher.block_bytes,
+        )  # fmt: skip
         body = {
             "version": self._offset + version,
             "manifest": json.loads(manifest.to_json()),
@@ -272,6 +285,22 @@ class ExternalBackend:
             "timeout_s": max(1.0, 0.9 * self.ecfg.request_timeout_s - 1.0),
         }
         self._each(lambda url: self._call(url, "POST", "/update_weights", json=body))
+
+    def _changes(self, version: int, base: int | None) -> dict[str, float]:
+        """``weights/...`` metrics of a delta publisher's step (this process's shards)."""
+        assert self.publisher is not None
+        changes = self.publisher.changes(version)
+        if changes is None:
+            return {}
+        return {
+            "weights/changed_fraction": changes.fraction,  # bytes of the changed blocks / all bytes
+            "weights/changed_blocks_fraction": changes.changed_blocks / max(changes.blocks, 1),
+            "weights/delta": float(base is not None),  # 0: this version went out whole
+        }
+
+    def weight_metrics(self) -> dict[str, float]:
+        """What the last weight update changed (direct with deltas; {} otherwise)."""
+        return dict(self._weight_metrics)
 
     def _write(self, state: nnx.State | Decoder, version: int) -> None:
         """Files: ``state`` written once (every process takes part); process 0 has each server load it."""

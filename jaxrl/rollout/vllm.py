@@ -271,6 +271,9 @@ class VLLMBackend:
         ``/metrics`` speaks another format), so the RL loop logs no ``engine/...`` keys."""
         return
 
+    def weight_metrics(self) -> dict[str, float]:
+        return {}  # whole files every version
+
     def token_versions(self, session_id: str) -> None:
         """vLLM reports no per-token versions: each token carries its rollout's dispatch version."""
 

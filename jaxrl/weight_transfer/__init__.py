@@ -10,6 +10,10 @@ Bytes travel over a ``Transport``: raw TCP (``"tcp"``) or ``jax.experimental.tra
     process 0:          manifest = merge_manifests(fragments)  (or manifest_for(step, params, addresses, dtype))
     each server:        state = pull_weights(manifest, engine_abstract_state); engine swaps it in
 
+With ``Publisher(delta=True)`` a version may be published as a delta against the one before it
+(``Manifest.base_version``): a server holding exactly that base pulls only the changed blocks
+(``delta.py``), any other pulls the version whole.
+
 This package builds on ``jax`` and numpy only (no jaxrl module but its own): the trainer and the
 engine each use it without knowing the other.
 """
@@ -17,11 +21,12 @@ engine each use it without knowing the other.
 from jaxrl.weight_transfer.base import VersionUnavailable, WeightTransferError
 from jaxrl.weight_transfer.manifest import Manifest, ParamEntry, Shard, manifest_for, merge_manifests
 from jaxrl.weight_transfer.plan import Plan, Pull, TargetPiece, plan_pulls
-from jaxrl.weight_transfer.publisher import Publisher
-from jaxrl.weight_transfer.puller import PullError, pull_weights
+from jaxrl.weight_transfer.publisher import Changes, Publisher
+from jaxrl.weight_transfer.puller import PullError, applies_as_delta, pull_weights
 from jaxrl.weight_transfer.transport import get_transport
 
 __all__ = [
+    "Changes",
     "Manifest",
     "ParamEntry",
     "Plan",
@@ -32,6 +37,7 @@ __all__ = [
     "TargetPiece",
     "VersionUnavailable",
     "WeightTransferError",
+    "applies_as_delta",
     "get_transport",
     "manifest_for",
     "merge_manifests",

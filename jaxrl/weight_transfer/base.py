@@ -42,6 +42,12 @@ class ShardSource(Protocol):
         """The host copy of ``param``'s shard ``box`` in ``version``; raises ``VersionUnavailable``."""
         ...
 
+    def delta_bitmap(
+        self, version: int, base: int, param: str, shard: Box, region: Box, block_bytes: int
+    ) -> np.ndarray:
+        """bool per ``block_bytes`` block of ``region``'s bytes: changed between ``base`` and ``version``."""
+        ...
+
 
 class TransportServer(Protocol):
     address: str  # "host:port" pullers connect to
@@ -50,10 +56,18 @@ class TransportServer(Protocol):
 
 
 class Connection(Protocol):
-    def fetch(self, version: int, items: Sequence[tuple[Pull, np.ndarray]], deadline: float) -> None:
+    def fetch(
+        self,
+        version: int,
+        items: Sequence[tuple[Pull, np.ndarray]],
+        deadline: float,
+        delta: tuple[int, int] | None = None,
+    ) -> None:
         """Fill each C-contiguous ``out`` (the pull's region shape and dtype) with the pull's
         bytes by ``deadline`` (``time.monotonic()``); raises ``FetchFailed`` naming the pull it
-        was on (the cause: ``RemoteError``, ``OSError``, ``TimeoutError``)."""
+        was on (the cause: ``RemoteError``, ``OSError``, ``TimeoutError``). ``delta = (base,
+        block_bytes)``: each ``out`` holds the base version's bytes and only the changed blocks
+        are sent and written over them (transports without deltas raise ``WeightTransferError``)."""
         ...
 
     def close(self) -> None: ...

@@ -138,7 +138,15 @@ class JaxTransferConnection:
         self._sock = sock
         self._peers: dict[str, Any] = {}
 
-    def fetch(self, version: int, items: Sequence[tuple[Pull, np.ndarray]], deadline: float) -> None:
+    def fetch(
+        self,
+        version: int,
+        items: Sequence[tuple[Pull, np.ndarray]],
+        deadline: float,
+        delta: tuple[int, int] | None = None,
+    ) -> None:
+        if delta is not None:
+            raise FetchFailed(items[0][0], WeightTransferError("the jax transport sends whole versions, not deltas"))
         request = {
             "op": "stage",
             "version": version,

@@ -11,10 +11,15 @@ Every trainer process can compute the whole manifest from the global shardings a
 the endpoint address of every process; or each publisher returns its own fragment and process 0
 merges them (``merge_manifests``). Both give the same manifest.
 
-Deltas (later): ``ParamEntry.unchanged_since = k`` says the param's bytes in this version equal
-those of version ``k``; a server that already serves version >= k keeps its buffer and pulls
-nothing for it (``plan_pulls(..., have_version=)``). A full copy every N versions is the
-trainer's choice of when to leave the field unset.
+Versions and deltas. ``lineage`` names the publishers' run (a new id each time the trainer
+starts), so version numbers of two runs are never confused. ``base_version = b`` says the version
+is published as a delta against version ``b`` of the same lineage (``delta.py``): a server whose
+last pulled version is exactly ``(lineage, b)`` pulls only the changed blocks and writes them over
+its own copy of ``b``; any other server (it missed a version, restarted, or loaded weights another
+way) pulls the version whole, which every publisher can always serve. ``base_version = None``: a
+full version. ``ParamEntry.unchanged_since = k`` (whole params) says the param's bytes equal those
+of version ``k``; a server that already serves version >= k keeps its buffer and pulls nothing for
+it (``plan_pulls(..., have_version=)``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from jaxrl.weight_transfer.delta import BLOCK_BYTES
 
 Box = tuple[tuple[int, int], ...]
 """A global index range: ``(start, stop)`` per dimension."""
@@ -84,6 +91,9 @@ class Manifest:
     endpoints: tuple[str, ...]  # "host:port" of each trainer process's publisher
     params: tuple[ParamEntry, ...]
     transport: str = "tcp"
+    lineage: str = ""  # the publishers' run; versions compare only within one
+    base_version: int | None = None  # a delta against this version of the lineage; None: full
+    block_bytes: int = BLOCK_BYTES  # a delta's block size
     _by_path: dict[str, ParamEntry] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +106,10 @@ class Manifest:
                     raise ValueError(
                         f"manifest: {p.path} names endpoint {s.endpoint} of {len(self.endpoints)}"
                     )
+        if self.base_version is not None and not self.base_version < self.version:
+            raise ValueError(f"manifest: base version {self.base_version} is not below version {self.version}")
+        if self.block_bytes < 1:
+            raise ValueError(f"manifest: block_bytes {self.block_bytes} < 1")
 
     def param(self, path: str) -> ParamEntry:
         return self._by_path[path]
@@ -110,6 +124,9 @@ class Manifest:
                 "version": self.version,
                 "endpoints": list(self.endpoints),
                 "transport": self.transport,
+                "lineage": self.lineage,
+                "base_version": self.base_version,
+                "block_bytes": self.block_bytes,
                 "params": [
                     {
                         "path": p.path,
@@ -136,7 +153,10 @@ class Manifest:
             )
             for p in d["params"]
         )
-        return cls(d["version"], tuple(d["endpoints"]), params, d.get("transport", "tcp"))
+        return cls(
+            d["version"], tuple(d["endpoints"]), params, d.get("transport", "tcp"), d.get("lineage", ""),
+            d.get("base_version"), d.get("block_bytes", BLOCK_BYTES),
+        )  # fmt: skip
 
 
 # -- parameter paths --------------------------------------------------------------------------
@@ -188,9 +208,13 @@ def manifest_for(
     *,
     transport: str = "tcp",
     unchanged_since: Mapping[str, int] | None = None,
+    lineage: str = "",
+    base_version: int | None = None,
+    block_bytes: int = BLOCK_BYTES,
 ) -> Manifest:
     """The manifest of ``state`` (arrays or abstract arrays with shardings) served in ``dtype``,
-    with ``endpoints[i]`` the publisher of process ``i``. Pure: no transfers, no collectives."""
+    with ``endpoints[i]`` the publisher of process ``i`` (a delta against ``base_version`` when
+    given). Pure: no transfers, no collectives."""
     unchanged_since = unchanged_since or {}
     params = []
     for path, x in param_leaves(state):
@@ -201,11 +225,12 @@ def manifest_for(
             for box in boxes
         )
         params.append(ParamEntry(path, shape, _dtype_name(dtype), shards, unchanged_since.get(path)))
-    return Manifest(version, tuple(endpoints), tuple(params), transport)
+    return Manifest(version, tuple(endpoints), tuple(params), transport, lineage, base_version, block_bytes)
 
 
 def merge_manifests(fragments: Iterable[Manifest]) -> Manifest:
-    """One manifest from the publishers' fragments (each naming only its own endpoint)."""
+    """One manifest from the publishers' fragments (each naming only its own endpoint), with the
+    first fragment's lineage (give every process's ``Publisher`` the run's one)."""
     fragments = list(fragments)
     if not fragments:
         raise ValueError("merge_manifests: no fragments")
@@ -213,10 +238,12 @@ def merge_manifests(fragments: Iterable[Manifest]) -> Manifest:
     endpoints: list[str] = []
     shards: dict[str, list[Shard]] = {p.path: [] for p in first.params}
     for frag in fragments:
-        if (frag.version, frag.transport) != (first.version, first.transport):
+        if (frag.version, frag.transport, frag.base_version, frag.block_bytes) != (
+            first.version, first.transport, first.base_version, first.block_bytes
+        ):  # fmt: skip
             raise ValueError(
-                f"merge_manifests: version/transport {frag.version}/{frag.transport} "
-                f"!= {first.version}/{first.transport}"
+                f"merge_manifests: version/transport/base {frag.version}/{frag.transport}/{frag.base_version} "
+                f"!= {first.version}/{first.transport}/{first.base_version}"
             )
         if [(p.path, p.shape, p.dtype) for p in frag.params] != [
             (p.path, p.shape, p.dtype) for p in first.params
@@ -227,4 +254,6 @@ def merge_manifests(fragments: Iterable[Manifest]) -> Manifest:
         for p in frag.params:
             shards[p.path].extend(Shard(s.endpoint + offset, s.box) for s in p.shards)
     params = tuple(replace(p, shards=tuple(shards[p.path])) for p in first.params)
-    return Manifest(first.version, tuple(endpoints), params, first.transport)
+    return Manifest(
+        first.version, tuple(endpoints), params, first.transport, first.lineage, first.base_version, first.block_bytes
+    )  # fmt: skip

@@ -6,6 +6,15 @@ process holds to host once, and keeps them for pullers: the newest ``keep`` vers
 default, so servers still pulling version n can finish while n + 1 is published). Requests for
 any other version fail with ``VersionUnavailable`` naming the versions held.
 
+With ``delta=True`` each publish also compares the new version's host copies with the previous
+version's, block by block (``delta.changed_blocks``), and the fragment names that version as its
+base (``Manifest.base_version``) unless ``full=True``: servers holding the base then pull only the
+changed blocks (``delta_bitmap``). This costs no memory beyond ``keep = 2`` (the previous version
+is held anyway: one host copy of this process's shards in the serving dtype) and one compare pass
+over them per publish; ``changes(version)`` reports what changed (``Changes``). A delta pull of
+version n needs n - 1 too, so it must finish before n + 1 is published (the external backend
+waits for every server's answer before its next step); a full pull only before n + 2.
+
 Under the multi-controller runtime every process calls ``publish`` at the same point (the cast
 is a jitted program over the global arrays), as it calls the train step.
 """
@@ -14,15 +23,41 @@ from __future__ import annotations
 
 import functools
 import threading
+import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Self
 
 import jax
 import numpy as np
 
 from jaxrl.weight_transfer.base import Transport, TransportServer, VersionUnavailable, WeightTransferError
-from jaxrl.weight_transfer.manifest import Box, Manifest, ParamEntry, Shard, box_of, param_leaves
+from jaxrl.weight_transfer.delta import BLOCK_BYTES, changed_blocks, num_blocks
+from jaxrl.weight_transfer.manifest import (
+    Box,
+    Manifest,
+    ParamEntry,
+    Shard,
+    box_of,
+    local_slices,
+    param_leaves,
+)
 from jaxrl.weight_transfer.transport import get_transport
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What changed in a version against its predecessor, on this process's shards."""
+
+    base: int  # the version compared against
+    bytes: int  # this process's shards' bytes (serving dtype)
+    changed_bytes: int  # the bytes of the changed blocks
+    blocks: int
+    changed_blocks: int
+
+    @property
+    def fraction(self) -> float:
+        return self.changed_bytes / self.bytes if self.bytes else 0.0
 
 
 class Publisher:
@@ -30,6 +65,9 @@ class Publisher:
 
     ``host`` / ``port``: where to listen (127.0.0.1 and any free port by default; ``address``
     says which); ``advertise``: the host name pullers should use when ``host`` is a wildcard.
+    ``delta``: compare each version with the previous and offer it as a delta (tcp only), but
+    every ``full_every``-th version (counted from the last full one) as a full version;
+    ``block_bytes``: the delta's block. ``lineage``: this run's id (a fresh one by default).
     """
 
     def __init__(
@@ -41,14 +79,27 @@ class Publisher:
         port: int = 0,
         advertise: str | None = None,
         keep: int = 2,
+        delta: bool = False,
+        full_every: int = 10,
+        block_bytes: int = BLOCK_BYTES,
+        lineage: str | None = None,
     ):
-        if keep < 1:
-            raise ValueError(f"Publisher(keep={keep}): keep at least one version")
+        if keep < (2 if delta else 1):
+            raise ValueError(f"Publisher(keep={keep}): keep at least one version (two with delta=True)")
+        if block_bytes < 1 or full_every < 1:
+            raise ValueError(f"Publisher(block_bytes={block_bytes}, full_every={full_every}): each at least 1")
+        self.delta, self.block_bytes, self.full_every = delta, block_bytes, full_every
+        self._since_full = 0  # deltas published since the last full version
+        self.lineage = lineage or uuid.uuid4().hex
         self.dtype = jax.numpy.dtype(dtype)
         self.keep = keep
         self._transport = get_transport(transport) if isinstance(transport, str) else transport
+        if delta and self._transport.name != "tcp":
+            raise ValueError(f"Publisher(delta=True): deltas travel over tcp only, not {self._transport.name!r}")
         self._lock = threading.Lock()
         self._versions: dict[int, dict[str, dict[Box, np.ndarray]]] = {}
+        self._bitmaps: dict[int, tuple[int, dict[str, dict[Box, np.ndarray]]]] = {}  # version -> (base, bitmaps)
+        self._changes: dict[int, Changes] = {}
         self._server: TransportServer | None = self._transport.serve(self, host, port, advertise)
         self.address = self._server.address
 
@@ -58,11 +109,18 @@ class Publisher:
             return sorted(self._versions)
 
     def publish(
-        self, version: int, state: Any, *, unchanged_since: Mapping[str, int] | None = None
+        self,
+        version: int,
+        state: Any,
+        *,
+        unchanged_since: Mapping[str, int] | None = None,
+        full: bool = False,
     ) -> Manifest:
         """Hold ``state``'s shards on this process (cast to the serving dtype) as ``version``, the
         oldest version beyond ``keep`` dropped; returns this process's manifest fragment (its own
-        endpoint only: ``merge_manifests`` joins the processes' fragments).
+        endpoint only: ``merge_manifests`` joins the processes' fragments). With ``delta``, the
+        fragment is a delta against the previous version unless ``full``, there is none, or
+        ``full_every - 1`` deltas followed the last full version.
 
         ``state``: the trainer's param state (nnx.State or any pytree of global jax arrays).
         """
@@ -71,13 +129,23 @@ class Publisher:
                 raise RuntimeError("Publisher.publish after stop()")
             if self._versions and version <= max(self._versions):
                 raise ValueError(f"publish: version {version} must be newer than {max(self._versions)}")
+            base = max(self._versions) if self.delta and self._versions else None
+            previous = self._versions.get(base) if base is not None else None
         shards: dict[str, dict[Box, np.ndarray]] = {}
         for path, x in param_leaves(state):
             shards[path] = self._host_shards(x)
+        bitmaps = self._compare(previous, shards) if previous is not None else None
+        full = full or bitmaps is None or self._since_full + 1 >= self.full_every
+        self._since_full = 0 if full else self._since_full + 1
         with self._lock:
             self._versions[version] = shards
+            if bitmaps is not None and base is not None:
+                self._bitmaps[version] = (base, bitmaps)
+                self._changes[version] = self._count(base, shards, bitmaps)
             for old in sorted(self._versions)[: -self.keep]:
                 del self._versions[old]  # pulls in flight keep their arrays alive
+                self._bitmaps.pop(old, None)
+                self._changes.pop(old, None)
         unchanged_since = unchanged_since or {}
         params = tuple(
             ParamEntry(
@@ -89,7 +157,59 @@ class Publisher:
             )
             for path, x in param_leaves(state)
         )
-        return Manifest(version, (self.address,), params, self._transport.name)
+        return Manifest(
+            version, (self.address,), params, self._transport.name, self.lineage,
+            None if full else base, self.block_bytes,
+        )  # fmt: skip
+
+    def _compare(
+        self, previous: dict[str, dict[Box, np.ndarray]], shards: dict[str, dict[Box, np.ndarray]]
+    ) -> dict[str, dict[Box, np.ndarray]]:
+        """Each shard's changed-block bitmap against ``previous`` (all blocks of a new param or box)."""
+        out: dict[str, dict[Box, np.ndarray]] = {}
+        for path, boxes in shards.items():
+            out[path] = {}
+            for box, new in boxes.items():
+                old = previous.get(path, {}).get(box)
+                if old is None or old.shape != new.shape or old.dtype != new.dtype:
+                    out[path][box] = np.ones(num_blocks(new.nbytes, self.block_bytes), bool)
+                else:
+                    out[path][box] = changed_blocks(old, new, self.block_bytes)
+        return out
+
+    def _count(
+        self, base: int, shards: dict[str, dict[Box, np.ndarray]], bitmaps: dict[str, dict[Box, np.ndarray]]
+    ) -> Changes:
+        total = changed = blocks = changed_n = 0
+        for path, boxes in shards.items():
+            for box, array in boxes.items():
+                bits, n = bitmaps[path][box], array.nbytes
+                last = n - (bits.size - 1) * self.block_bytes  # the last block may be short
+                total += n
+                blocks += bits.size
+                changed_n += int(bits.sum())
+                changed += int(bits[:-1].sum()) * self.block_bytes + (last if bits.size and bits[-1] else 0)
+        return Changes(base, total, changed, blocks, changed_n)
+
+    def changes(self, version: int) -> Changes | None:
+        """What changed in ``version`` against the version before it (``delta`` publishers; None
+        for the first version, a version no longer held, or without ``delta``)."""
+        with self._lock:
+            return self._changes.get(version)
+
+    def delta_bitmap(self, version: int, base: int, param: str, shard: Box, region: Box, block_bytes: int) -> np.ndarray:
+        """``ShardSource``: which ``block_bytes`` blocks of ``region`` (its row-major bytes) differ
+        between ``base`` and ``version``; raises ``VersionUnavailable`` unless both are held. The
+        bitmap computed at publish is reused when the region is the whole shard."""
+        with self._lock:
+            cached = self._bitmaps.get(version)
+        if cached is not None and cached[0] == base and region == shard and block_bytes == self.block_bytes:
+            bits = cached[1].get(param, {}).get(shard)
+            if bits is not None:
+                return bits
+        new, old = self.shard(version, param, shard), self.shard(base, param, shard)
+        where = local_slices(region, shard)
+        return changed_blocks(old[where], new[where], block_bytes)
 
     def _host_shards(self, x: jax.Array) -> dict[Box, np.ndarray]:
         """The distinct shards of ``x`` on this process, in the serving dtype, on host."""
@@ -125,6 +245,8 @@ class Publisher:
         with self._lock:
             server, self._server = self._server, None
             self._versions.clear()
+            self._bitmaps.clear()
+            self._changes.clear()
         if server is not None:
             server.stop()
 

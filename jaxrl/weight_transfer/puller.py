@@ -9,6 +9,13 @@ layers of one or more weights. For each group it pulls every piece from every en
 it to the devices that hold it (a shard cut in rows is written into a device buffer in place,
 by a donated ``dynamic_update_slice``); the host buffers are let go before the next group.
 
+A delta manifest (``Manifest.base_version``) is applied as a delta only on top of exactly its
+base: ``previous`` must be the state pulled as ``(have_lineage, have_version) == (manifest.lineage,
+manifest.base_version)`` (``applies_as_delta``). Each host buffer then starts as a copy of the
+previous state's bytes there and only the changed blocks are fetched over it; new device buffers
+are made as for a full pull, so the previous state (still being served) is never written. Any
+other server pulls the version whole: a publisher serves every version it holds in full.
+
 What it returns has ``target``'s tree structure with a ``jax.Array`` on the target sharding for
 each leaf: for the engine, ``target`` is its param state's abstract form (the runner's
 ``_stacked``: an ``nnx.State`` of ``jax.ShapeDtypeStruct``s with the engine's shardings) and the
@@ -106,12 +113,14 @@ def pull_weights(
     connections: int = 4,
     previous: Any = None,
     have_version: int | None = None,
+    have_lineage: str | None = None,
 ) -> Any:
     """``manifest``'s version pulled onto ``target``'s shardings; see the module docstring.
 
     ``target``: a pytree of ``jax.ShapeDtypeStruct`` (with shardings), its leaf paths the
     manifest's param paths, shapes and dtypes equal. ``previous`` (the same tree of arrays,
-    served as ``have_version``) supplies params the manifest marks unchanged since then.
+    pulled as version ``have_version`` of ``have_lineage``) supplies params the manifest marks
+    unchanged since then, and the base of a delta (``applies_as_delta``).
     """
     deadline = time.monotonic() + timeout_s
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
@@ -128,7 +137,10 @@ def pull_weights(
         arrays.update({p: held[p] for p in plan.reused})
     devices = {d.id: d for x in leaves.values() for d in x.sharding.addressable_devices}
     placed: dict[str, dict[int, jax.Array]] = {p: {} for p in leaves if p not in arrays}
-    with _Fetcher(manifest, get_transport(manifest.transport), connections, deadline) as fetcher:
+    base = None
+    if previous is not None and applies_as_delta(manifest, have_lineage, have_version):
+        base = dict(param_leaves(previous))
+    with _Fetcher(manifest, get_transport(manifest.transport), connections, deadline, base) as fetcher:
         for group in chunk_groups(plan, host_bytes):
             buffers = fetcher.fetch_group(group)
             _place(group, buffers, devices, placed)
@@ -139,6 +151,16 @@ def pull_weights(
             x.shape, x.sharding, [per_device[d.id] for d in _addressable(x.sharding)]
         )
     return jax.tree_util.tree_unflatten(treedef, [arrays[param_path(k)] for k, _ in flat])
+
+
+def applies_as_delta(manifest: Manifest, have_lineage: str | None, have_version: int | None) -> bool:
+    """Whether a server whose last pulled version is ``have_version`` of ``have_lineage`` pulls
+    ``manifest`` as a delta: only when that is exactly the manifest's base; else it pulls whole."""
+    return (
+        manifest.base_version is not None
+        and have_version == manifest.base_version
+        and have_lineage == manifest.lineage
+    )
 
 
 def _addressable(sharding: jax.sharding.Sharding) -> list[Any]:
@@ -217,9 +239,18 @@ class _Fetcher:
     """Connections to every endpoint (``connections`` each, opened on demand, reused across
     groups) and the threads that fill a group's buffers from them."""
 
-    def __init__(self, manifest: Manifest, transport: Transport, connections: int, deadline: float):
+    def __init__(
+        self,
+        manifest: Manifest,
+        transport: Transport,
+        connections: int,
+        deadline: float,
+        base: dict[str, jax.Array] | None = None,
+    ):
         self.manifest, self.transport, self.deadline = manifest, transport, deadline
         self.connections = connections
+        self.base = base  # a delta's base arrays by param path; None: a full pull
+        self.delta = None if base is None else (manifest.base_version, manifest.block_bytes)
         self._idle: list[queue.SimpleQueue[Connection]] = [queue.SimpleQueue() for _ in manifest.endpoints]
         self._open: list[Connection] = []
         self._lock = threading.Lock()
@@ -237,17 +268,21 @@ class _Fetcher:
 
     def fetch_group(self, group: list[Chunk]) -> list[np.ndarray]:
         buffers = [aligned_empty(box_shape(c.box), _dtype(self.manifest, c.piece.param)) for c in group]
+        if self.base is not None:
+            for chunk, buf in zip(group, buffers, strict=True):
+                buf[...] = self._base_bytes(chunk)
         items: dict[int, list[tuple[Pull, np.ndarray]]] = {}
         copies: list[tuple[np.ndarray, np.ndarray]] = []  # (temporary, destination) for strided destinations
         for chunk, buf in zip(group, buffers, strict=True):
             for pull in chunk.piece.pulls:
                 if (region := intersect(pull.region, chunk.box)) is None:
                     continue
-                for part in _cut(region, pull.itemsize, self.connections):
+                # A delta's region stays whole: the publisher reuses its bitmap of a whole shard.
+                for part in [region] if self.delta else _cut(region, pull.itemsize, self.connections):
                     sub = Pull(pull.endpoint, pull.param, pull.shard, part, pull.itemsize)
                     dst = buf[local_slices(part, chunk.box)]
                     if not dst.flags.c_contiguous:
-                        tmp = np.empty(dst.shape, dst.dtype)
+                        tmp = np.ascontiguousarray(dst) if self.delta else np.empty(dst.shape, dst.dtype)
                         copies.append((tmp, dst))
                         dst = tmp
                     items.setdefault(pull.endpoint, []).append((sub, dst))
@@ -271,6 +306,14 @@ class _Fetcher:
             dst[...] = tmp
         return buffers
 
+    def _base_bytes(self, chunk: Chunk) -> np.ndarray:
+        """The delta's base bytes of ``chunk``: its rows of the previous state's shard on the
+        piece's first device (a view on CPU devices, a device-to-host copy elsewhere)."""
+        assert self.base is not None
+        device = chunk.piece.devices[0]
+        shard = next(s for s in self.base[chunk.piece.param].addressable_shards if s.device.id == device)
+        return np.asarray(shard.data)[local_slices(chunk.box, chunk.piece.box)]
+
     def _error(self, endpoint: int, param: str, why: str) -> PullError:
         address = self.manifest.endpoints[endpoint]
         return PullError(
@@ -291,7 +334,7 @@ class _Fetcher:
             with self._lock:
                 self._open.append(conn)
         try:
-            conn.fetch(self.manifest.version, batch, self.deadline)
+            conn.fetch(self.manifest.version, batch, self.deadline, self.delta)
         except BaseException:
             conn.close()
             raise

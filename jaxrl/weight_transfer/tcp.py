@@ -12,7 +12,10 @@ Wire format (little-endian). A request is ``u32 length`` + a JSON object
 ``{"op": "get", "version": v, "items": [[param, shard box, region box], ...]}``. The reply is,
 per item, ``u8 status, u64 length`` + payload: status 0, the region's bytes in row-major order;
 status 1, a UTF-8 error message, after which the rest of the request's items are not sent (the
-connection stays usable).
+connection stays usable). A delta request, ``{"op": "delta", "version": v, "base": b,
+"block_bytes": k, "items": [...]}``, is answered the same way, each payload being the region's
+changed-block bitmap (``np.packbits``, little bit order, one bit per ``k`` bytes of the region)
+and then the bytes of its changed blocks in order (``delta.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from jaxrl.weight_transfer.base import FetchFailed, RemoteError, ShardSource, WeightTransferError
+from jaxrl.weight_transfer.delta import block_runs, num_blocks
 from jaxrl.weight_transfer.manifest import local_slices
 from jaxrl.weight_transfer.plan import Pull
 
@@ -223,36 +227,86 @@ class TcpTransport:
 
 
 def serve_get(sock: socket.socket, source: ShardSource, request: dict[str, Any]) -> None:
-    if request.get("op") != "get":
-        send_error(sock, f"unknown op {request.get('op')!r}")
+    op = request.get("op")
+    if op not in ("get", "delta"):
+        send_error(sock, f"unknown op {op!r}")
         return
     for item in request["items"]:
         try:
             data = region_bytes(source, request["version"], item)
+            if op == "delta":
+                parts = delta_parts(source, request, item, data)
         except (WeightTransferError, KeyError, ValueError) as e:
             send_error(sock, str(e))
             return
-        sock.sendall(REPLY.pack(OK, data.nbytes))
-        sock.sendall(as_bytes(data))
+        if op == "get":
+            sock.sendall(REPLY.pack(OK, data.nbytes))
+            sock.sendall(as_bytes(data))
+            continue
+        sock.sendall(REPLY.pack(OK, sum(len(p) for p in parts)))
+        for part in parts:
+            sock.sendall(part)
+
+
+def delta_parts(
+    source: ShardSource, request: dict[str, Any], item: Sequence[Any], data: np.ndarray
+) -> list[memoryview]:
+    """A delta reply's payload: the packed bitmap, then each run of changed blocks' bytes."""
+    k = int(request["block_bytes"])
+    if k < 1:
+        raise ValueError(f"block_bytes {k}")
+    shard, region = tuple(map(tuple, item[1])), tuple(map(tuple, item[2]))
+    bits = source.delta_bitmap(request["version"], request["base"], item[0], shard, region, k)
+    flat = as_bytes(data)
+    parts = [memoryview(np.packbits(bits, bitorder="little").tobytes())]
+    parts += [flat[a * k : (a + n) * k] for a, n in block_runs(bits)]
+    return parts
 
 
 class TcpConnection:
     def __init__(self, sock: socket.socket):
         self._sock = sock
 
-    def fetch(self, version: int, items: Sequence[tuple[Pull, np.ndarray]], deadline: float) -> None:
-        request = {"op": "get", "version": version, "items": [[p.param, p.shard, p.region] for p, _ in items]}
+    def fetch(
+        self,
+        version: int,
+        items: Sequence[tuple[Pull, np.ndarray]],
+        deadline: float,
+        delta: tuple[int, int] | None = None,
+    ) -> None:
+        request: dict[str, Any] = {
+            "op": "get", "version": version, "items": [[p.param, p.shard, p.region] for p, _ in items]
+        }  # fmt: skip
+        if delta is not None:
+            request |= {"op": "delta", "base": delta[0], "block_bytes": delta[1]}
         pull = items[0][0]
         try:
             send_request(self._sock, request, deadline)
             for pull, out in items:
                 n = read_reply(self._sock, deadline)
-                if n != out.nbytes:
-                    raise WeightTransferError(f"the endpoint sent {n} bytes, {out.nbytes} expected")
-                if not recv_into(self._sock, as_bytes(out), deadline):
-                    raise ConnectionError("connection closed by the peer")
+                if delta is None:
+                    if n != out.nbytes:
+                        raise WeightTransferError(f"the endpoint sent {n} bytes, {out.nbytes} expected")
+                    if not recv_into(self._sock, as_bytes(out), deadline):
+                        raise ConnectionError("connection closed by the peer")
+                else:
+                    self._read_delta(out, n, delta[1], deadline)
         except (OSError, WeightTransferError) as e:
             raise FetchFailed(pull, e) from e
+
+    def _read_delta(self, out: np.ndarray, n: int, k: int, deadline: float) -> None:
+        """One delta payload of ``n`` bytes written over ``out`` (which holds the base's bytes)."""
+        blocks = num_blocks(out.nbytes, k)
+        head = -(-blocks // 8)
+        packed = np.frombuffer(recv_exact(self._sock, head), np.uint8) if head else np.zeros(0, np.uint8)
+        bits = np.unpackbits(packed, count=blocks, bitorder="little").astype(bool)
+        flat = as_bytes(out)
+        runs = block_runs(bits)
+        if head + sum(len(flat[a * k : (a + m) * k]) for a, m in runs) != n:
+            raise WeightTransferError(f"the endpoint sent a delta of {n} bytes that its bitmap does not describe")
+        for a, m in runs:
+            if not recv_into(self._sock, flat[a * k : (a + m) * k], deadline):
+                raise ConnectionError("connection closed by the peer")
 
     def close(self) -> None:
         shutdown(self._sock)

@@ -86,7 +86,7 @@ def test_direct_pushes_serve_the_trainers_weights_bit_for_bit(server, model_dir,
     checkpoints = [make_qwen3(tmp_path / f"seed{s}", seed=s) for s in (1, 2)]
     from_disk = generate(server.url)  # the checkpoint jaxrl.serve loaded at start
     v0 = from_disk["version"]
-    cfg = external(server.url)
+    cfg = external(server.url, weight_transfer_delta=True)
     assert cfg.backend.weight_transfer == "direct"
     model = trainer_model(model_dir)
     backend = ExternalBackend(model, hf_config(model_dir), cfg, output_dir=tmp_path, tokenizer_dir=tokenizer_dir)
@@ -99,7 +99,16 @@ def test_direct_pushes_serve_the_trainers_weights_bit_for_bit(server, model_dir,
             assert backend.update_weights(nnx.state(trainer_model(checkpoint)), version=version) == version
             pushed.append(generate(server.url))
             assert pushed[-1]["version"] == v0 + 1 + version
-        assert backend.publisher.versions == [1, 2]  # the newest two held; no files written
+            # A delta against the version before (deltas on): another random
+            # checkpoint changes nearly every block (not the norms' ones).
+            metrics = backend.weight_metrics()
+            assert metrics["weights/delta"] == 1.0 and 0.5 < metrics["weights/changed_fraction"] <= 1.0
+        # The same weights again: a delta of no block, and the server answers as before.
+        assert backend.update_weights(nnx.state(trainer_model(checkpoints[-1])), version=3) == 3
+        assert backend.weight_metrics()["weights/changed_fraction"] == 0.0
+        again = generate(server.url)
+        assert again["version"] == v0 + 4 and served(again) == served(pushed[-1])
+        assert backend.publisher.versions == [2, 3]  # the newest two held; no files written
         assert not (tmp_path / "rollout_weights").exists()
     finally:
         backend.stop()
@@ -218,6 +227,8 @@ def test_a_server_without_manifests_fails_the_start_naming_the_fix(model_dir, to
         ({"weight_transfer_advertise": ""}, "weight_transfer_advertise"),
         ({"weight_transfer_port": 65536}, "weight_transfer_port"),  # a TCP port, or 0 for a free one
         ({"weight_transfer_port": -1}, "weight_transfer_port"),
+        ({"weight_transfer_full_every": 0}, "weight_transfer_full_every"),
+        ({"weight_transfer_delta": "sometimes"}, "weight_transfer_delta"),
     ],
 )  # fmt: skip
 def test_weight_transfer_config_is_checked_in_one_line(backend, message) -> None:
@@ -238,6 +249,7 @@ def test_weight_transfer_defaults() -> None:
     )
     assert jaxrl.weight_transfer_port == 0  # a free port: one host needs no fixed one
     assert jaxrl.advertised_host() == "127.0.0.1"
+    assert (jaxrl.weight_transfer_delta, jaxrl.weight_transfer_full_every) == (False, 10)
     assert resolve(server="vllm").weight_transfer == "files"  # vLLM servers load files
     assert resolve(server="vllm", weight_transfer="files").weight_transfer == "files"
     assert resolve(weight_transfer="files").weight_transfer == "files"

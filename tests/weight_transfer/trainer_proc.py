@@ -57,7 +57,9 @@ def main() -> None:
     _, base = nnx.split(tiny_model(seed=0))
     base = jax.tree.map(np.asarray, base)
     shardings = state_shardings(base, mesh)
-    publishers = {t: Publisher(transport=t, dtype="bfloat16", keep=2) for t in TRANSPORTS}
+    # One run: every process's publishers share a lineage, so their fragments merge into the
+    # manifest that manifest_for gives.
+    publishers = {t: Publisher(transport=t, dtype="bfloat16", keep=2, lineage="trainer-proc") for t in TRANSPORTS}
     endpoints = {t: every_process(p.address) for t, p in publishers.items()}
     print("READY", flush=True)
     for line in sys.stdin:
@@ -72,7 +74,7 @@ def main() -> None:
         )
         manifests = {t: p.publish(version, state).to_json() for t, p in publishers.items()}
         whole = {
-            t: manifest_for(version, state, endpoints[t], "bfloat16", transport=t).to_json()
+            t: manifest_for(version, state, endpoints[t], "bfloat16", transport=t, lineage="trainer-proc").to_json()
             for t in TRANSPORTS
         }
         if jax.process_index() == 0:

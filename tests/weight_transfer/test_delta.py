@@ -1,0 +1,181 @@
+"""Deltas between weight versions: changed blocks found exactly, and after any sequence of full
+and delta pulls the server's weights are bitwise the trainer's latest version in the serving
+dtype; a delta is applied only over exactly its base (a missed version, another lineage or no
+previous state pulls whole), and every ``full_every``-th version is published whole."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import tiny_model
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from jaxrl.models.sharding import shard_params
+from jaxrl.parallel.mesh import MeshConfig, make_mesh
+from jaxrl.weight_transfer import Publisher, applies_as_delta, pull_weights
+from jaxrl.weight_transfer.delta import block_runs, changed_blocks
+from jaxrl.weight_transfer.manifest import Manifest, param_leaves
+
+BLOCK = 64  # bytes: the tiny model's weights span many blocks
+
+
+@pytest.fixture(scope="module")
+def state() -> nnx.State:
+    """The tiny decoder's params (float32, as the trainer holds them), fsdp-4 on devices 0-3."""
+    _, params = nnx.split(tiny_model())
+    return shard_params(params, make_mesh(MeshConfig(data=1, fsdp=4, tensor=1), jax.devices()[:4]))
+
+
+def one_device(state: nnx.State) -> nnx.State:
+    sh = SingleDeviceSharding(jax.devices()[5])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=sh), state)
+
+
+def tensor_parallel(state: nnx.State) -> nnx.State:
+    """Devices 5 and 6, every 2-D param split on its last dimension (strided against fsdp's rows)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[5:7]), ("tensor",))
+
+    def like(x: jax.Array) -> jax.ShapeDtypeStruct:
+        spec = (
+            PartitionSpec(*([None] * (x.ndim - 1)), "tensor")
+            if x.ndim >= 2 and x.shape[-1] % 2 == 0
+            else PartitionSpec()
+        )
+        return jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+
+    return jax.tree.map(like, state)
+
+
+def same_bits(pulled: nnx.State, state: nnx.State) -> bool:
+    return all(
+        np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b.astype(jnp.bfloat16)).view(np.uint16))
+        for a, b in zip(jax.tree.leaves(pulled), jax.tree.leaves(state), strict=True)
+    )
+
+
+def step(state: nnx.State, seed: int) -> nnx.State:
+    """A sparse update: a few embedding rows and one weight's first row move (as an optimizer
+    step moves the rows of the tokens a batch saw), float32 changes some bf16 bits round away."""
+    rng = np.random.default_rng(seed)
+    leaves = dict(param_leaves(state))
+    rows = rng.choice(leaves["embed"].shape[0], 3, replace=False)
+    embed = leaves["embed"].at[rows].add(0.25)
+    wq = leaves["wq"].at[0, 0].add(jnp.asarray(rng.standard_normal(leaves["wq"].shape[2:]), jnp.float32))
+    new = leaves | {
+        "embed": jax.device_put(embed, leaves["embed"].sharding),
+        "wq": jax.device_put(wq, leaves["wq"].sharding),
+    }
+    return jax.tree_util.tree_unflatten(jax.tree.structure(state), [new[p] for p, _ in param_leaves(state)])
+
+
+def test_changed_blocks_and_their_runs_are_exact() -> None:
+    old = np.zeros(1000, np.uint8)
+    new = old.copy()
+    new[[0, 130, 131, 999]] = 1  # blocks of 64: 0, 2, 15 (the short last one)
+    bits = changed_blocks(old, new, 64)
+    assert bits.size == 16 and np.flatnonzero(bits).tolist() == [0, 2, 15]
+    assert block_runs(bits) == [(0, 1), (2, 1), (15, 1)]
+    assert block_runs(np.array([1, 1, 0, 1, 1, 1], bool)) == [(0, 2), (3, 3)]
+    assert block_runs(np.zeros(4, bool)) == []
+    nan = np.array([np.nan], np.float32)  # equal bits count as unchanged, whatever they mean
+    assert not changed_blocks(nan, nan.copy(), 64).any()
+    assert changed_blocks(np.float32([0.0]), np.float32([-0.0]), 64).all()  # -0.0 == 0.0, not the same bits
+
+
+def test_a_sequence_of_full_and_delta_pulls_is_bitwise_the_latest_version(state: nnx.State) -> None:
+    versions = [state]
+    for v in range(2, 8):
+        versions.append(step(versions[-1], v))
+    with Publisher(delta=True, full_every=3, block_bytes=BLOCK) as pub:
+        held, have = None, None
+        kinds = []
+        for v, params in enumerate(versions, start=1):
+            manifest = pub.publish(v, params)
+            delta = applies_as_delta(manifest, pub.lineage if have else None, have)
+            kinds.append("delta" if delta else "full")
+            held = pull_weights(
+                manifest,
+                one_device(state),
+                timeout_s=20,
+                previous=held,
+                have_version=have,
+                have_lineage=pub.lineage,
+            )
+            have = v
+            assert same_bits(held, params), f"version {v}"
+            if manifest.base_version is not None:
+                changes = pub.changes(v)
+                assert changes is not None and changes.base == v - 1
+                assert 0 < changes.changed_bytes < changes.bytes / 4  # a sparse step: few blocks
+        assert kinds == ["full", "delta", "delta", "full", "delta", "delta", "full"]  # full_every = 3
+
+
+def test_a_delta_is_written_over_exactly_the_base_it_is_given(state: nnx.State) -> None:
+    """Only changed blocks travel: a block the server corrupted in its base stays corrupted after
+    a delta (the delta was applied over it), and is mended by the next full pull."""
+    v2 = step(state, 2)
+    with Publisher(delta=True, full_every=10, block_bytes=BLOCK) as pub:
+        first = pull_weights(pub.publish(1, state), one_device(state), timeout_s=20)
+        manifest = pub.publish(2, v2)
+        norm = dict(param_leaves(first))["final_norm"]  # no step changes it
+        bad = dict(param_leaves(first)) | {"final_norm": norm + 1}
+        bad = jax.tree_util.tree_unflatten(
+            jax.tree.structure(first), [bad[p] for p, _ in param_leaves(first)]
+        )
+        second = pull_weights(
+            manifest, one_device(state), timeout_s=20, previous=bad, have_version=1, have_lineage=pub.lineage
+        )
+        got = dict(param_leaves(second))
+        assert np.array_equal(np.asarray(got["final_norm"]), np.asarray(norm + 1))
+        assert np.array_equal(
+            np.asarray(got["embed"]), np.asarray(dict(param_leaves(v2))["embed"].astype(jnp.bfloat16))
+        )
+        whole = pull_weights(manifest, one_device(state), timeout_s=20)  # no previous: a full pull
+        assert same_bits(whole, v2)
+
+
+def test_a_server_that_missed_a_version_or_another_run_pulls_whole(state: nnx.State) -> None:
+    v2, v3 = step(state, 2), step(step(state, 2), 3)
+    with Publisher(delta=True, block_bytes=BLOCK) as pub:
+        first = pull_weights(pub.publish(1, state), one_device(state), timeout_s=20)
+        pub.publish(2, v2)  # this server never pulls version 2
+        m3 = pub.publish(3, v3)
+        assert m3.base_version == 2 and not applies_as_delta(m3, pub.lineage, 1)
+        got = pull_weights(
+            m3, one_device(state), timeout_s=20, previous=first, have_version=1, have_lineage=pub.lineage
+        )
+        assert same_bits(got, v3)
+        # The same version number from another run (a restarted trainer) is not a base either.
+        assert not applies_as_delta(m3, "another-run", 2)
+        other = pull_weights(
+            m3, one_device(state), timeout_s=20, previous=first, have_version=2, have_lineage="another-run"
+        )
+        assert same_bits(other, v3)
+
+
+def test_a_delta_onto_a_strided_tensor_parallel_layout(state: nnx.State) -> None:
+    v2 = step(state, 2)
+    like = tensor_parallel(state)
+    with Publisher(delta=True, block_bytes=BLOCK) as pub:
+        first = pull_weights(pub.publish(1, state), like, timeout_s=20)
+        second = pull_weights(
+            pub.publish(2, v2), like, timeout_s=20, previous=first, have_version=1, have_lineage=pub.lineage
+        )
+    assert same_bits(second, v2)
+
+
+def test_delta_fields_round_trip_and_are_checked(state: nnx.State) -> None:
+    with Publisher(delta=True, block_bytes=BLOCK) as pub:
+        pub.publish(1, state)
+        m = pub.publish(2, step(state, 2))
+    back = Manifest.from_json(m.to_json())
+    assert (back.lineage, back.base_version, back.block_bytes) == (pub.lineage, 1, BLOCK)
+    with pytest.raises(ValueError, match="base version 2 is not below version 2"):
+        Manifest(2, m.endpoints, m.params, base_version=2)
+    with pytest.raises(ValueError, match="deltas travel over tcp only"):
+        Publisher(delta=True, transport="jax")
+    with pytest.raises(ValueError, match="keep at least one version"):
+        Publisher(delta=True, keep=1)
