@@ -306,10 +306,13 @@ def real_step_fraction(args: argparse.Namespace) -> float:
     blocks (what a delta sends) after the first step."""
     from weight_direct import changed_fraction
 
-    rows = changed_fraction(args.optimizer_steps, (4 << 10, 64 << 10, 1 << 20), lr=5e-4)
-    for r in rows:
-        print(json.dumps({"bench": "weight_delivery", "path": "changed_fraction", "lr": 5e-4, **r}), flush=True)
-    return statistics.median(r["bytes_64k"] for r in rows[1:] or rows)
+    fractions = []
+    for lr in args.lrs:  # the first one's fraction is the direct_delta "real_step" line's
+        rows = changed_fraction(args.optimizer_steps, (4 << 10, 64 << 10, 1 << 20), lr=lr)
+        for r in rows:
+            print(json.dumps({"bench": "weight_delivery", "path": "changed_fraction", "lr": lr, **r}), flush=True)
+        fractions.append(statistics.median(r["bytes_64k"] for r in rows[1:] or rows))
+    return fractions[0]
 
 
 def bytes_outside_layers(hf: dict[str, Any]) -> int:
@@ -328,6 +331,8 @@ def main() -> None:
     ap.add_argument("--fractions", type=float, nargs="*", default=[0.05],
                     help="direct_delta also at these changed fractions (after the measured one)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=2, help="versions per direct path (the median is reported)")
+    ap.add_argument("--lrs", type=float, nargs="+", default=[5e-4, 1e-6],
+                    help="AdamW learning rates of the changed-fraction steps: the main recipe's, and an LLM RL run's")
     ap.add_argument("--optimizer-steps", type=int, default=3, help="real optimizer steps for the changed fraction")
     args = ap.parse_args()
     if not 1 <= args.layers_8b <= 36 or args.writers < 1 or args.repeats < 1 or args.optimizer_steps < 1:
