@@ -10,7 +10,7 @@ from typing import Any
 
 from jaxrl.config import ConfigError, DataConfig, RunConfig
 from jaxrl.data.conversations import load_conversations
-from jaxrl.data.sft import RenderConversation, reference_conversations, sft_dataset
+from jaxrl.data.sft import READ_OPTIONS, RenderConversation, reference_conversations, sft_dataset
 from jaxrl.models.renderer import RendererSpec
 from jaxrl.run_common import TrainingRun
 from jaxrl.training_sample import TrainingSample
@@ -53,7 +53,7 @@ def run_sft(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
         conversations, run.tokenizer_dir, run.renderer, data_cfg.batch_size, data_cfg.seed,
         content_roles=data_cfg.content_roles,
     )  # fmt: skip
-    batches = iter(dataset.to_iter_dataset())
+    batches = iter(dataset.to_iter_dataset(READ_OPTIONS))
     if data_cfg.eval_interval and data_cfg.path is None:
         held_out = heldout_samples(data_cfg, run.tokenizer_dir, run.renderer)
     elif data_cfg.eval_interval and not held_out:
