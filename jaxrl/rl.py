@@ -278,7 +278,7 @@ ENGINE_KEYS = ("waiting", "running", "tokens_per_s", "prefix_hit_rate", "cached_
 
 
 def engine_metrics(backend: RolloutBackend) -> dict[str, float]:
-    """The rollout backend's own view (``GET /metrics`` of the embedded engine) as ``engine/...`` keys."""
+    """The rollout backend's own view (``GET /metrics.json`` of the embedded engine) as ``engine/...`` keys."""
     snapshot = backend.metrics()
     if snapshot is None:
         return {}

@@ -102,9 +102,9 @@ def test_renderers_generate_two_turns(server, tokenizer, model_dir, score, kl) -
 def test_warm_up_compiles_every_program_and_metrics_count_prefix_hits(server) -> None:
     """The server reports healthy only after the warm-up compiled every bucket's program, so
     requests of any shape (chunked prefill, both decode lengths) compile nothing more; the second
-    turn of a conversation is served from the prefix cache and ``GET /metrics`` counts it."""
+    turn of a conversation is served from the prefix cache and ``GET /metrics.json`` counts it."""
     with httpx.Client(base_url=server.url, timeout=120) as client:
-        before = client.get("/metrics").json()
+        before = client.get("/metrics.json").json()
         assert before["compiles"] == before["program_bound"] == server.engine.config.program_bound() > 2
         assert before["warmup_s"] > 0
 
@@ -118,7 +118,7 @@ def test_warm_up_compiles_every_program_and_metrics_count_prefix_hits(server) ->
         first = generate(first_prompt, 8)
         second_prompt = first_prompt + first["choices"][0]["token_ids"] + [7, 8, 9]
         second = generate(second_prompt, 4)
-        after = client.get("/metrics").json()
+        after = client.get("/metrics.json").json()
     assert after["compiles"] == before["compiles"]  # nothing compiled after healthy
     assert after["prompt_tokens"] - before["prompt_tokens"] == len(first_prompt) + len(second_prompt)
     reused = after["cached_prompt_tokens"] - before["cached_prompt_tokens"]
@@ -127,6 +127,72 @@ def test_warm_up_compiles_every_program_and_metrics_count_prefix_hits(server) ->
     assert after["generated_tokens"] - before["generated_tokens"] == generated
     assert 0 < after["prefix_hit_rate"] <= 1 and after["waiting"] == 0 and after["running"] == 0
     assert after["tokens_per_s"] > 0 and after["decode_calls"] > before["decode_calls"]
+
+
+def _scrape(client: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``GET /metrics`` parsed by prometheus_client's own parser: (sample name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    resp = client.get("/metrics")
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain; version=0.0.4")
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(resp.text)
+        for s in family.samples
+    }
+
+
+def test_metrics_are_prometheus_text_that_counts_requests_tokens_and_first_token_times(server, tokenizer) -> None:
+    """``GET /metrics`` is what vLLM serves there (Prometheus text, vLLM's names): after two
+    generate requests and one bad one, the counters moved by exactly what the answers say, and
+    the time-to-first-token histogram counts each request once. A second server in the same
+    process counts its own HTTP answers (its own registry), not the first's."""
+    from prometheus_client import REGISTRY
+
+    tiny = (("model_name", "tiny"),)
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        before = _scrape(client)
+        outs = []
+        for prompt, max_tokens in (([5, 6, 7, 8], 3), ([9, 10], 5)):
+            body = {"token_ids": prompt, "sampling_params": {"max_tokens": max_tokens, "seed": 1, "ignore_eos": True}}
+            resp = client.post("/inference/v1/generate", json=body)
+            assert resp.status_code == 200, resp.text
+            outs.append(resp.json())
+        assert client.post("/inference/v1/generate", json={"token_ids": []}).status_code == 400
+        after = _scrape(client)
+
+    def moved(name: str, labels: tuple[tuple[str, str], ...] = tiny) -> float:
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert moved("vllm:prompt_tokens_total") == 4 + 2
+    assert moved("vllm:generation_tokens_total") == 3 + 5 == sum(len(o["choices"][0]["token_ids"]) for o in outs)
+    assert moved("vllm:request_success_total", (("finished_reason", "length"), *tiny)) == 2
+    assert moved("vllm:time_to_first_token_seconds_count") == 2
+    assert moved("vllm:e2e_request_latency_seconds_count") == 2
+    assert 0 < moved("vllm:time_to_first_token_seconds_sum") <= moved("vllm:e2e_request_latency_seconds_sum")
+    assert after[("vllm:time_to_first_token_seconds_bucket", (("le", "+Inf"), *tiny))] == after[
+        ("vllm:time_to_first_token_seconds_count", tiny)
+    ]
+    generate = "/inference/v1/generate"
+    assert moved("jaxrl:http_requests_total", (("route", generate), ("status", "200"))) == 2
+    assert moved("jaxrl:http_requests_total", (("route", generate), ("status", "400"))) == 1
+    assert after[("vllm:num_requests_running", tiny)] == after[("vllm:num_requests_waiting", tiny)] == 0
+    assert after[("jaxrl:policy_version", tiny)] == server.engine.policy_version
+    assert after[("jaxrl:compiled_programs", tiny)] == server.engine.config.program_bound()
+
+    other = EngineServer(server.engine, tokenizer, model_name="other")  # the engine runs: only HTTP starts
+    other.start()
+    try:
+        with httpx.Client(base_url=other.url, timeout=30) as client:
+            theirs = _scrape(client)
+    finally:
+        other.stop()
+    assert server.engine.running  # the second server did not own the engine
+    assert ("jaxrl:http_requests_total", (("route", generate), ("status", "200"))) not in theirs
+    assert theirs[("vllm:generation_tokens_total", (("model_name", "other"),))] >= after[
+        ("vllm:generation_tokens_total", tiny)
+    ]  # the engine's counters are the engine's, served under this server's model name
+    assert REGISTRY.get_sample_value("jaxrl:http_requests_total", {"route": generate, "status": "200"}) is None
 
 
 def test_openai_chat_completions_and_models(server, tokenizer) -> None:
