@@ -54,6 +54,11 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
     )  # fmt: skip
 
 
+def _print_progress(line: str) -> None:
+    """A warm-up line (one per program compiled: minutes on a big model) on stderr."""
+    print(f"[jaxrl.serve] {line}", file=sys.stderr, flush=True)
+
+
 def _print_ready(server, url: str) -> None:  # type: ignore[no-untyped-def]
     warm = server.engine.metrics()
     if warm.warmup_s is not None:
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        server.serve_forever(on_ready=lambda url: _print_ready(server, url))
+        server.serve_forever(on_ready=lambda url: _print_ready(server, url), progress=_print_progress)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,12 +184,13 @@ class Engine:
         """Device programs compiled so far for this engine's layout (<= ``config.program_bound()``)."""
         return self.runner.compiled_programs()
 
-    def warmup(self) -> float:
+    def warmup(self, progress: Callable[[str], None] | None = None) -> float:
         """Compile every program of the configured buckets (``config.program_bound()`` of them)
-        before serving, so no request waits on a compile; returns the seconds it took."""
+        before serving, so no request waits on a compile; returns the seconds it took.
+        ``progress`` (default: this module's logger at info) gets a line per program compiled."""
         if self._thread is not None:
             raise RuntimeError("Engine.warmup: call it before start()")
-        seconds = self.runner.warmup()
+        seconds = self.runner.warmup(progress or log.info)
         log.info("engine warm-up: %d programs compiled in %.1f s", self.compiled_programs(), seconds)
         return seconds
 

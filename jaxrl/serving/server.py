@@ -152,23 +152,27 @@ class EngineServer:
     def port(self) -> int:
         return self._http.port
 
-    def start(self, timeout: float = 30.0) -> None:
+    def start(self, timeout: float = 30.0, progress: Callable[[str], None] | None = None) -> None:
         """Serve in a background thread (starting the engine if it is not running, after its
-        warm-up when ``inference.backend.warmup``); returns once the socket accepts connections."""
+        warm-up when ``inference.backend.warmup``; ``progress`` gets its line per program
+        compiled); returns once the socket accepts connections."""
         if not self.engine.running:
             if self.engine.config.warmup:
-                self.engine.warmup()
+                self.engine.warmup(progress)
             self.engine.start()
             self._owns_engine = True
         self._http.start(timeout)
 
-    def serve_forever(self, on_ready: Callable[[str], None] | None = None) -> None:
+    def serve_forever(
+        self, on_ready: Callable[[str], None] | None = None, progress: Callable[[str], None] | None = None
+    ) -> None:
         """Serve until SIGINT/SIGTERM (call from the main thread), then shut down gracefully and
-        return. ``on_ready`` gets the URL once the server accepts connections."""
+        return. ``on_ready`` gets the URL once the server accepts connections; ``progress`` the
+        warm-up's lines (``start``)."""
         stop = threading.Event()
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.start()
+            self.start(progress=progress)
             if on_ready is not None:
                 on_ready(self.url)
             while not stop.wait(0.5):

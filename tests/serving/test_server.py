@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -38,10 +39,14 @@ def server(model_dir, tokenizer, make_config):
     # Room for a chat prompt with tool definitions (~570 byte-level tokens).
     engine = Engine.from_pretrained(model_dir, make_config(max_model_len=MAX_LEN))
     srv = EngineServer(engine, tokenizer, model_name="tiny")
-    srv.start()
+    srv.start(progress=WARMUP_LINES.append)
     yield srv
     srv.stop()
     assert not engine.running  # the server started the engine, so it stopped it
+
+
+WARMUP_LINES: list[str] = []
+"""What the module's server's warm-up reported (``jaxrl.serve`` prints each on stderr)."""
 
 
 def _wait_for_tokens(engine: Engine, before: int) -> None:
@@ -107,6 +112,14 @@ def test_warm_up_compiles_every_program_and_metrics_count_prefix_hits(server) ->
         before = client.get("/metrics.json").json()
         assert before["compiles"] == before["program_bound"] == server.engine.config.program_bound() > 2
         assert before["warmup_s"] > 0
+    # One line per program as it compiles: a big model's warm-up takes minutes and must not look hung.
+    n = before["program_bound"]
+    assert WARMUP_LINES[0].startswith(f"warm-up: compiling {n} programs")
+    done = [re.fullmatch(rf"compiled (.+) \((\d+)/{n}\) in \d+\.\d s", line) for line in WARMUP_LINES[1:]]
+    assert all(done) and [int(m.group(2)) for m in done] == list(range(1, n + 1)), WARMUP_LINES
+    names = " ".join(WARMUP_LINES)
+    assert "compiled prefill batch=" in names and "compiled decode steps=" in names and "row copy" in names
+    with httpx.Client(base_url=server.url, timeout=120) as client:
 
         def generate(prompt: list[int], max_tokens: int) -> dict:
             body = {"model": "tiny", "token_ids": prompt, "sampling_params": {"max_tokens": max_tokens, "seed": 3}}
