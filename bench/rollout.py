@@ -21,7 +21,7 @@ other jobs, a load swing between the halves moves the ratio: issue 31's two such
 engine's warm-up land here), "warm" the median of its later passes. With pinning (the default
 on a host with >= 2 cores) the model servers run on core 0 and the env side (env servers and
 the client driving them, a child process) on core 1, for every backend alike. Prints one JSON
-line per (backend, env) with episodes/s and the engine's ``GET /metrics`` view after the warm
+line per (backend, env) with episodes/s and the engine's ``GET /metrics.json`` view after the warm
 passes, and, with both backends, one ``rollout_ratio`` line per env (with the host's 1-minute
 load average).
 """
@@ -102,7 +102,7 @@ async def drive(args: argparse.Namespace) -> None:
                        "warm_passes": [r["episodes_s"] for r in passes[b]], "errors": errors, "first_error": first_error}
                 if b == "engine":
                     async with httpx.AsyncClient() as client:
-                        row["engine_metrics"] = (await client.get(targets[b].removesuffix("/v1") + "/metrics")).json()
+                        row["engine_metrics"] = (await client.get(targets[b].removesuffix("/v1") + "/metrics.json")).json()
                 print(json.dumps(row), flush=True)
             if {"engine", "vllm"} <= set(order):
                 ratios = sorted(e["episodes_s"] / v["episodes_s"] for e, v in zip(passes["engine"], passes["vllm"]))

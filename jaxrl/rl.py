@@ -16,6 +16,16 @@ samples to all processes; all run the same train step and weight export.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # before the heavy imports: a script checking exit codes learns at once
+    print(
+        "jaxrl.rl is a library module; run training with: python -m jaxrl.train --config ... "
+        "(the config's [orchestrator] section makes it RL)",
+        file=sys.stderr,
+    )
+    sys.exit(2)
+
 import json
 import time
 from pathlib import Path
@@ -268,7 +278,7 @@ ENGINE_KEYS = ("waiting", "running", "tokens_per_s", "prefix_hit_rate", "cached_
 
 
 def engine_metrics(backend: RolloutBackend) -> dict[str, float]:
-    """The rollout backend's own view (``GET /metrics`` of the embedded engine) as ``engine/...`` keys."""
+    """The rollout backend's own view (``GET /metrics.json`` of the embedded engine) as ``engine/...`` keys."""
     snapshot = backend.metrics()
     if snapshot is None:
         return {}

@@ -5,7 +5,10 @@ contract 6 (``/inference/v1/generate``, OpenAI ``/v1/chat/completions`` and ``/v
 ``/v1/models``, ``/update_weights``, ``/health``) until SIGINT/SIGTERM, then shuts down
 gracefully. Reads the same config tree as training: ``[model] name / tokenizer / dtype`` and
 ``[inference]`` (sizes, the engine's settings in ``[inference.backend]``, ``[inference.server]
-host / port``, port 8000 unless set). ``--dry-run``
+host / port``, port 8000 unless set). vLLM's spellings of the same settings are accepted
+(``--model``, ``--port``, ``--host``, ``--max-model-len``, ``--tensor-parallel-size``,
+``--served-model-name``, ...: ``VLLM_FLAGS``); its flags with no exact equivalent fail naming
+the jaxrl setting (``VLLM_REFUSED``). ``--dry-run``
 prints the resolved ``[model]`` and ``[inference]`` sections as TOML and exits.
 """
 
@@ -23,6 +26,47 @@ SERVE_HIDDEN = {"model.scratch": "jaxrl.serve serves a model directory or hub id
 """Fields of those sections jaxrl.serve refuses: not in its --help; an override names the reason."""
 SERVE_PORT = 8000
 """jaxrl.serve's port unless [inference.server] port is set (training runs default to a free port)."""
+
+VLLM_FLAGS = {
+    "model": "model.name",
+    "tokenizer": "model.tokenizer",
+    "port": "inference.server.port",
+    "host": "inference.server.host",
+    "served-model-name": "inference.server.served_model_name",
+    "max-model-len": "inference.max_model_len",
+    "max-num-seqs": "inference.max_seqs",
+    "tensor-parallel-size": "inference.backend.tensor_parallel",
+}
+"""vLLM's ``vllm serve`` flags that mean exactly a jaxrl field: accepted as that field, so a
+vLLM command line (or a launcher written for one) starts jaxrl.serve unchanged."""
+
+VLLM_REFUSED = {
+    "gpu-memory-utilization": "the KV cache is sized by rows: set --inference.max_seqs and --inference.max_model_len",
+    "pipeline-parallel-size": "jaxrl serves with tensor and expert parallelism only: "
+    "--inference.backend.tensor_parallel, --inference.backend.expert_parallel",
+    "data-parallel-size": "run one jaxrl.serve per replica (a server is one engine)",
+    "dtype": "set --model.dtype (float32 or bfloat16)",
+    "quantization": "jaxrl.serve serves the model's own weights in --model.dtype",
+}
+"""vLLM flags with no exact jaxrl equivalent: refused with the jaxrl spelling nearest to them,
+never accepted and ignored."""
+
+
+def vllm_flags(argv: list[str]) -> list[str]:
+    """``argv`` with vLLM's flag spellings (``VLLM_FLAGS``, kebab or snake case, ``--flag value``
+    or ``--flag=value``) as the jaxrl overrides they mean; a ``VLLM_REFUSED`` flag raises
+    ValueError naming the jaxrl setting to use."""
+    out = []
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        name = flag.removeprefix("--").replace("_", "-") if flag.startswith("--") else None
+        if name in VLLM_REFUSED:
+            raise ValueError(f"--{name} (vLLM's flag) has no jaxrl.serve equivalent: {VLLM_REFUSED[name]}")
+        given = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+        if name == "model" and given.lstrip().startswith("{"):  # jaxrl's --model '{"name": ...}' (the section)
+            name = None
+        out.append(f"--{VLLM_FLAGS[name]}{eq}{value}" if name in VLLM_FLAGS else arg)
+    return out
 
 
 def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
@@ -54,6 +98,11 @@ def build_server(cfg: RunConfig):  # type: ignore[no-untyped-def]
     )  # fmt: skip
 
 
+def _print_progress(line: str) -> None:
+    """A warm-up line (one per program compiled: minutes on a big model) on stderr."""
+    print(f"[jaxrl.serve] {line}", file=sys.stderr, flush=True)
+
+
 def _print_ready(server, url: str) -> None:  # type: ignore[no-untyped-def]
     warm = server.engine.metrics()
     if warm.warmup_s is not None:
@@ -65,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 after a clean stop, 2 for a config error (one message, before any work),
     1 when the engine failed beyond recovery (a supervisor should restart the process)."""
     try:
+        argv = vllm_flags(list(sys.argv[1:] if argv is None else argv))
         cfg, flags = load_config(
             argv, prog="python -m jaxrl.serve", fields=SERVE_FIELDS, hidden=SERVE_HIDDEN,
             defaults={"inference": {"server": {"port": SERVE_PORT}}},  # a server people point clients at
@@ -77,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        server.serve_forever(on_ready=lambda url: _print_ready(server, url))
+        server.serve_forever(on_ready=lambda url: _print_ready(server, url), progress=_print_progress)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

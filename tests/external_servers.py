@@ -66,7 +66,7 @@ class Serve:
             time.sleep(0.2)
 
     def metrics(self) -> dict:
-        return httpx.get(f"{self.url}/metrics", timeout=10).json()
+        return httpx.get(f"{self.url}/metrics.json", timeout=10).json()
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -179,6 +179,17 @@ def test_the_training_server_takes_a_free_port_and_serve_keeps_8000(tmp_path, ca
     assert tomllib.loads(capsys.readouterr().out)["inference"]["server"]["port"] == 0
 
 
+@pytest.mark.parametrize("module", ["jaxrl.sft", "jaxrl.rl"])
+def test_library_modules_run_as_scripts_fail_naming_the_entry_point(module: str) -> None:
+    """``python -m jaxrl.sft`` once printed nothing and exited 0: a script checking exit codes
+    believed training ran. It fails at once (before jax is imported) naming jaxrl.train."""
+    cmd = [sys.executable, "-m", module, "--config", "x.toml"]
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith(f"{module} is a library module; run training with: python -m jaxrl.train --config ")
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 @pytest.mark.parametrize("recipe", [  # the long-context recipe builds 32k-token tasks: the slow tier
     pytest.param(r, marks=[pytest.mark.slow] if "long" in r else []) for r in RECIPES
     if "rl" in r or "echo" in r or "grpo" in r or "opd" in r or "debate" in r or "maxrl" in r

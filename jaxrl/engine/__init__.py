@@ -11,7 +11,7 @@
     programs.py      the jitted prefill / decode / copy programs and the cache layout
     engine.py        Engine: scheduler + runner; the background step loop (schedule -> execute
                      -> update), weight updates (drain / immediate), recovery from a failed step
-    metrics.py       EngineMetrics: what the engine reports about itself (``GET /metrics``)
+    metrics.py       EngineMetrics: what the engine reports about itself (``GET /metrics``, ``/metrics.json``)
     weights.py       serving shardings (tensor parallel) and the trainer -> engine hand-off
 
 Nothing here imports ``jaxrl.serving``, ``jaxrl.rollout``, the orchestrator or the trainer's run

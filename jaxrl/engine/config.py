@@ -129,7 +129,7 @@ class EngineSettings(BaseModel):
     warmup: bool = True
     """Compile every device program (``program_bound()`` of them) when the HTTP server starts,
     before ``GET /health`` answers: no rollout then waits on a compile. The time is printed and
-    reported as ``warmup_s`` in ``GET /metrics``. Off: programs compile on first use."""
+    reported as ``warmup_s`` in ``GET /metrics.json`` (``jaxrl:warmup_seconds`` in ``GET /metrics``). Off: programs compile on first use."""
 
     max_logprobs: int = Field(MAX_LOGPROBS, ge=0, le=MAX_LOGPROBS)
     """Most ``top_logprobs`` (chat) or ``logprobs`` (completions) a request may ask for (vLLM's

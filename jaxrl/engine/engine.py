@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +53,7 @@ from jax.sharding import Mesh
 
 from jaxrl.engine import weights
 from jaxrl.engine.config import EngineConfig
-from jaxrl.engine.metrics import EngineMetrics, RateWindow
+from jaxrl.engine.metrics import EngineMetrics, RateWindow, RequestStats
 from jaxrl.engine.requests import Completion, Request, Sequence, TokenDelta
 from jaxrl.engine.runner import ModelRunner
 from jaxrl.engine.scheduler import DecodePlan, PrefillPlan, Scheduler, SchedulerStats
@@ -117,6 +118,8 @@ class Engine:
         self._exit_now = False
         self._error: BaseException | None = None
         self._generated = RateWindow()
+        self.requests = RequestStats()
+        """How requests ended and their latencies (``metrics()``: ``finished_requests``, histograms)."""
         self._step_s = 0.0  # engine steps (device calls inside them: ``runner.device_s``)
 
     @classmethod
@@ -181,12 +184,13 @@ class Engine:
         """Device programs compiled so far for this engine's layout (<= ``config.program_bound()``)."""
         return self.runner.compiled_programs()
 
-    def warmup(self) -> float:
+    def warmup(self, progress: Callable[[str], None] | None = None) -> float:
         """Compile every program of the configured buckets (``config.program_bound()`` of them)
-        before serving, so no request waits on a compile; returns the seconds it took."""
+        before serving, so no request waits on a compile; returns the seconds it took.
+        ``progress`` (default: this module's logger at info) gets a line per program compiled."""
         if self._thread is not None:
             raise RuntimeError("Engine.warmup: call it before start()")
-        seconds = self.runner.warmup()
+        seconds = self.runner.warmup(progress or log.info)
         log.info("engine warm-up: %d programs compiled in %.1f s", self.compiled_programs(), seconds)
         return seconds
 
@@ -209,6 +213,8 @@ class Engine:
             cached_prompt_tokens=stats.cached_prompt_tokens,
             prefix_hit_rate=stats.cached_prompt_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0,
             shared_prefix_positions=stats.shared_prefix_positions,
+            max_seqs=self.config.max_seqs,
+            max_model_len=self.max_model_len,
             kv_cache_bytes=kv_bytes,
             kv_bytes_per_sequence=kv_bytes // self.config.max_seqs,
             kv_tokens_in_use=in_use,
@@ -221,6 +227,9 @@ class Engine:
             device_s=round(sum(device_s.values()), 3),
             prefill_s=round(device_s["prefill"], 3),
             decode_s=round(device_s["decode"], 3),
+            finished_requests=self.requests.finished_counts(),
+            time_to_first_token=self.requests.time_to_first_token.snapshot(),
+            e2e_latency=self.requests.e2e_latency.snapshot(),
         )
 
     # -- requests --------------------------------------------------------------------------
@@ -450,6 +459,10 @@ class Engine:
         tokens, logprobs, top, experts = self.runner.prefill(plan)
         marks = [len(seq.tokens) for seq in plan.seqs]
         done = self.scheduler.finish_prefill(plan, tokens, logprobs, self.runner.version, experts, top)
+        now = time.monotonic()
+        for seq, mark in zip(plan.seqs, marks):
+            if mark == 0 and seq.tokens:  # its prompt completed: the first token was just sampled
+                self.requests.time_to_first_token.observe(now - seq.arrival)
         self._stream(plan.seqs, marks)
         self._deliver(done)
 
@@ -478,6 +491,7 @@ class Engine:
             with self._lock:
                 future = self._futures.pop(seq.request.request_id, None)
             if future is not None:
+                self.requests.finished(seq.finish_reason or "abort", time.monotonic() - seq.arrival)
                 try:
                     future.set_result(seq.completion(self.runner.version))
                 except InvalidStateError:  # cancelled by the caller meanwhile
@@ -506,6 +520,7 @@ class Engine:
                 del self._futures[rid]
             self._aborts.clear()
         for f in failed.values():
+            self.requests.finished("error")
             if not f.done():
                 f.set_exception(RuntimeError(f"engine step failed: {exc!r}"))
         self.scheduler.reset()
@@ -518,6 +533,7 @@ class Engine:
             futures, self._futures = self._futures, {}
             pending, self._pending = self._pending, None
         for f in futures.values():
+            self.requests.finished("error")
             if not f.done():
                 f.set_exception(exc)
         for w in pending.waiters if pending else []:

@@ -1,5 +1,6 @@
-"""What the engine reports about itself (``Engine.metrics``, ``GET /metrics``, the RL loop's
-``engine/...`` keys): load, throughput, prefix-cache reuse and compiles.
+"""What the engine reports about itself (``Engine.metrics``; the server's ``GET /metrics``, in
+Prometheus text, and ``GET /metrics.json``; the RL loop's ``engine/...`` keys): load,
+throughput, prefix-cache reuse, compiles, finished requests and their latencies.
 
 Why a view of its own: the scheduler's counters are cumulative totals; operators and the RL
 loop want rates and ratios (tokens/s now, share of prompt tokens served from the prefix cache)
@@ -8,10 +9,20 @@ and want to see a compile happening after start-up (it means a bucket the warm-u
 
 from __future__ import annotations
 
+import bisect
+import threading
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Sequence
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
+
+LATENCY_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+"""Upper bounds (seconds) of the latency histograms' buckets: vLLM's time-to-first-token
+buckets, so dashboards built for vLLM read ours the same."""
 
 
 class RateWindow:
@@ -39,13 +50,73 @@ class RateWindow:
         return (points[-1][1] - start[1]) / span if span > 0 else 0.0
 
 
+class Histogram(BaseModel):
+    """A latency histogram's snapshot: ``counts[i]`` observations were <= ``buckets[i]`` and above
+    the bucket before (not cumulative); ``count - sum(counts)`` were above the last bound."""
+
+    buckets: list[float]
+    counts: list[int]
+    sum: float
+    count: int
+
+
+class LatencyHistogram:
+    """Observations in ``LATENCY_BUCKETS_S`` buckets, thread-safe (the engine thread observes,
+    the HTTP thread reads): cumulative since start-up, as Prometheus histograms are."""
+
+    def __init__(self, buckets: Sequence[float] = LATENCY_BUCKETS_S):
+        self.buckets = tuple(buckets)
+        self._counts = [0] * len(self.buckets)
+        self._sum = 0.0
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        i = bisect.bisect_left(self.buckets, seconds)
+        with self._lock:
+            if i < len(self._counts):
+                self._counts[i] += 1
+            self._sum += seconds
+            self._count += 1
+
+    def snapshot(self) -> Histogram:
+        with self._lock:
+            return Histogram(buckets=list(self.buckets), counts=list(self._counts), sum=self._sum, count=self._count)
+
+
+class RequestStats:
+    """Per-request outcomes the engine counts as requests finish: how each finished and how long
+    it waited for its first token and for all of them (from ``Engine.submit``)."""
+
+    def __init__(self) -> None:
+        self.time_to_first_token = LatencyHistogram()
+        self.e2e_latency = LatencyHistogram()
+        self._finished: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def finished(self, reason: str, seconds: float | None = None) -> None:
+        """One request ended: "stop" | "length" | "abort" | "error" (the engine step failed)."""
+        with self._lock:
+            self._finished[reason] += 1
+        if seconds is not None:
+            self.e2e_latency.observe(seconds)
+
+    def finished_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._finished)
+
+
 class EngineMetrics(BaseModel):
-    """One snapshot of the engine (``GET /metrics`` answers it as JSON)."""
+    """One snapshot of the engine (``GET /metrics.json`` answers it as JSON; ``GET /metrics``
+    renders it as Prometheus text, ``jaxrl.serving.prometheus``)."""
 
     waiting: int
     """Requests queued for a KV cache row (not yet admitted)."""
     running: int
     """Sequences holding a KV cache row (prefilling or decoding)."""
+    max_seqs: int
+    """KV cache rows: at most this many sequences run at once (``inference.max_seqs``)."""
+    max_model_len: int
     policy_version: int
     generated_tokens: int
     """Completion tokens sampled since start-up."""
@@ -86,3 +157,10 @@ class EngineMetrics(BaseModel):
     """... of ``device_s``, in prefill calls."""
     decode_s: float
     """... of ``device_s``, in decode calls."""
+    finished_requests: dict[str, int] = Field(default_factory=dict)
+    """Requests ended since start-up, by how: "stop", "length", "abort" (cancelled, client gone,
+    shutdown) and "error" (failed with an engine step)."""
+    time_to_first_token: Histogram | None = None
+    """Seconds from submit to the first completion token sampled, per request that got one."""
+    e2e_latency: Histogram | None = None
+    """Seconds from submit to the request's end, per request ended (every reason but "error")."""

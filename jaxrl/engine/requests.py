@@ -5,6 +5,7 @@ all speak it."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,6 +91,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_token: int | None = None
         self.routing: list[np.ndarray] = []  # chunks of routing records of the row's positions, in order
+        self.arrival = time.monotonic()  # submitted: the start of its time to first token and latency
 
     def routed_experts(self) -> np.ndarray | None:
         """The routing records of the positions this sequence's row holds (None: none recorded)."""

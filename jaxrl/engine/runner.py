@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -155,29 +155,46 @@ class ModelRunner:
         """Device programs compiled so far for this layout (<= ``config.program_bound()``)."""
         return self._traces.count
 
-    def warmup(self) -> float:
+    def warmup(self, progress: Callable[[str], None] | None = None) -> float:
         """Compile every program of the configured buckets ahead of time; returns the seconds.
 
         Nothing runs: the compiled executables land in jit's caches, so the first real call of
         each shape dispatches straight away. Several compile at once on hosts with more cores
-        (XLA compiles outside the GIL).
+        (XLA compiles outside the GIL). ``progress`` gets one line per program as it finishes
+        (its name, shapes, how many of how many, its seconds): on a big model the warm-up takes
+        minutes, and a silent process looks hung.
         """
         t0 = time.perf_counter()
         cfg, layout = self.config, self.layout
         jobs = [
-            partial(self._prefill_fn.lower, self.state, self.cache, self.counts, *layout.prefill_inputs(batch, width))
+            (f"prefill batch={batch} width={width}",
+             partial(self._prefill_fn.lower, self.state, self.cache, self.counts, *layout.prefill_inputs(batch, width)))
             for batch, width in cfg.prefill_shapes()
-        ]
+        ]  # fmt: skip
         jobs += [
-            partial(self._decode_fn.lower, steps, self.state, self.cache, self.counts, *layout.decode_inputs(batch))
+            (f"decode steps={steps} batch={batch}",
+             partial(self._decode_fn.lower, steps, self.state, self.cache, self.counts, *layout.decode_inputs(batch)))
             for steps, batch in cfg.decode_shapes()
-        ]
+        ]  # fmt: skip
         index = jax.ShapeDtypeStruct((), jnp.int32, sharding=layout.inputs)
-        jobs.append(partial(self._copy_fn.lower, self.cache, index, index))
-        jobs.append(partial(self._reset_fn.lower, self.counts, *layout.reset_inputs()))
+        jobs.append(("row copy", partial(self._copy_fn.lower, self.cache, index, index)))
+        jobs.append(("token-count reset", partial(self._reset_fn.lower, self.counts, *layout.reset_inputs())))
         workers = max(1, min(len(os.sched_getaffinity(0)), 8))
+        done = iter(range(1, len(jobs) + 1))
+        lock = threading.Lock()
+        if progress is not None:
+            progress(f"warm-up: compiling {len(jobs)} programs ({workers} at a time)")
+
+        def compile_one(job: tuple[str, Callable[[], Any]]) -> None:
+            name, lower = job
+            start = time.perf_counter()
+            lower().compile()
+            if progress is not None:
+                with lock:
+                    progress(f"compiled {name} ({next(done)}/{len(jobs)}) in {time.perf_counter() - start:.1f} s")
+
         with ThreadPoolExecutor(workers, thread_name_prefix="jaxrl-warmup") as pool:
-            list(pool.map(lambda lower: lower().compile(), jobs))
+            list(pool.map(compile_one, jobs))
         self.warmup_s = time.perf_counter() - t0
         return self.warmup_s
 

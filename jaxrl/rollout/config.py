@@ -116,7 +116,7 @@ class ExternalConfig(BaseModel):
 
     server: Literal["jaxrl", "vllm"] = "jaxrl"
     """What the servers run: ``python -m jaxrl.serve`` (weights through ``POST
-    /update_weights``, version from ``GET /metrics``), or vLLM started with
+    /update_weights``, version from ``GET /metrics.json``), or vLLM started with
     ``VLLM_SERVER_DEV_MODE=1 --enable-scale-out`` (weights through its RL routes: pause,
     ``reload_weights``, prefix-cache reset, ``update_weight_version``, resume; version from
     ``GET /weight_info``). vLLM reads ``weights_dir`` as a local path (on GKE, the bucket's

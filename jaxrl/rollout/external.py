@@ -179,10 +179,10 @@ class ExternalBackend:
         model = self._get(url, "/v1/models")["data"][0]["id"]
         if self.ecfg.server == "vllm":
             return model, vllm_weight_version(lambda method, route, **kw: self._call(url, method, route, **kw))
-        metrics = self._get(url, "/metrics")
-        if "policy_version" not in metrics:
+        metrics = self._engine_metrics(url)
+        if not isinstance(metrics, dict) or "policy_version" not in metrics:
             raise ValueError(
-                f"rollout server {url}: GET /metrics has no policy_version; backend = \"external\" drives "
+                f"rollout server {url}: GET /metrics.json has no policy_version; backend = \"external\" drives "
                 'jaxrl.serve servers; for vLLM servers set inference.backend.server = "vllm"'
             )
         if self.direct and not self._takes_manifests(url):
@@ -192,6 +192,19 @@ class ExternalBackend:
                 'inference.backend.weight_transfer = "files"'
             )
         return model, int(metrics["policy_version"])
+
+    def _engine_metrics(self, url: str) -> Any:
+        """``url``'s engine snapshot as JSON: ``GET /metrics.json``; a jaxrl.serve from before
+        ``/metrics`` spoke Prometheus answers it at ``/metrics`` (None: neither is JSON)."""
+        resp = self._http.get(f"{url}/metrics.json")
+        if resp.status_code == 404:
+            resp = self._http.get(f"{url}/metrics")
+        if resp.status_code != 200:
+            raise RuntimeError(f"rollout server {url}: GET {resp.url.path} answered {resp.status_code}: {resp.text[:500]}")
+        try:
+            return resp.json()
+        except ValueError:  # Prometheus text: a vLLM server
+            return None
 
     def _takes_manifests(self, url: str) -> bool:
         """Whether ``url``'s ``POST /update_weights`` takes a ``manifest`` (its OpenAPI schema says)."""
@@ -238,7 +251,7 @@ class ExternalBackend:
             raise self._dead
 
     def metrics(self) -> None:
-        """Each server has its own ``GET /metrics``; the RL loop logs no ``engine/...`` keys."""
+        """Each server has its own ``GET /metrics`` (``/metrics.json``); the RL loop logs no ``engine/...`` keys."""
         return
 
     def token_versions(self, session_id: str) -> None:

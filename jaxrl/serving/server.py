@@ -41,8 +41,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxrl.engine.engine import Engine, StaleVersion
+from jaxrl.engine.metrics import EngineMetrics
 from jaxrl.models.hf_io import copy_model_dir
-from jaxrl.serving import auth, errors, protocol, streaming
+from jaxrl.serving import auth, errors, prometheus, protocol, streaming
 from jaxrl.serving.chat import ChatServing
 from jaxrl.serving.completions import CompletionServing
 from jaxrl.serving.config import ServerConfig
@@ -95,6 +96,8 @@ class EngineServer:
         """Per ``X-Session-ID``, the per-token policy versions of its generate answers (the RL loop
         takes them: verifiers' traces cannot carry them)."""
         self.created = int(time.time())
+        self.registry = prometheus.registry(engine.metrics, self.model_name)
+        """This server's Prometheus metrics (its own registry: two servers in a process never mix)."""
         self.app = self._build_app()
         self._http = BackgroundServer(
             self.app,
@@ -149,23 +152,27 @@ class EngineServer:
     def port(self) -> int:
         return self._http.port
 
-    def start(self, timeout: float = 30.0) -> None:
+    def start(self, timeout: float = 30.0, progress: Callable[[str], None] | None = None) -> None:
         """Serve in a background thread (starting the engine if it is not running, after its
-        warm-up when ``inference.backend.warmup``); returns once the socket accepts connections."""
+        warm-up when ``inference.backend.warmup``; ``progress`` gets its line per program
+        compiled); returns once the socket accepts connections."""
         if not self.engine.running:
             if self.engine.config.warmup:
-                self.engine.warmup()
+                self.engine.warmup(progress)
             self.engine.start()
             self._owns_engine = True
         self._http.start(timeout)
 
-    def serve_forever(self, on_ready: Callable[[str], None] | None = None) -> None:
+    def serve_forever(
+        self, on_ready: Callable[[str], None] | None = None, progress: Callable[[str], None] | None = None
+    ) -> None:
         """Serve until SIGINT/SIGTERM (call from the main thread), then shut down gracefully and
-        return. ``on_ready`` gets the URL once the server accepts connections."""
+        return. ``on_ready`` gets the URL once the server accepts connections; ``progress`` the
+        warm-up's lines (``start``)."""
         stop = threading.Event()
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.start()
+            self.start(progress=progress)
             if on_ready is not None:
                 on_ready(self.url)
             while not stop.wait(0.5):
@@ -212,8 +219,18 @@ class EngineServer:
                 return errors.error_response(503, "engine is not running")
             return JSONResponse({"status": "ok", "policy_version": self.engine.policy_version})
 
-        @app.get("/metrics")
-        async def metrics() -> dict[str, Any]:
+        @app.get(
+            "/metrics",
+            response_class=Response,
+            responses={200: {"content": {prometheus.CONTENT_TYPE: {"schema": {"type": "string"}}}}},
+        )
+        async def metrics() -> Response:
+            """Prometheus text exposition (vLLM's names where it has the quantity; ``jaxrl.serving.prometheus``)."""
+            return Response(prometheus.exposition(self.registry), media_type=prometheus.CONTENT_TYPE)
+
+        @app.get("/metrics.json", response_model=EngineMetrics)
+        async def metrics_json() -> dict[str, Any]:
+            """The engine's snapshot as JSON (what jaxrl's own tools read: the external backend, bench)."""
             return self.engine.metrics().model_dump()
 
         @app.get("/v1/models")
@@ -284,6 +301,8 @@ class EngineServer:
             print(f"jaxrl.serve: policy version {version} ({source}); {generated} tokens generated before", flush=True)
             return protocol.UpdateWeightsResponse(policy_version=version).model_dump()
 
+        routes = frozenset(path for r in app.routes if isinstance(path := getattr(r, "path", None), str))
+        app.add_middleware(prometheus.HttpCounter, registry=self.registry, routes=routes)
         return app
 
     def _load_weights(self, path: Path | str, *, version: int | None) -> int:

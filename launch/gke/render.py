@@ -401,13 +401,27 @@ def rollout_tensor_parallel(args: argparse.Namespace, recipe: dict[str, Any], s:
     return tp
 
 
+def replays_routing(recipe: dict[str, Any], overrides: list[str]) -> bool:
+    """Whether the run's trainer replays MoE routing (``trainer.moe_routing = "replay"``, in the
+    recipe or an override): its rollout servers must then return each token's experts."""
+    value = recipe.get("trainer", {}).get("moe_routing")
+    for i, arg in enumerate(overrides):
+        flag, eq, given = arg.partition("=")
+        if flag.replace("-", "_") == "__trainer.moe_routing":
+            value = given if eq else (overrides[i + 1] if i + 1 < len(overrides) else None)
+    return value == "replay"
+
+
 def rollout_container(
-    args: argparse.Namespace, weights: Weights, max_len: int, tp: int
+    args: argparse.Namespace, weights: Weights, max_len: int, tp: int, replay: bool = False
 ) -> dict[str, Any]:
     """One rollout server: it waits (with a deadline) for the weights it serves, then serves them
     on port ``VLLM_PORT``: vllm-tpu, or ``python -m jaxrl.serve`` (``--rollout-server jaxrl``)
     reading the recipe's ``[model]`` / ``[inference]`` sections (the embedded engine's settings in
-    ``[inference.backend]`` included), as the trainer does."""
+    ``[inference.backend]`` included), as the trainer does. ``replay`` (the trainer replays MoE
+    routing): every answer carries the experts each token used (vLLM's
+    ``--enable-return-routed-experts``; jaxrl.serve's ``inference.server.return_routed_experts``,
+    which it does not infer from the ``[trainer]`` section it never reads)."""
     model = weights.path
     if args.rollout_server == "jaxrl":
         serve = shlex.join([
@@ -415,6 +429,7 @@ def rollout_container(
             "--inference.backend", "embedded", "--inference.max_model_len", str(max_len),
             "--inference.backend.tensor_parallel", str(tp),
             "--inference.server.host", "0.0.0.0", "--inference.server.port", str(VLLM_PORT),
+            *(["--inference.server.return_routed_experts", "true"] if replay else []),
         ])  # fmt: skip
         image: dict[str, Any] = {"image": args.image, "workingDir": APP}
         env: list[dict[str, str]] = [compile_cache(args)]
@@ -424,7 +439,7 @@ def rollout_container(
         serve = (
             f"vllm serve {model} --host 0.0.0.0 --port {VLLM_PORT} --tensor-parallel-size {tp} "
             f"--max-model-len {max_len} --enable-scale-out --return-tokens-as-token-ids "
-            f"--logprobs-mode processed_logprobs"
+            f"--logprobs-mode processed_logprobs" + (" --enable-return-routed-experts" if replay else "")
         )
         image = {"image": args.rollout_image}
         env = [{"name": "VLLM_SERVER_DEV_MODE", "value": "1"}]
@@ -521,7 +536,8 @@ def render(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
             *overrides,
         ]  # fmt: skip
         tp = rollout_tensor_parallel(args, recipe, roll)
-        pod = tpu_pod_spec(roll, rollout_container(args, weights, max_len, tp), args.service_account, args.bucket)
+        replay = replays_routing(recipe, overrides)
+        pod = tpu_pod_spec(roll, rollout_container(args, weights, max_len, tp, replay), args.service_account, args.bucket)
         jobs.append(replicated_job("rollout", roll, pod, replicas=args.rollout_replicas))
         # The run is over when the trainer is; the servers are then torn down with the JobSet.
         spec["successPolicy"] = {"operator": "All", "targetReplicatedJobs": ["trainer"]}

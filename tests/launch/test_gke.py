@@ -504,3 +504,18 @@ def test_a_user_package_that_does_not_install_stops_the_pod_naming_it(tmp_path) 
     missing = tmp_path / "my_env-0.1-py3-none-any.whl"
     with pytest.raises(RuntimeError, match=f"--pip {missing}: pip install failed"):
         entrypoint.pip_install([str(missing)])
+
+
+@pytest.mark.parametrize("server", ["vllm", "jaxrl"])
+def test_rollout_servers_return_routed_experts_when_the_trainer_replays_routing(tmp_path, server) -> None:
+    """A trainer replaying MoE routing needs each token's experts from its rollout servers: the
+    rendered vLLM servers get ``--enable-return-routed-experts`` and jaxrl.serve servers
+    ``inference.server.return_routed_experts`` (which they cannot infer: they read no ``[trainer]``);
+    without replay neither is rendered."""
+    common = ["--slice", "v6e-16", *BASE, "--rollout-slice", "v6e-8", "--rollout-server", server]
+    flag = "--enable-return-routed-experts" if server == "vllm" else "--inference.server.return_routed_experts true"
+    for extra, expected in (([], False), (["--", "--trainer.moe_routing", "replay"], True),
+                            (["--", "--trainer.moe-routing=replay"], True),
+                            (["--", "--trainer.moe_routing", "recompute"], False)):
+        command = pod(jobs(rendered(tmp_path, [*common, *extra]))["rollout"])["containers"][0]["command"][-1]
+        assert (flag in command) == expected, (extra, command)

@@ -90,3 +90,73 @@ def test_a_port_taken_after_start_up_checks_is_named() -> None:
         port = busy.getsockname()[1]
         with pytest.raises(PortInUse, match=rf"127.0.0.1:{port} .*inference.server.port"):
             BackgroundServer(FastAPI(), "127.0.0.1", port, name="jaxrl-engine-http", keep_alive_s=5).start()
+
+
+def _dry_run(argv: list[str], capsys) -> tuple[int, dict, str]:
+    """``jaxrl.serve``'s resolved config for ``argv`` (``--dry-run``: no model loads)."""
+    import tomllib
+
+    from jaxrl.serve import main
+
+    code = main([*argv, "--dry-run"])
+    out, err = capsys.readouterr()
+    return code, (tomllib.loads(out) if code == 0 else {}), err.strip()
+
+
+@pytest.fixture
+def model_dir_stub(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text('{"max_position_embeddings": 4096}')
+    return d
+
+
+@pytest.mark.parametrize(
+    ("flags", "path", "value"),
+    [
+        (["--port", "8123"], ("inference", "server", "port"), 8123),
+        (["--port=8124"], ("inference", "server", "port"), 8124),
+        (["--host", "0.0.0.0"], ("inference", "server", "host"), "0.0.0.0"),
+        (["--max-model-len", "2048"], ("inference", "max_model_len"), 2048),
+        (["--max_model_len", "1024"], ("inference", "max_model_len"), 1024),
+        (["--tensor-parallel-size", "4"], ("inference", "backend", "tensor_parallel"), 4),
+        (["--served-model-name", "my-model"], ("inference", "server", "served_model_name"), "my-model"),
+        (["--max-num-seqs", "7"], ("inference", "max_seqs"), 7),
+        (["--tokenizer", "/tok"], ("model", "tokenizer"), "/tok"),
+    ],
+)
+def test_vllm_flag_spellings_set_the_jaxrl_field(flags, path, value, model_dir_stub, capsys) -> None:
+    """A ``vllm serve`` command line starts jaxrl.serve: each of vLLM's flags that means exactly
+    a jaxrl field sets that field (never accepted and ignored)."""
+    code, cfg, err = _dry_run(["--model.name", str(model_dir_stub), *flags], capsys)
+    assert code == 0, err
+    node = cfg
+    for key in path:
+        node = node[key]
+    assert node == value
+
+
+def test_vllm_model_flag_is_the_model_name_and_the_section_form_still_works(model_dir_stub, capsys) -> None:
+    code, cfg, err = _dry_run(["--model", str(model_dir_stub), "--port", "9000"], capsys)
+    assert code == 0, err
+    assert cfg["model"]["name"] == str(model_dir_stub) and cfg["inference"]["server"]["port"] == 9000
+    code, cfg, err = _dry_run(["--model", f'{{"name": "{model_dir_stub}"}}'], capsys)
+    assert code == 0, err
+    assert cfg["model"]["name"] == str(model_dir_stub)
+
+
+@pytest.mark.parametrize(
+    ("flag", "hint"),
+    [
+        ("--gpu-memory-utilization", "--inference.max_seqs"),
+        ("--pipeline-parallel-size", "--inference.backend.tensor_parallel"),
+        ("--dtype", "--model.dtype"),
+    ],
+)
+def test_vllm_flags_without_an_equivalent_fail_in_one_line_naming_the_jaxrl_setting(
+    flag, hint, model_dir_stub, capsys
+) -> None:
+    code, _, err = _dry_run(["--model", str(model_dir_stub), flag, "0.9"], capsys)
+    assert code == 2
+    assert err.startswith(f"error: {flag} (vLLM's flag) has no jaxrl.serve equivalent") and hint in err
+    assert len(err.splitlines()) == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -38,10 +39,14 @@ def server(model_dir, tokenizer, make_config):
     # Room for a chat prompt with tool definitions (~570 byte-level tokens).
     engine = Engine.from_pretrained(model_dir, make_config(max_model_len=MAX_LEN))
     srv = EngineServer(engine, tokenizer, model_name="tiny")
-    srv.start()
+    srv.start(progress=WARMUP_LINES.append)
     yield srv
     srv.stop()
     assert not engine.running  # the server started the engine, so it stopped it
+
+
+WARMUP_LINES: list[str] = []
+"""What the module's server's warm-up reported (``jaxrl.serve`` prints each on stderr)."""
 
 
 def _wait_for_tokens(engine: Engine, before: int) -> None:
@@ -102,11 +107,19 @@ def test_renderers_generate_two_turns(server, tokenizer, model_dir, score, kl) -
 def test_warm_up_compiles_every_program_and_metrics_count_prefix_hits(server) -> None:
     """The server reports healthy only after the warm-up compiled every bucket's program, so
     requests of any shape (chunked prefill, both decode lengths) compile nothing more; the second
-    turn of a conversation is served from the prefix cache and ``GET /metrics`` counts it."""
+    turn of a conversation is served from the prefix cache and ``GET /metrics.json`` counts it."""
     with httpx.Client(base_url=server.url, timeout=120) as client:
-        before = client.get("/metrics").json()
+        before = client.get("/metrics.json").json()
         assert before["compiles"] == before["program_bound"] == server.engine.config.program_bound() > 2
         assert before["warmup_s"] > 0
+    # One line per program as it compiles: a big model's warm-up takes minutes and must not look hung.
+    n = before["program_bound"]
+    assert WARMUP_LINES[0].startswith(f"warm-up: compiling {n} programs")
+    done = [re.fullmatch(rf"compiled (.+) \((\d+)/{n}\) in \d+\.\d s", line) for line in WARMUP_LINES[1:]]
+    assert all(done) and [int(m.group(2)) for m in done] == list(range(1, n + 1)), WARMUP_LINES
+    names = " ".join(WARMUP_LINES)
+    assert "compiled prefill batch=" in names and "compiled decode steps=" in names and "row copy" in names
+    with httpx.Client(base_url=server.url, timeout=120) as client:
 
         def generate(prompt: list[int], max_tokens: int) -> dict:
             body = {"model": "tiny", "token_ids": prompt, "sampling_params": {"max_tokens": max_tokens, "seed": 3}}
@@ -118,7 +131,7 @@ def test_warm_up_compiles_every_program_and_metrics_count_prefix_hits(server) ->
         first = generate(first_prompt, 8)
         second_prompt = first_prompt + first["choices"][0]["token_ids"] + [7, 8, 9]
         second = generate(second_prompt, 4)
-        after = client.get("/metrics").json()
+        after = client.get("/metrics.json").json()
     assert after["compiles"] == before["compiles"]  # nothing compiled after healthy
     assert after["prompt_tokens"] - before["prompt_tokens"] == len(first_prompt) + len(second_prompt)
     reused = after["cached_prompt_tokens"] - before["cached_prompt_tokens"]
@@ -127,6 +140,72 @@ def test_warm_up_compiles_every_program_and_metrics_count_prefix_hits(server) ->
     assert after["generated_tokens"] - before["generated_tokens"] == generated
     assert 0 < after["prefix_hit_rate"] <= 1 and after["waiting"] == 0 and after["running"] == 0
     assert after["tokens_per_s"] > 0 and after["decode_calls"] > before["decode_calls"]
+
+
+def _scrape(client: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``GET /metrics`` parsed by prometheus_client's own parser: (sample name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    resp = client.get("/metrics")
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain; version=0.0.4")
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(resp.text)
+        for s in family.samples
+    }
+
+
+def test_metrics_are_prometheus_text_that_counts_requests_tokens_and_first_token_times(server, tokenizer) -> None:
+    """``GET /metrics`` is what vLLM serves there (Prometheus text, vLLM's names): after two
+    generate requests and one bad one, the counters moved by exactly what the answers say, and
+    the time-to-first-token histogram counts each request once. A second server in the same
+    process counts its own HTTP answers (its own registry), not the first's."""
+    from prometheus_client import REGISTRY
+
+    tiny = (("model_name", "tiny"),)
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        before = _scrape(client)
+        outs = []
+        for prompt, max_tokens in (([5, 6, 7, 8], 3), ([9, 10], 5)):
+            body = {"token_ids": prompt, "sampling_params": {"max_tokens": max_tokens, "seed": 1, "ignore_eos": True}}
+            resp = client.post("/inference/v1/generate", json=body)
+            assert resp.status_code == 200, resp.text
+            outs.append(resp.json())
+        assert client.post("/inference/v1/generate", json={"token_ids": []}).status_code == 400
+        after = _scrape(client)
+
+    def moved(name: str, labels: tuple[tuple[str, str], ...] = tiny) -> float:
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert moved("vllm:prompt_tokens_total") == 4 + 2
+    assert moved("vllm:generation_tokens_total") == 3 + 5 == sum(len(o["choices"][0]["token_ids"]) for o in outs)
+    assert moved("vllm:request_success_total", (("finished_reason", "length"), *tiny)) == 2
+    assert moved("vllm:time_to_first_token_seconds_count") == 2
+    assert moved("vllm:e2e_request_latency_seconds_count") == 2
+    assert 0 < moved("vllm:time_to_first_token_seconds_sum") <= moved("vllm:e2e_request_latency_seconds_sum")
+    assert after[("vllm:time_to_first_token_seconds_bucket", (("le", "+Inf"), *tiny))] == after[
+        ("vllm:time_to_first_token_seconds_count", tiny)
+    ]
+    generate = "/inference/v1/generate"
+    assert moved("jaxrl:http_requests_total", (("route", generate), ("status", "200"))) == 2
+    assert moved("jaxrl:http_requests_total", (("route", generate), ("status", "400"))) == 1
+    assert after[("vllm:num_requests_running", tiny)] == after[("vllm:num_requests_waiting", tiny)] == 0
+    assert after[("jaxrl:policy_version", tiny)] == server.engine.policy_version
+    assert after[("jaxrl:compiled_programs", tiny)] == server.engine.config.program_bound()
+
+    other = EngineServer(server.engine, tokenizer, model_name="other")  # the engine runs: only HTTP starts
+    other.start()
+    try:
+        with httpx.Client(base_url=other.url, timeout=30) as client:
+            theirs = _scrape(client)
+    finally:
+        other.stop()
+    assert server.engine.running  # the second server did not own the engine
+    assert ("jaxrl:http_requests_total", (("route", generate), ("status", "200"))) not in theirs
+    assert theirs[("vllm:generation_tokens_total", (("model_name", "other"),))] >= after[
+        ("vllm:generation_tokens_total", tiny)
+    ]  # the engine's counters are the engine's, served under this server's model name
+    assert REGISTRY.get_sample_value("jaxrl:http_requests_total", {"route": generate, "status": "200"}) is None
 
 
 def test_openai_chat_completions_and_models(server, tokenizer) -> None:
@@ -282,19 +361,19 @@ BAD = [
         {"token_ids": [1], "sampling_params": {"temperature": -1}},
         "sampling_params.temperature",
     ),
-    ("/inference/v1/generate", {"token_ids": [1, True]}, "token_ids.1"),
+    ("/inference/v1/generate", {"token_ids": [1, True]}, "token_ids[1]"),
     ("/inference/v1/generate", {"token_ids": "abc"}, "token_ids"),
-    ("/inference/v1/generate", {}, "token_ids: Field required"),
+    ("/inference/v1/generate", {}, "token_ids: required"),
     ("/inference/v1/generate", [1, 2], "request body"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     # Strict fields: a boolean is true / false, never 0 or "yes" (the schema says boolean).
     ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"logprobs": False}}, "sampling_params.logprobs"),
     ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"ignore_eos": 1}}, "sampling_params.ignore_eos"),
-    ("/v1/completions", {"prompt": [1], "stream": 0}, "stream: Input should be a valid boolean"),
+    ("/v1/completions", {"prompt": [1], "stream": 0}, "stream: should be a valid boolean, got 0"),
     ("/v1/completions", {"prompt": [1], "max_tokens": "3"}, "max_tokens"),
     ("/v1/completions", {"prompt": [1], "stream_options": {"include_usage": True}}, "stream_options: only with stream"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "return_token_ids": "yes"},
-     "return_token_ids: Input should be a valid boolean"),
+     "return_token_ids: should be a valid boolean"),
     # What needs constrained decoding is refused in one line saying why, not accepted and ignored.
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "tool_choice": {"type": "function", "function": {"name": "f"}}},
@@ -368,6 +447,35 @@ def test_bad_requests_get_400_naming_the_problem(server, path, body, message) ->
     )
     assert r.status_code == 400, r.text
     assert message in r.json()["error"]["message"]
+
+
+READABLE = [
+    ("/v1/completions", {"prompt": ["a"]},
+     "prompt: expected a string or a list of integers, got ['a'] (prompt[0] should be a valid integer, got 'a')"),
+    ("/v1/completions", {"prompt": [[1, 2]]}, "prompt: expected a string or a list of integers"),
+    ("/v1/completions", {"prompt": 5}, "prompt: expected a string or a list of integers, got 5"),
+    ("/v1/completions", {"prompt": ""}, "prompt: string should have at least 1 character"),
+    ("/v1/completions", {"prompt": "x", "stop": [1]}, "stop: expected a string or a list of strings, got [1]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages[0].content: expected a string or a list of ContentPart objects"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content: expected a string"),
+    ("/inference/v1/generate", {"token_ids": [1, "a"]}, "token_ids[1]: should be a valid integer, got 'a'"),
+    ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"stop_token_ids": [1.5]}},
+     "sampling_params.stop_token_ids[0]: should be a valid integer"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "message"), READABLE)
+def test_validation_errors_name_the_field_as_written_without_pydantic_internals(server, path, body, message) -> None:
+    """A 400 once read ``prompt.list[function-before[_json_integer(), int]].0: Input should be a
+    valid integer``: pydantic's union tags and dotted indices. It names the field as the client
+    wrote it and what the field takes, in words."""
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    text = r.json()["error"]["message"]
+    assert text.startswith(message), text
+    for internal in ("function-", "constrained-", "list[", "Input should", ".0", ".1", "union", "[int", "str]"):
+        assert internal not in text, text
 
 
 def test_streamed_chat_and_completions_match_the_whole_answers(server) -> None:
