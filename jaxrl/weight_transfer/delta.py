@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxrl.weight_transfer.bits import as_bits, contiguous
+
 BLOCK_BYTES = 64 << 10
 """The default block: 64 KiB of a region's row-major bytes."""
 
@@ -55,4 +57,4 @@ def block_runs(bitmap: np.ndarray) -> list[tuple[int, int]]:
 
 
 def _flat_bytes(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+    return as_bits(contiguous(x)).reshape(-1).view(np.uint8)

@@ -41,6 +41,7 @@ import jax
 import numpy as np
 
 from jaxrl.weight_transfer.base import FetchFailed, ShardSource, WeightTransferError
+from jaxrl.weight_transfer.bits import copy_into
 from jaxrl.weight_transfer.plan import Pull
 from jaxrl.weight_transfer.tcp import (
     OK,
@@ -166,7 +167,7 @@ class JaxTransferConnection:
         except (OSError, WeightTransferError, jax.errors.JaxRuntimeError) as e:
             raise FetchFailed(items[0][0], e) from e
         for (_, out), x in zip(items, arrays, strict=True):
-            np.copyto(out, np.asarray(x))
+            copy_into(out, np.asarray(x))
 
     def close(self) -> None:
         shutdown(self._sock)

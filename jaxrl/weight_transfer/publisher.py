@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from jaxrl.weight_transfer.base import Transport, TransportServer, VersionUnavailable, WeightTransferError
+from jaxrl.weight_transfer.bits import copy
 from jaxrl.weight_transfer.delta import BLOCK_BYTES, changed_blocks, num_blocks
 from jaxrl.weight_transfer.manifest import (
     Box,
@@ -222,7 +223,7 @@ class Publisher:
         # On CPU, device_get returns views of the device buffers: when no cast made fresh ones,
         # those are the trainer's own params, which its next step may donate. Copy them.
         alias = cast is x and any(d.platform == "cpu" for d in x.sharding.device_set)
-        return {b: np.array(h) if alias else np.asarray(h) for b, h in zip(boxes, host, strict=True)}
+        return {b: copy(np.asarray(h)) if alias else np.asarray(h) for b, h in zip(boxes, host, strict=True)}
 
     def shard(self, version: int, param: str, box: Box) -> np.ndarray:
         """``ShardSource``: the host copy of one shard; raises ``VersionUnavailable``."""

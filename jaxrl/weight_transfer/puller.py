@@ -40,6 +40,7 @@ import numpy as np
 from jax import lax
 
 from jaxrl.weight_transfer.base import Connection, FetchFailed, Transport, WeightTransferError
+from jaxrl.weight_transfer.bits import contiguous, copy_into
 from jaxrl.weight_transfer.manifest import (
     Box,
     Manifest,
@@ -270,7 +271,7 @@ class _Fetcher:
         buffers = [aligned_empty(box_shape(c.box), _dtype(self.manifest, c.piece.param)) for c in group]
         if self.base is not None:
             for chunk, buf in zip(group, buffers, strict=True):
-                buf[...] = self._base_bytes(chunk)
+                copy_into(buf, self._base_bytes(chunk))
         items: dict[int, list[tuple[Pull, np.ndarray]]] = {}
         copies: list[tuple[np.ndarray, np.ndarray]] = []  # (temporary, destination) for strided destinations
         for chunk, buf in zip(group, buffers, strict=True):
@@ -282,7 +283,7 @@ class _Fetcher:
                     sub = Pull(pull.endpoint, pull.param, pull.shard, part, pull.itemsize)
                     dst = buf[local_slices(part, chunk.box)]
                     if not dst.flags.c_contiguous:
-                        tmp = np.ascontiguousarray(dst) if self.delta else np.empty(dst.shape, dst.dtype)
+                        tmp = contiguous(dst) if self.delta else np.empty(dst.shape, dst.dtype)
                         copies.append((tmp, dst))
                         dst = tmp
                     items.setdefault(pull.endpoint, []).append((sub, dst))
@@ -303,7 +304,7 @@ class _Fetcher:
             endpoint, pull = futures[next(iter(pending))]
             raise self._error(endpoint, pull.param, "TimeoutError: no answer before the pull's deadline")
         for tmp, dst in copies:
-            dst[...] = tmp
+            copy_into(dst, tmp)
         return buffers
 
     def _base_bytes(self, chunk: Chunk) -> np.ndarray:

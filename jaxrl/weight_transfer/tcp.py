@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from jaxrl.weight_transfer.base import FetchFailed, RemoteError, ShardSource, WeightTransferError
+from jaxrl.weight_transfer.bits import contiguous
 from jaxrl.weight_transfer.delta import block_runs, num_blocks
 from jaxrl.weight_transfer.manifest import local_slices
 from jaxrl.weight_transfer.plan import Pull
@@ -52,7 +53,7 @@ def region_bytes(source: ShardSource, version: int, item: Sequence[Any]) -> np.n
     region is contiguous in the shard, else a copy)."""
     param, shard, region = item[0], tuple(map(tuple, item[1])), tuple(map(tuple, item[2]))
     array = source.shard(version, param, shard)
-    return np.ascontiguousarray(array[local_slices(region, shard)])
+    return contiguous(array[local_slices(region, shard)])
 
 
 def as_bytes(array: np.ndarray) -> memoryview:
