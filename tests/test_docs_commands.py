@@ -230,7 +230,9 @@ def docs_cwd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     (cwd / "configs").symlink_to(REPO / "configs")
     (cwd / "my_rl.toml").write_text(_block_after(REPO / "README.md", "in `my_rl.toml`"))
     (cwd / "my_words_env").mkdir()
-    (cwd / "my_words_env" / "__init__.py").write_text(_block_after(REPO / "README.md", "`my_words_env/__init__.py`", "python"))
+    (cwd / "my_words_env" / "__init__.py").write_text(
+        _block_after(REPO / "README.md", "`my_words_env/__init__.py`", "python")
+    )
     chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     (cwd / "my_chats.jsonl").write_text(json.dumps(chat) + "\n")
     shutil.copy(REPO / "configs/reverse_text/rl.toml", cwd / "base.toml")
@@ -310,7 +312,9 @@ def test_a_command_that_stops_parsing_fails(docs_cwd: Path) -> None:
 def test_tensorboard_without_its_extra_fails_naming_it(docs_cwd: Path) -> None:
     """The README's bare boolean ``--log.tensorboard`` without tensorboardX: one line at config
     load, before any work, naming the extra to install."""
-    rc, err = run_entry_point("jaxrl.train", ["--config", "configs/reverse_text/rl.toml", "--log.tensorboard"])
+    rc, err = run_entry_point(
+        "jaxrl.train", ["--config", "configs/reverse_text/rl.toml", "--log.tensorboard"]
+    )
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert "log.tensorboard" in err and 'pip install -e ".[tensorboard]"' in err, err
 
