@@ -31,7 +31,16 @@ class OptimConfig(BaseModel):
 
 
 def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    warmup = optax.linear_schedule(0.0 if cfg.warmup_steps else cfg.lr, cfg.lr, max(cfg.warmup_steps, 1))
+    """The learning rate of each update (optax counts updates from 0): ``warmup_steps`` updates
+    rising linearly below ``lr`` (``lr * k / (warmup_steps + 1)`` for update k = 1..warmup_steps),
+    then ``lr`` decaying (cosine) or held (constant). The warm-up starts above 0: optax's
+    ``linear_schedule(0, lr, n)`` is 0 at count 0, which made every warmed-up run's first
+    step train nothing (a wasted step: its rollouts were sampled and scored for no update)."""
+    ramp = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps + 1)
+
+    def warmup(count: Any) -> Any:
+        return ramp(count + 1)  # update 1 (count 0) already at lr / (warmup_steps + 1)
+
     if cfg.schedule == "constant":
         after = optax.constant_schedule(cfg.lr)
     else:
