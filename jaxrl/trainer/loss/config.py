@@ -86,6 +86,12 @@ class LossConfig(pydantic.BaseModel):
     """ppo / gspo / cispo: upper clip ``1 + clip_high`` of the ratio (None: 0.28 for ppo, DAPO's
     clip-higher; 4e-4 for gspo; 0.28 for cispo)."""
 
+    clip_ratio_c: float | None = pydantic.Field(3.0, gt=1, allow_inf_nan=False)
+    """dppo / ppo / gspo: dual-clip PPO's ``c`` (Ye et al. 2020; verl's name): for ``A < 0`` the
+    term is ``max(pg, c * A)``, so a token whose ratio exploded (``r = e^6`` weighs ~403) loses at
+    most ``c * |A|`` and, beyond ``r = c``, its gradient. Must be > 1; off (the single clip):
+    ``clip_ratio_c = false`` in TOML (which has no null), None in Python, ``null`` on the CLI."""
+
     tis_level: Literal["token", "sequence"] = "token"
     """tis: truncate each token's ratio ("token") or the sample's product of ratios ("sequence")."""
 
@@ -117,6 +123,12 @@ class LossConfig(pydantic.BaseModel):
     token loss: ``fn(batch: LossBatch, cfg) -> RLTokenLoss`` (``jaxrl.trainer.loss``; the
     older ``fn(logp, logq, advantages, rl_w, cfg)`` is accepted too). Resolved when the config
     is validated, so a bad path fails at start-up."""
+
+    @pydantic.field_validator("clip_ratio_c", mode="before")
+    @classmethod
+    def _false_is_off(cls, c: Any) -> Any:
+        # TOML has no null: ``clip_ratio_c = false`` turns the dual clip off (True stays an error).
+        return None if c is False else c
 
     @pydantic.field_validator("custom")
     @classmethod
