@@ -108,19 +108,32 @@ def test_gspo_dual_clips_the_sequence_ratio():
 
 
 def test_false_turns_the_dual_clip_off():
-    """TOML has no null, so ``clip_ratio_c = false`` is the off switch; ``true`` is refused."""
-    assert LossConfig(clip_ratio_c=False).clip_ratio_c is None
+    """TOML has no null, so ``clip_ratio_c = false`` is the off switch (None reads as it);
+    ``true`` is refused; the objectives get None."""
+    assert LossConfig(clip_ratio_c=False).clip_ratio_c is False
+    assert LossConfig(clip_ratio_c=None).clip_ratio_c is False
+    assert LossConfig(clip_ratio_c=None).objective_fields()["clip_ratio_c"] is None
+    assert LossConfig(type="ppo").objective_fields()["clip_ratio_c"] == 3.0
     assert LossConfig().clip_ratio_c == 3.0
     with pytest.raises(pydantic.ValidationError, match="clip_ratio_c"):
         LossConfig(clip_ratio_c=True)
 
 
+@pytest.mark.parametrize(("value", "want"), [("false", False), ("null", False), ("2.5", 2.5)])
+def test_the_command_line_sets_and_turns_off_the_dual_clip(value, want):
+    from jaxrl.cli import build_config
+
+    assert build_config({}, ["--trainer.loss.clip_ratio_c", value]).trainer.loss.clip_ratio_c == want
+    with pytest.raises(ValueError, match="clip_ratio_c = '1': must be a number > 1"):
+        build_config({}, ["--trainer.loss.clip_ratio_c", "1"])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"clip_ratio_c": 1.0}, "clip_ratio_c"),
-        ({"clip_ratio_c": 0.5}, "clip_ratio_c"),
-        ({"clip_ratio_c": float("inf")}, "clip_ratio_c"),
+        ({"clip_ratio_c": 1.0}, "clip_ratio_c = 1.0: must be a number > 1"),
+        ({"clip_ratio_c": 0.5}, "clip_ratio_c = 0.5: must be a number > 1"),
+        ({"clip_ratio_c": float("inf")}, "clip_ratio_c = inf: must be a number > 1"),
         ({"type": "cispo", "clip_ratio_c": 4.0}, "trainer.loss.clip_ratio_c applies to type dppo / gspo / ppo"),
     ],
 )

@@ -110,7 +110,7 @@ def reference(cfg: LossConfig, logp, logq, adv) -> tuple[float, np.ndarray]:
                 dp = math.exp(logp[r, i]) - math.exp(logq[r, i])
                 masked = dp > cfg.mask_high if a > 0 else dp < -cfg.mask_low
                 pg = 0.0 if masked else a * ratio
-            if cfg.type in ("dppo", "ppo", "gspo") and cfg.clip_ratio_c is not None and a < 0:
+            if cfg.type in ("dppo", "ppo", "gspo") and cfg.clip_ratio_c and a < 0:
                 pg = max(pg, cfg.clip_ratio_c * a)  # dual clip: the term's floor for A < 0
             if cfg.mis is not None:
                 test = {"token": lr[k], "sequence": seq_lr_sum, "geometric": seq_lr_mean}[cfg.mis.level]
