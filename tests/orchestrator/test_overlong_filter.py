@@ -24,7 +24,10 @@ STOP, LENGTH = {"finish_reason": "stop"}, {"finish_reason": "length"}
     [
         ({"calls": [STOP, LENGTH]}, True),  # the last answer hit max_tokens
         ({"calls": [LENGTH, STOP]}, False),  # an earlier turn was cut, the last one ended itself
-        ({"calls": [LENGTH, {"finish_reason": None, "error": {"type": "ProviderError"}}]}, True),  # failed calls skipped
+        (
+            {"calls": [LENGTH, {"finish_reason": None, "error": {"type": "ProviderError"}}]},
+            True,
+        ),  # failed calls skipped
         ({"calls": [STOP], "stop_condition": "max_output_tokens"}, True),
         ({"calls": [STOP], "stop_condition": "max_total_tokens"}, True),
         ({"calls": [STOP], "stop_condition": "max_turns"}, False),  # a turn budget, not a cut answer

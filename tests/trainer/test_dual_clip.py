@@ -95,7 +95,9 @@ def test_gspo_dual_clips_the_sequence_ratio():
     ones, mask = jnp.ones_like(logp), jnp.asarray([[False, True, True, True]])
 
     def run(c):
-        f = lambda lp: combine(loss_sums(lp, logq, adv, ones, 0 * ones, mask, LossConfig(type="gspo", clip_ratio_c=c)))
+        f = lambda lp: combine(
+            loss_sums(lp, logq, adv, ones, 0 * ones, mask, LossConfig(type="gspo", clip_ratio_c=c))
+        )
         return jax.value_and_grad(f, has_aux=True)(logp)
 
     (on, m), g_on = run(3.0)
@@ -134,7 +136,10 @@ def test_the_command_line_sets_and_turns_off_the_dual_clip(value, want):
         ({"clip_ratio_c": 1.0}, "clip_ratio_c = 1.0: must be a number > 1"),
         ({"clip_ratio_c": 0.5}, "clip_ratio_c = 0.5: must be a number > 1"),
         ({"clip_ratio_c": float("inf")}, "clip_ratio_c = inf: must be a number > 1"),
-        ({"type": "cispo", "clip_ratio_c": 4.0}, "trainer.loss.clip_ratio_c applies to type dppo / gspo / ppo"),
+        (
+            {"type": "cispo", "clip_ratio_c": 4.0},
+            "trainer.loss.clip_ratio_c applies to type dppo / gspo / ppo",
+        ),
     ],
 )
 def test_bad_clip_ratio_c_is_one_clear_error(kwargs, message):

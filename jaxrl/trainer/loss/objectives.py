@@ -159,7 +159,7 @@ def gspo(v: LossBatch, *, clip_low: float, clip_high: float, clip_ratio_c: float
     """GSPO: the clipped surrogate on ``s = exp(mean_t log r_t)`` per sequence. Every token of a
     sample carries the same term; with sequence normalisation (its default) each sample counts
     once, so the loss is the paper's mean over sequences. The dual clip (``A < 0``) bounds ``s``
-    as PPO's bounds ``r`` (not in the GSPO paper: ``clip_ratio_c = None`` is the paper's loss)."""
+    as PPO's bounds ``r`` (not in the GSPO paper: ``clip_ratio_c = false`` is the paper's loss)."""
     pg, high, low = _clipped_surrogate(jnp.exp(sequence_log_ratio(v)), v.advantages, clip_low, clip_high)
     pg, dual = _dual_clip(pg, v.advantages, clip_ratio_c)
     return PolicyGradient(pg, high, low, None, dual)
