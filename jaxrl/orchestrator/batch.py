@@ -25,6 +25,7 @@ import numpy as np
 from jaxrl.orchestrator.algo import Algorithm
 from jaxrl.orchestrator.config import DynamicSamplingConfig
 from jaxrl.orchestrator.orchestrator import Group
+from jaxrl.orchestrator.traces import trace_truncated
 from jaxrl.training_sample import TrainingSample
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,13 @@ def build_batch(groups: list[Group], algorithms: dict[str, Algorithm], step: int
     failed = 0
     errors: list[tuple[str, str]] = []
     lags = []
+    truncated = filtered = traces = 0
     for group in groups:
-        group_samples = algorithms[group.env].samples(group.rollouts)
+        algo = algorithms[group.env]
+        group_samples = algo.samples(group.rollouts)
+        cut = [trace_truncated(t) for r in group.rollouts if r.ok for t in r.trainable_traces]
+        traces, truncated = traces + len(cut), truncated + sum(cut)
+        filtered += sum(cut) if getattr(algo, "overlong_filter", False) else 0
         samples += group_samples
         lags.append(step - 1 - group.dispatch_version)
         for r in group.rollouts:
@@ -85,6 +91,10 @@ def build_batch(groups: list[Group], algorithms: dict[str, Algorithm], step: int
         "sampled_tokens_mean": float(np.mean([s.sampled_mask.sum() for s in samples])) if samples else 0.0,
         "policy_lag_max": float(max(lags)) if lags else 0.0,
         "group_seconds_mean": float(np.mean([g.seconds for g in groups])) if groups else 0.0,
+        # Over the trainable traces of successful rollouts: cut at a length limit, and of those
+        # the ones whose RL weight DAPO's overlong filter zeroed (algo.overlong_filter).
+        "truncated_frac": truncated / max(traces, 1),
+        "overlong_filtered_frac": filtered / max(traces, 1),
     }
     for env, values in rewards.items():
         metrics[f"reward/{env}"] = float(np.mean(values))

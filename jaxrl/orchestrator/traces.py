@@ -230,6 +230,22 @@ def trace_reward(trace: Mapping[str, Any]) -> float:
     return float(sum(r["score"] * r.get("weight", 1.0) for r in (trace.get("rewards") or {}).values() if r))
 
 
+TRUNCATING_STOPS = frozenset({"max_output_tokens", "max_total_tokens", "max_input_tokens"})
+"""verifiers' ``stop_condition`` values of a trace cut off by a token limit (its ``max_turns``
+is a turn budget: every answer there ended on its own, so it is no truncation here)."""
+
+
+def trace_truncated(trace: Mapping[str, Any]) -> bool:
+    """Whether the trace's answer was cut off by a length limit: its last model call that did not
+    fail finished with ``finish_reason == "length"`` (the engine hit ``max_tokens``), or verifiers
+    stopped it at a token limit (``TRUNCATING_STOPS``). DAPO's overlong filter drops these from
+    the loss: a cut answer's reward says nothing about the answer it would have given."""
+    if trace.get("stop_condition") in TRUNCATING_STOPS:
+        return True
+    calls = [c for c in trace.get("calls") or [] if c and not c.get("error")]
+    return bool(calls) and calls[-1].get("finish_reason") == "length"
+
+
 def trace_error(trace: Mapping[str, Any]) -> str | None:
     """`"Type: message"` of the trace's last error when it failed, else None."""
     if trace.get("ok", False):

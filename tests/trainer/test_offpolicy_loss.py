@@ -110,6 +110,8 @@ def reference(cfg: LossConfig, logp, logq, adv) -> tuple[float, np.ndarray]:
                 dp = math.exp(logp[r, i]) - math.exp(logq[r, i])
                 masked = dp > cfg.mask_high if a > 0 else dp < -cfg.mask_low
                 pg = 0.0 if masked else a * ratio
+            if cfg.type in ("dppo", "ppo", "gspo") and cfg.clip_ratio_c and a < 0:
+                pg = max(pg, cfg.clip_ratio_c * a)  # dual clip: the term's floor for A < 0
             if cfg.mis is not None:
                 test = {"token": lr[k], "sequence": seq_lr_sum, "geometric": seq_lr_mean}[cfg.mis.level]
                 if not math.log(cfg.mis.low) <= test <= math.log(cfg.mis.high):
@@ -142,6 +144,9 @@ CASES = {
     "ppo_clip_higher": LossConfig(type="ppo", clip_low=0.2, clip_high=0.28),
     "gspo": LossConfig(type="gspo", clip_low=0.05, clip_high=0.08),
     "gspo_defaults": LossConfig(type="gspo"),
+    # c low enough to fire on this batch (one A < 0 token at r = 1.15); tests/trainer/test_dual_clip.py has e^6
+    "ppo_dual_clip": LossConfig(type="ppo", clip_ratio_c=1.1),
+    "dppo_dual_clip": LossConfig(clip_ratio_c=1.1),
     "cispo": LossConfig(type="cispo", clip_low=0.3, clip_high=0.2),
     "tis_token": LossConfig(type="tis", tis_level="token", tis_cap=1.3),
     "tis_sequence": LossConfig(type="tis", tis_level="sequence", tis_cap=1.2),
@@ -165,7 +170,9 @@ def test_loss_matches_numpy_reference(name):
         np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["dppo", "ppo_clip_higher", "gspo", "mis_geometric", "stale_drop"])
+@pytest.mark.parametrize(
+    "name", ["dppo", "ppo_clip_higher", "gspo", "mis_geometric", "stale_drop", "ppo_dual_clip", "dppo_dual_clip"]
+)
 def test_gradient_matches_finite_differences(name):
     cfg = CASES[name]
     logp, logq, adv = _batch()
@@ -182,6 +189,9 @@ def test_the_cases_exercise_their_clips_and_masks():
     assert 0 < float(m("tis_token")["clipped_frac"]) < 1
     assert 0 < float(m("icepop_token")["mis_rejected_frac"]) < 1
     assert 0 < float(m("mis_sequence")["mis_rejected_frac"]) < 1
+    for name in ("ppo_dual_clip", "dppo_dual_clip"):
+        assert 0 < float(m(name)["dual_clipped_frac"]) < 1, name
+    assert float(m("ppo_clip_higher")["dual_clipped_frac"]) == 0  # c = 3 never fires at ratios < 3
     gspo = m("gspo")
     assert 0 < float(gspo["masked_high_frac"]) + float(gspo["masked_low_frac"]) < 1
 

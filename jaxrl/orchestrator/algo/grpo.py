@@ -25,7 +25,7 @@ from jaxrl.orchestrator.algo.base import (
     trace_lengths,
     trainable_branches,
 )
-from jaxrl.orchestrator.traces import Branch, Rollout, branch_sample
+from jaxrl.orchestrator.traces import Branch, Rollout, branch_sample, trace_truncated
 from jaxrl.training_sample import TrainingSample
 
 ZERO_ADVANTAGE = 1e-8
@@ -103,6 +103,12 @@ class GRPOConfig(AlgoConfigBase):
     """`[...algo.length_penalty]`: prime-rl's linear length penalty (None: off)."""
     overlong: OverlongShaping | None = None
     """`[...algo.overlong]`: DAPO's soft overlong punishment on completion length (None: off)."""
+    overlong_filter: bool = False
+    """DAPO's overlong filtering: a member whose answer was cut at the length limit
+    (``finish_reason = "length"`` or a verifiers token-limit stop; ``traces.trace_truncated``)
+    gets no RL weight, so a truncation is not credited as if the model had chosen to stop
+    there. It stays in its group's baseline (DAPO masks the loss, not the reward). Metric:
+    ``overlong_filtered_frac``. Beside or instead of the soft ``overlong`` shaping."""
     std_normalize: bool = False
     """Divide each group's centred rewards by the group's standard deviation (DeepSeekMath's
     GRPO; prime-rl and Dr. GRPO centre only). With Adam the overall scale is irrelevant; what
@@ -126,6 +132,9 @@ class GRPOConfig(AlgoConfigBase):
 class GroupRelative(Algorithm):
     """One scalar advantage per member (`advantages`), broadcast over its sampled tokens in
     the RL component; subclasses may select tokens for CE instead (`echo`)."""
+
+    overlong_filter: bool = False
+    """Zero the RL weight of truncated members (``GRPOConfig.overlong_filter``)."""
 
     @abstractmethod
     def member_advantages(self, group: list[Member]) -> np.ndarray:
@@ -161,8 +170,9 @@ class GroupRelative(Algorithm):
         rl_on = any(abs(a) > ZERO_ADVANTAGE for a in advantages)
         out = []
         for member, advantage in zip(found, advantages):
+            member_rl = rl_on and not (self.overlong_filter and trace_truncated(member.trace))
             for branch, selection in zip(member.branches, selections[id(member.trace)]):
-                rl_w = branch.sampled_mask.astype(np.float32) * float(rl_on)
+                rl_w = branch.sampled_mask.astype(np.float32) * float(member_rl)
                 ce_w = None
                 if selection is not None:
                     ce_w, selected = selection
@@ -187,6 +197,7 @@ class GroupRelative(Algorithm):
 class GRPO(GroupRelative):
     def __init__(self, config: GRPOConfig) -> None:
         self.config = config
+        self.overlong_filter = config.overlong_filter
 
     def member_advantages(self, group: list[Member]) -> np.ndarray:
         rewards = np.array([m.reward for m in group], np.float64)

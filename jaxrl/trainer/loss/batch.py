@@ -70,6 +70,8 @@ class RLTokenLoss(NamedTuple):
     """bool: importance weight clipped or truncated (CISPO, TIS); the gradient is kept, scaled."""
     rejected: jax.Array | None = None
     """bool: policy-gradient term dropped by the MIS / IcePop ratio mask (``loss.mis``)."""
+    dual_clipped: jax.Array | None = None
+    """bool: ``A < 0`` and the term held at the dual-clip floor ``clip_ratio_c * A`` (no gradient)."""
 
 
 def _segment_ids_global(segment_ids: jax.Array) -> tuple[jax.Array, int]:

@@ -8,7 +8,8 @@ token loss the config selects.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Literal
+import math
+from typing import Annotated, Any, Literal
 
 import pydantic
 
@@ -86,6 +87,13 @@ class LossConfig(pydantic.BaseModel):
     """ppo / gspo / cispo: upper clip ``1 + clip_high`` of the ratio (None: 0.28 for ppo, DAPO's
     clip-higher; 4e-4 for gspo; 0.28 for cispo)."""
 
+    clip_ratio_c: Annotated[float, pydantic.Field(gt=1, allow_inf_nan=False)] | Literal[False] = 3.0
+    """dppo / ppo / gspo: dual-clip PPO's ``c`` (Ye et al. 2020; verl's name): for ``A < 0`` the
+    term is ``max(pg, c * A)``, so a token whose ratio exploded (``r = e^6`` weighs ~403) loses at
+    most ``c * |A|`` and, beyond ``r = c``, its gradient. Must be > 1; ``false`` turns it off (the
+    single clip; None is read as false). Off is ``false``, not None, because TOML has no null and
+    the printed config (``--dry-run``) leaves None values out: they would read back as 3.0."""
+
     tis_level: Literal["token", "sequence"] = "token"
     """tis: truncate each token's ratio ("token") or the sample's product of ratios ("sequence")."""
 
@@ -117,6 +125,21 @@ class LossConfig(pydantic.BaseModel):
     token loss: ``fn(batch: LossBatch, cfg) -> RLTokenLoss`` (``jaxrl.trainer.loss``; the
     older ``fn(logp, logq, advantages, rl_w, cfg)`` is accepted too). Resolved when the config
     is validated, so a bad path fails at start-up."""
+
+    @pydantic.field_validator("clip_ratio_c", mode="before")
+    @classmethod
+    def _off_or_above_one(cls, c: Any) -> Any:
+        # Off: false (TOML), None (Python), "false" / "null" (CLI strings); stored as False. A
+        # number must be finite and > 1; one message for every bad value instead of the union's two.
+        if c is None or c is False or (isinstance(c, str) and c.strip().lower() in ("false", "off", "none", "null")):
+            return False
+        try:
+            value = float(c) if not isinstance(c, bool) else math.nan
+        except (TypeError, ValueError):
+            value = math.nan
+        if not (math.isfinite(value) and value > 1):
+            raise ValueError(f"trainer.loss.clip_ratio_c = {c!r}: must be a number > 1 (dual clip) or false (off)")
+        return value
 
     @pydantic.field_validator("custom")
     @classmethod
@@ -157,6 +180,7 @@ class LossConfig(pydantic.BaseModel):
         resolved = (
             dict(zip(("clip_low", "clip_high"), self.clip_bounds())) if self.type in _CLIP_DEFAULTS else {}
         )
+        resolved["clip_ratio_c"] = self.clip_ratio_c or None  # the objectives take None for off
         return {name: resolved.get(name, getattr(self, name)) for name in OBJECTIVES[self.type].fields}
 
     def rl_loss(self, view: LossBatch) -> RLTokenLoss:

@@ -43,6 +43,8 @@ class PolicyGradient(NamedTuple):
     """bool: ``pg`` dropped because the probability (or ratio) fell too far."""
     clipped: jax.Array | None
     """bool: importance weight clipped or truncated, gradient kept (None: the objective has none)."""
+    dual_clipped: jax.Array | None = None
+    """bool: ``A < 0`` and the term held at its dual-clip floor ``clip_ratio_c * A`` (no gradient)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,19 @@ def _clipped_surrogate(ratio: jax.Array, adv: jax.Array, lo: float, hi: float) -
     return pg, (adv > 0) & (ratio > 1.0 + hi), (adv < 0) & (ratio < 1.0 - lo)
 
 
+def _dual_clip(pg: jax.Array, adv: jax.Array, clip_ratio_c: float | None) -> tuple[jax.Array, jax.Array]:
+    """Dual-clip PPO (Ye et al. 2020; verl's ``clip_ratio_c``): for ``A < 0`` the term is
+    ``max(pg, c * A)``. Neither PPO's clip nor DPPO's trust region bounds a negative-advantage
+    token whose ratio *rose* (``min(r A, clip(r) A) = r A`` there), so one token at ``r = e^6``
+    would weigh ~403 times a normal one; the floor caps its loss at ``c * |A|`` and drops its
+    gradient once ``r A < c A``. Returns the term and where the floor holds (None: off)."""
+    if clip_ratio_c is None:
+        return pg, jnp.zeros(pg.shape, bool)
+    floor = clip_ratio_c * adv
+    dual = (adv < 0) & (pg < floor)
+    return jnp.where(dual, floor, pg), dual
+
+
 def sequence_log_ratio(v: LossBatch) -> jax.Array:
     """GSPO's length-normalised sequence log-ratio ``mean_t log r_t`` over the sample's RL tokens,
     on every token of the sample (differentiable)."""
@@ -114,33 +129,40 @@ def sequence_ratio_log(v: LossBatch) -> jax.Array:
     return segment_total(jnp.where(v.rl_on, v.log_ratio, 0.0), v.segment_ids)
 
 
-@objective("dppo", knobs=("mask_high",))
-def dppo(v: LossBatch, *, mask_high: float, mask_low: float) -> PolicyGradient:
+@objective("dppo", knobs=("mask_high", "clip_ratio_c"))
+def dppo(v: LossBatch, *, mask_high: float, mask_low: float, clip_ratio_c: float | None) -> PolicyGradient:
     """prime-rl's DPPO trust region on probabilities (the default; contract 3): ``pg = keep * A * r``,
-    ``keep`` false where ``A > 0`` and ``p - q > mask_high`` or ``A <= 0`` and ``p - q < -mask_low``."""
+    ``keep`` false where ``A > 0`` and ``p - q > mask_high`` or ``A <= 0`` and ``p - q < -mask_low``;
+    then the dual clip ``max(pg, clip_ratio_c * A)`` for ``A < 0`` (the trust region tests ``p - q``,
+    which stays small when a rare token's ratio explodes: q = 1e-3, p = 0.4 gives r = 400)."""
     ratio = jnp.exp(v.log_ratio)
     dp = jnp.exp(v.logp) - jnp.exp(v.logq)
     positive = v.advantages > 0
     high = positive & (dp > mask_high)
     low = ~positive & (dp < -mask_low)
     keep = 1.0 - (high | low).astype(v.logp.dtype)
-    return PolicyGradient(keep * v.advantages * ratio, high, low, None)
+    pg, dual = _dual_clip(keep * v.advantages * ratio, v.advantages, clip_ratio_c)
+    return PolicyGradient(pg, high, low, None, dual)
 
 
-@objective("ppo", knobs=("clip_low", "clip_high"), clip=(0.2, 0.28))
-def ppo(v: LossBatch, *, clip_low: float, clip_high: float) -> PolicyGradient:
-    """PPO clip on the token ratio with asymmetric bounds (DAPO's clip-higher: ``clip_high > clip_low``)."""
+@objective("ppo", knobs=("clip_low", "clip_high", "clip_ratio_c"), clip=(0.2, 0.28))
+def ppo(v: LossBatch, *, clip_low: float, clip_high: float, clip_ratio_c: float | None) -> PolicyGradient:
+    """PPO clip on the token ratio with asymmetric bounds (DAPO's clip-higher: ``clip_high > clip_low``),
+    dual-clipped at ``clip_ratio_c * A`` for ``A < 0``."""
     pg, high, low = _clipped_surrogate(jnp.exp(v.log_ratio), v.advantages, clip_low, clip_high)
-    return PolicyGradient(pg, high, low, None)
+    pg, dual = _dual_clip(pg, v.advantages, clip_ratio_c)
+    return PolicyGradient(pg, high, low, None, dual)
 
 
-@objective("gspo", knobs=("clip_low", "clip_high"), clip=(3e-4, 4e-4), normalize="sequence")
-def gspo(v: LossBatch, *, clip_low: float, clip_high: float) -> PolicyGradient:
+@objective("gspo", knobs=("clip_low", "clip_high", "clip_ratio_c"), clip=(3e-4, 4e-4), normalize="sequence")
+def gspo(v: LossBatch, *, clip_low: float, clip_high: float, clip_ratio_c: float | None) -> PolicyGradient:
     """GSPO: the clipped surrogate on ``s = exp(mean_t log r_t)`` per sequence. Every token of a
     sample carries the same term; with sequence normalisation (its default) each sample counts
-    once, so the loss is the paper's mean over sequences."""
+    once, so the loss is the paper's mean over sequences. The dual clip (``A < 0``) bounds ``s``
+    as PPO's bounds ``r`` (not in the GSPO paper: ``clip_ratio_c = false`` is the paper's loss)."""
     pg, high, low = _clipped_surrogate(jnp.exp(sequence_log_ratio(v)), v.advantages, clip_low, clip_high)
-    return PolicyGradient(pg, high, low, None)
+    pg, dual = _dual_clip(pg, v.advantages, clip_ratio_c)
+    return PolicyGradient(pg, high, low, None, dual)
 
 
 @objective("cispo", knobs=("clip_low", "clip_high"), clip=(1.0, 0.28))
@@ -183,15 +205,16 @@ def rl_token_loss(
 ) -> RLTokenLoss:
     """The RL component's token loss ``rl_w * (-adv_tau * pg + kl_tau * log_ratio**2)`` (contract 3)
     of an objective's ``pg``, which is zeroed where ``keep`` (the MIS mask) is False."""
-    term, high, low, clipped = pg
+    term, high, low, clipped, dual = pg
     rejected = None
     if keep is not None:
         term = jnp.where(keep, term, 0.0)
         rejected = ~keep
+        dual = None if dual is None else dual & keep
     # -(adv_tau * term), not -adv_tau * term: at the default adv_tau = 1 XLA drops the multiply,
     # leaving the negate DPPO's program always had.
     loss = v.rl_w * (-(adv_tau * term) + kl_tau * jnp.square(v.log_ratio))
-    return RLTokenLoss(loss, high, low, clipped, rejected)
+    return RLTokenLoss(loss, high, low, clipped, rejected, dual)
 
 
 def staleness_factor(lag: jax.Array, max_lag: int, mode: StalenessMode, decay: float) -> jax.Array:

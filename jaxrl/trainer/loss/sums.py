@@ -78,6 +78,7 @@ class LossSums(TypedDict):
     rl_seqs_count: jax.Array
     clipped_count: jax.Array
     rejected_count: jax.Array
+    dual_clipped_count: jax.Array
     lag0_count: jax.Array
     lag1_count: jax.Array
     lag2_count: jax.Array
@@ -240,7 +241,7 @@ def loss_sums(
 
 def _offpolicy_sums(view: LossBatch, rl: RLTokenLoss, raw_rl_on: jax.Array) -> dict[str, jax.Array]:
     """Importance-ratio distribution at token and sequence level (the sequence ratio is the
-    geometric mean ``exp(mean_t log r_t)``, GSPO's), clipped / MIS-rejected token counts, and the
+    geometric mean ``exp(mean_t log r_t)``, GSPO's), clipped / MIS-rejected / dual-clipped token counts, and the
     staleness histogram over the RL tokens before the staleness rule (``raw_rl_on``).
     ``*_inv_max`` holds the max of ``1 / ratio``, so minima accumulate as maxima from 0."""
     on = view.rl_on
@@ -260,6 +261,8 @@ def _offpolicy_sums(view: LossBatch, rl: RLTokenLoss, raw_rl_on: jax.Array) -> d
     out["rl_seqs_count"] = count_segments(on, view.segment_ids)
     out["clipped_count"] = count(on & rl.clipped) if rl.clipped is not None else jnp.zeros((), jnp.float32)
     out["rejected_count"] = count(on & rl.rejected) if rl.rejected is not None else jnp.zeros((), jnp.float32)
+    dual = rl.dual_clipped
+    out["dual_clipped_count"] = count(on & dual) if dual is not None else jnp.zeros((), jnp.float32)
     lag = view.lag
     for b in LAG_BINS:
         in_bin = lag >= 3 if b == "3p" else lag == int(b)
@@ -344,6 +347,7 @@ def _offpolicy_metrics(total: LossSums) -> dict[str, jax.Array]:
         out[f"{name}_min"] = inv(total[f"{name}_inv_max"])
     out["clipped_frac"] = _safe_div(total["clipped_count"], total["rl_count"])
     out["mis_rejected_frac"] = _safe_div(total["rejected_count"], total["rl_count"])
+    out["dual_clipped_frac"] = _safe_div(total["dual_clipped_count"], total["rl_count"])
     out["rl_seqs"] = total["rl_seqs_count"]
     for b in LAG_BINS:
         out[f"stale_lag{b}_frac"] = _safe_div(total[f"lag{b}_count"], total["rl_raw_count"])
