@@ -1,15 +1,16 @@
 """Weight delivery to rollout servers, as ``inference.backend = "external"`` does it every step:
 through files (the trainer writes HF safetensors to a shared directory, every server loads them)
 or directly (every trainer process publishes its shards, every server pulls them: whole, or only
-the blocks a step changed).
+the elements a step changed).
 
     python bench/weight_delivery.py [--models qwen3-0.6b qwen3-8b] [--layers-8b 2] [--writers 4] [--dir DIR]
                                     [--direct-8b] [--fractions F ...] [--repeats 2]
 
 First this host's own limits (``host`` line: memcpy and one loopback socket stream, GB/s) and
-the changed fraction of real optimizer steps (``changed_fraction`` lines: AdamW at the main
-recipe's lr 5e-4 on a tiny Qwen3-shaped model, the bfloat16 serving bytes that changed per step,
-by element, whole tensor and block size). Then, per model, one JSON line per path:
+the changed fraction of real optimizer steps (``changed_fraction`` lines: AdamW at each of
+``--lrs``, the main recipe's 5e-4 and an LLM RL run's 1e-6, on a tiny Qwen3-shaped model: the
+bfloat16 serving bytes that changed per step, by element (and what an element delta sends:
+``bytes_element_delta``), whole tensor and block size). Then, per model, one JSON line per path:
 
 - ``gather``: today's path. ``export_hf`` gathers every weight to process 0 (``device_get``) and
   writes 2 GB shards there, one after another; then ``sync``.
@@ -21,8 +22,9 @@ by element, whole tensor and block size). Then, per model, one JSON line per pat
   processes (one CPU device each) pull it whole at once over loopback TCP (``pull_weights``);
   ``step_s`` = publish + the slower pull, median of ``--repeats`` versions.
 - ``direct_delta``: the same with ``Publisher(delta=True)``: each version changes a fraction of
-  every shard's 64 KiB blocks (the measured changed fraction of a real step, then each of
-  ``--fractions``) and the servers, holding the version before, pull only the changed blocks;
+  every shard's elements, scattered (the measured fraction of a real step at each of ``--lrs``,
+  then each of ``--fractions``) and the servers, holding the version before, pull only the
+  changed elements (a bitmap and their bytes);
   ``publish_s`` includes the block compare. ``socket_GBps_adjacent``: one loopback socket stream
   measured right before and after these paths (the host's load drifts), ``vs_socket``: both
   servers' pull rate together against it.
@@ -301,18 +303,18 @@ def host_limits() -> dict[str, float]:
     return row
 
 
-def real_step_fraction(args: argparse.Namespace) -> float:
-    """The ``changed_fraction`` lines; returns the median fraction of bytes in changed 64 KiB
-    blocks (what a delta sends) after the first step."""
+def real_step_fractions(args: argparse.Namespace) -> list[tuple[str, float]]:
+    """The ``changed_fraction`` lines; returns, per learning rate, the median fraction of bf16
+    elements a real step changed (after the first step): the ``direct_delta`` lines' fractions."""
     from weight_direct import changed_fraction
 
     fractions = []
-    for lr in args.lrs:  # the first one's fraction is the direct_delta "real_step" line's
+    for lr in args.lrs:
         rows = changed_fraction(args.optimizer_steps, (4 << 10, 64 << 10, 1 << 20), lr=lr)
         for r in rows:
             print(json.dumps({"bench": "weight_delivery", "path": "changed_fraction", "lr": lr, **r}), flush=True)
-        fractions.append(statistics.median(r["bytes_64k"] for r in rows[1:] or rows))
-    return fractions[0]
+        fractions.append((f"real_step_lr{lr:g}", statistics.median(r["elements"] for r in rows[1:] or rows)))
+    return fractions
 
 
 def bytes_outside_layers(hf: dict[str, Any]) -> int:
@@ -341,7 +343,7 @@ def main() -> None:
         ap.error("--fractions must be in [0, 1]")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     host_limits()
-    fractions = [("real_step", real_step_fraction(args))] + [("asked", f) for f in args.fractions]
+    fractions = real_step_fractions(args) + [("asked", f) for f in args.fractions]
     for label in args.models:
         name, layer_arg = SHAPES[label]
         full = preset(name)["num_hidden_layers"]

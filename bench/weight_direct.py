@@ -110,7 +110,7 @@ def changed_fraction(steps: int, block_sizes: tuple[int, ...], lr: float) -> lis
     from jaxrl.models.arch import arch_from_hf_config
     from jaxrl.models.decoder import Decoder
     from jaxrl.models.tiny import qwen3_config
-    from jaxrl.weight_transfer.delta import changed_blocks
+    from jaxrl.weight_transfer.delta import changed_blocks, delta_payload_bytes
     from jaxrl.weight_transfer.manifest import param_leaves
 
     hf = qwen3_config(vocab_size=151936, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -143,21 +143,17 @@ def changed_fraction(steps: int, block_sizes: tuple[int, ...], lr: float) -> lis
         after = served(params)
         total = sum(a.nbytes for a in after.values())
         row = {"step": i + 1, "loss": round(float(value), 4), "bytes": total}
-        row["elements"] = sum(int((before[k] != after[k]).sum()) * 2 for k in after) / total  # NaN-free
+        changed = sum(int((before[k].view(np.uint16) != after[k].view(np.uint16)).sum()) for k in after)
+        row["elements"] = changed * 2 / total
+        row["bytes_element_delta"] = (changed * 2 + sum(-(-a.size // 8) for a in after.values())) / total  # bitmap + values
         row["tensors"] = sum(a.nbytes for k, a in after.items() if not np.array_equal(before[k].view(np.uint16), a.view(np.uint16))) / total  # fmt: skip
         for bs in block_sizes:  # the fraction of blocks, and of bytes in changed blocks (what a delta sends)
             bits = {k: changed_blocks(before[k], after[k], bs) for k in after}
             row[f"blocks_{bs >> 10}k"] = sum(int(b.sum()) for b in bits.values()) / sum(b.size for b in bits.values())
-            row[f"bytes_{bs >> 10}k"] = sum(sent_bytes(b, after[k].nbytes, bs) for k, b in bits.items()) / total
+            row[f"bytes_{bs >> 10}k"] = sum(delta_payload_bytes(b, after[k].nbytes, bs) for k, b in bits.items()) / total
         rows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
         before = after
     return rows
-
-
-def sent_bytes(bits: np.ndarray, nbytes: int, block_bytes: int) -> int:
-    """The bytes of the changed blocks (the last block may be short)."""
-    last = nbytes - (bits.size - 1) * block_bytes
-    return int(bits[:-1].sum()) * block_bytes + (last if bits.size and bits[-1] else 0)
 
 
 # -- the trainer and server processes ------------------------------------------------------------
@@ -173,7 +169,6 @@ def trainer(args: argparse.Namespace) -> None:
     from jaxrl.models.sharding import state_shardings
     from jaxrl.parallel.mesh import MeshConfig, make_mesh
     from jaxrl.weight_transfer import Publisher, manifest_for
-    from jaxrl.weight_transfer.delta import BLOCK_BYTES
     from jaxrl.weight_transfer.manifest import box_of
 
     mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1))
@@ -197,12 +192,12 @@ def trainer(args: argparse.Namespace) -> None:
         }
 
     def perturb(fraction: float) -> None:
-        """Change ``fraction`` of the 64 KiB blocks of every shard (one bf16 ulp at each block's start)."""
+        """Change ``fraction`` of every shard's elements, scattered (one bf16 ulp each), as an
+        optimizer step at a small learning rate does (``changed_fraction`` lines)."""
         for boxes in host.values():
             for a in boxes.values():
                 flat = a.reshape(-1).view(np.uint16)
-                blocks = -(-flat.nbytes // BLOCK_BYTES)
-                hit = np.flatnonzero(rng.random(blocks) < fraction) * (BLOCK_BYTES // 2)
+                hit = rng.integers(0, flat.size, round(fraction * flat.size))
                 flat[hit] += 1
 
     def allgather(address: str) -> list[str]:

@@ -154,15 +154,15 @@ class ExternalConfig(BaseModel):
 
     weight_transfer_delta: bool = False
     """With "direct": publish each version as a delta against the one before it, so a server
-    that holds exactly that version pulls only the changed 64 KiB blocks of each shard, in the
-    serving dtype (``jaxrl.weight_transfer.delta``); a server that missed a version or restarted
-    pulls the version whole. It costs no trainer memory (the publisher holds the previous version
-    anyway), one compare pass over this process's host copy per step on the trainer, and a copy
-    of the base on each server. Off by default because it saves nothing at the recipes' learning
-    rates: an AdamW step at lr 5e-4 changes ~96% of the bfloat16 elements and every 64 KiB block
-    (bench/weight_delivery.py, ``changed_fraction``). Turn it on where a step leaves most serving
-    bytes unchanged (learning rates far below the bf16 resolution of the weights, frozen parts);
-    each step then logs ``weights/changed_fraction``."""
+    that holds exactly that version pulls only the changed elements of each shard (a bitmap, one
+    bit per element, and the changed elements' bytes), in the serving dtype
+    (``jaxrl.weight_transfer.delta``); a server that missed a version or restarted pulls the
+    version whole. It costs no trainer memory (the publisher holds the previous version anyway),
+    one compare pass over this process's host copy per step on the trainer, and a copy of the
+    base on each server. Measured (bench/weight_delivery.py, ``changed_fraction``): an AdamW step
+    at an LLM RL learning rate (1e-6 .. 3e-6) changes 2.7-10% of the bfloat16 elements, so a
+    delta is ~9-16% of the bytes; at the reverse_text recipes' lr 5e-4 ~96% change and a delta
+    saves nothing, hence off by default. Each step logs ``weights/changed_fraction``."""
 
     weight_transfer_full_every: int = Field(10, ge=1, le=100_000)
     """With ``weight_transfer_delta``: every this many versions one is published whole (1: every

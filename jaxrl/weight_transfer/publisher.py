@@ -7,7 +7,8 @@ default, so servers still pulling version n can finish while n + 1 is published)
 any other version fail with ``VersionUnavailable`` naming the versions held.
 
 With ``delta=True`` each publish also compares the new version's host copies with the previous
-version's, block by block (``delta.changed_blocks``), and the fragment names that version as its
+version's, block by block (``delta.changed_blocks``; a block is one element of the serving dtype
+unless ``block_bytes`` says otherwise), and the fragment names that version as its
 base (``Manifest.base_version``) unless ``full=True``: servers holding the base then pull only the
 changed blocks (``delta_bitmap``). This costs no memory beyond ``keep = 2`` (the previous version
 is held anyway: one host copy of this process's shards in the serving dtype) and one compare pass
@@ -33,13 +34,14 @@ import numpy as np
 
 from jaxrl.weight_transfer.base import Transport, TransportServer, VersionUnavailable, WeightTransferError
 from jaxrl.weight_transfer.bits import copy
-from jaxrl.weight_transfer.delta import BLOCK_BYTES, changed_blocks, num_blocks
+from jaxrl.weight_transfer.delta import changed_blocks, num_blocks
 from jaxrl.weight_transfer.manifest import (
     Box,
     Manifest,
     ParamEntry,
     Shard,
     box_of,
+    box_size,
     local_slices,
     param_leaves,
 )
@@ -68,7 +70,8 @@ class Publisher:
     says which); ``advertise``: the host name pullers should use when ``host`` is a wildcard.
     ``delta``: compare each version with the previous and offer it as a delta (tcp only), but
     every ``full_every``-th version (counted from the last full one) as a full version;
-    ``block_bytes``: the delta's block. ``lineage``: this run's id (a fresh one by default).
+    ``block_bytes``: the delta's block (None: one element of ``dtype``; ``delta.py`` says why).
+    ``lineage``: this run's id (a fresh one by default).
     """
 
     def __init__(
@@ -82,24 +85,31 @@ class Publisher:
         keep: int = 2,
         delta: bool = False,
         full_every: int = 10,
-        block_bytes: int = BLOCK_BYTES,
+        block_bytes: int | None = None,
         lineage: str | None = None,
     ):
         if keep < (2 if delta else 1):
             raise ValueError(f"Publisher(keep={keep}): keep at least one version (two with delta=True)")
+        self.dtype = jax.numpy.dtype(dtype)
+        block_bytes = self.dtype.itemsize if block_bytes is None else block_bytes
         if block_bytes < 1 or full_every < 1:
-            raise ValueError(f"Publisher(block_bytes={block_bytes}, full_every={full_every}): each at least 1")
+            raise ValueError(
+                f"Publisher(block_bytes={block_bytes}, full_every={full_every}): each at least 1"
+            )
         self.delta, self.block_bytes, self.full_every = delta, block_bytes, full_every
         self._since_full = 0  # deltas published since the last full version
         self.lineage = lineage or uuid.uuid4().hex
-        self.dtype = jax.numpy.dtype(dtype)
         self.keep = keep
         self._transport = get_transport(transport) if isinstance(transport, str) else transport
         if delta and self._transport.name != "tcp":
-            raise ValueError(f"Publisher(delta=True): deltas travel over tcp only, not {self._transport.name!r}")
+            raise ValueError(
+                f"Publisher(delta=True): deltas travel over tcp only, not {self._transport.name!r}"
+            )
         self._lock = threading.Lock()
         self._versions: dict[int, dict[str, dict[Box, np.ndarray]]] = {}
-        self._bitmaps: dict[int, tuple[int, dict[str, dict[Box, np.ndarray]]]] = {}  # version -> (base, bitmaps)
+        # version -> (base, packed bitmaps): packed, as they go on the wire, so an element-level
+        # bitmap holds 1/16 of a bfloat16 version's bytes, not 1/2 as a bool array would.
+        self._bitmaps: dict[int, tuple[int, dict[str, dict[Box, np.ndarray]]]] = {}
         self._changes: dict[int, Changes] = {}
         self._server: TransportServer | None = self._transport.serve(self, host, port, advertise)
         self.address = self._server.address
@@ -141,8 +151,12 @@ class Publisher:
         with self._lock:
             self._versions[version] = shards
             if bitmaps is not None and base is not None:
-                self._bitmaps[version] = (base, bitmaps)
                 self._changes[version] = self._count(base, shards, bitmaps)
+                packed = {
+                    p: {b: np.packbits(bits, bitorder="little") for b, bits in boxes.items()}
+                    for p, boxes in bitmaps.items()
+                }
+                self._bitmaps[version] = (base, packed)
             for old in sorted(self._versions)[: -self.keep]:
                 del self._versions[old]  # pulls in flight keep their arrays alive
                 self._bitmaps.pop(old, None)
@@ -198,16 +212,19 @@ class Publisher:
         with self._lock:
             return self._changes.get(version)
 
-    def delta_bitmap(self, version: int, base: int, param: str, shard: Box, region: Box, block_bytes: int) -> np.ndarray:
+    def delta_bitmap(
+        self, version: int, base: int, param: str, shard: Box, region: Box, block_bytes: int
+    ) -> np.ndarray:
         """``ShardSource``: which ``block_bytes`` blocks of ``region`` (its row-major bytes) differ
         between ``base`` and ``version``; raises ``VersionUnavailable`` unless both are held. The
         bitmap computed at publish is reused when the region is the whole shard."""
         with self._lock:
             cached = self._bitmaps.get(version)
         if cached is not None and cached[0] == base and region == shard and block_bytes == self.block_bytes:
-            bits = cached[1].get(param, {}).get(shard)
-            if bits is not None:
-                return bits
+            packed = cached[1].get(param, {}).get(shard)
+            if packed is not None:
+                count = num_blocks(box_size(shard) * self.dtype.itemsize, block_bytes)
+                return np.unpackbits(packed, count=count, bitorder="little").astype(bool)
         new, old = self.shard(version, param, shard), self.shard(base, param, shard)
         where = local_slices(region, shard)
         return changed_blocks(old[where], new[where], block_bytes)

@@ -15,7 +15,7 @@ status 1, a UTF-8 error message, after which the rest of the request's items are
 connection stays usable). A delta request, ``{"op": "delta", "version": v, "base": b,
 "block_bytes": k, "items": [...]}``, is answered the same way, each payload being the region's
 changed-block bitmap (``np.packbits``, little bit order, one bit per ``k`` bytes of the region)
-and then the bytes of its changed blocks in order (``delta.py``).
+and then the bytes of its changed blocks, one after another in order (``delta.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxrl.weight_transfer.base import FetchFailed, RemoteError, ShardSource, WeightTransferError
 from jaxrl.weight_transfer.bits import contiguous
-from jaxrl.weight_transfer.delta import block_runs, num_blocks
+from jaxrl.weight_transfer.delta import delta_payload_bytes, gather_blocks, num_blocks, scatter_blocks
 from jaxrl.weight_transfer.manifest import local_slices
 from jaxrl.weight_transfer.plan import Pull
 
@@ -252,16 +252,14 @@ def serve_get(sock: socket.socket, source: ShardSource, request: dict[str, Any])
 def delta_parts(
     source: ShardSource, request: dict[str, Any], item: Sequence[Any], data: np.ndarray
 ) -> list[memoryview]:
-    """A delta reply's payload: the packed bitmap, then each run of changed blocks' bytes."""
+    """A delta reply's payload: the packed bitmap, then the changed blocks' bytes, packed."""
     k = int(request["block_bytes"])
     if k < 1:
         raise ValueError(f"block_bytes {k}")
     shard, region = tuple(map(tuple, item[1])), tuple(map(tuple, item[2]))
     bits = source.delta_bitmap(request["version"], request["base"], item[0], shard, region, k)
-    flat = as_bytes(data)
-    parts = [memoryview(np.packbits(bits, bitorder="little").tobytes())]
-    parts += [flat[a * k : (a + n) * k] for a, n in block_runs(bits)]
-    return parts
+    packed = np.packbits(bits, bitorder="little")
+    return [memoryview(packed), memoryview(gather_blocks(data.reshape(-1).view(np.uint8), bits, k))]
 
 
 class TcpConnection:
@@ -301,13 +299,14 @@ class TcpConnection:
         head = -(-blocks // 8)
         packed = np.frombuffer(recv_exact(self._sock, head), np.uint8) if head else np.zeros(0, np.uint8)
         bits = np.unpackbits(packed, count=blocks, bitorder="little").astype(bool)
-        flat = as_bytes(out)
-        runs = block_runs(bits)
-        if head + sum(len(flat[a * k : (a + m) * k]) for a, m in runs) != n:
-            raise WeightTransferError(f"the endpoint sent a delta of {n} bytes that its bitmap does not describe")
-        for a, m in runs:
-            if not recv_into(self._sock, flat[a * k : (a + m) * k], deadline):
-                raise ConnectionError("connection closed by the peer")
+        if head + delta_payload_bytes(bits, out.nbytes, k) != n:
+            raise WeightTransferError(
+                f"the endpoint sent a delta of {n} bytes that its bitmap does not describe"
+            )
+        payload = np.empty(n - head, np.uint8)
+        if payload.size and not recv_into(self._sock, memoryview(payload), deadline):
+            raise ConnectionError("connection closed by the peer")
+        scatter_blocks(out.reshape(-1).view(np.uint8), bits, k, payload)
 
     def close(self) -> None:
         shutdown(self._sock)

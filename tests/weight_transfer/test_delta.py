@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxrl.models.sharding import shard_params
 from jaxrl.parallel.mesh import MeshConfig, make_mesh
 from jaxrl.weight_transfer import Publisher, applies_as_delta, pull_weights
-from jaxrl.weight_transfer.delta import block_runs, changed_blocks
+from jaxrl.weight_transfer.delta import changed_blocks, delta_payload_bytes, gather_blocks, scatter_blocks
 from jaxrl.weight_transfer.manifest import Manifest, param_leaves
 
 BLOCK = 64  # bytes: the tiny model's weights span many blocks
@@ -77,19 +77,22 @@ def test_changed_blocks_and_their_runs_are_exact() -> None:
     new[[0, 130, 131, 999]] = 1  # blocks of 64: 0, 2, 15 (the short last one)
     bits = changed_blocks(old, new, 64)
     assert bits.size == 16 and np.flatnonzero(bits).tolist() == [0, 2, 15]
-    assert block_runs(bits) == [(0, 1), (2, 1), (15, 1)]
-    assert block_runs(np.array([1, 1, 0, 1, 1, 1], bool)) == [(0, 2), (3, 3)]
-    assert block_runs(np.zeros(4, bool)) == []
+    payload = gather_blocks(new, bits, 64)  # blocks 0 and 2 whole, then the 40-byte last one
+    assert payload.size == delta_payload_bytes(bits, new.size, 64) == 2 * 64 + 40
+    back = old.copy()
+    scatter_blocks(back, bits, 64, payload)
+    assert np.array_equal(back, new)
     nan = np.array([np.nan], np.float32)  # equal bits count as unchanged, whatever they mean
     assert not changed_blocks(nan, nan.copy(), 64).any()
     assert changed_blocks(np.float32([0.0]), np.float32([-0.0]), 64).all()  # -0.0 == 0.0, not the same bits
 
 
-def test_a_sequence_of_full_and_delta_pulls_is_bitwise_the_latest_version(state: nnx.State) -> None:
+@pytest.mark.parametrize("block", [BLOCK, None], ids=["64-byte-blocks", "elements"])
+def test_a_sequence_of_full_and_delta_pulls_is_bitwise_the_latest_version(state: nnx.State, block: int | None) -> None:
     versions = [state]
     for v in range(2, 8):
         versions.append(step(versions[-1], v))
-    with Publisher(delta=True, full_every=3, block_bytes=BLOCK) as pub:
+    with Publisher(delta=True, full_every=3, block_bytes=block) as pub:
         held, have = None, None
         kinds = []
         for v, params in enumerate(versions, start=1):
@@ -156,10 +159,11 @@ def test_a_server_that_missed_a_version_or_another_run_pulls_whole(state: nnx.St
         assert same_bits(other, v3)
 
 
-def test_a_delta_onto_a_strided_tensor_parallel_layout(state: nnx.State) -> None:
+@pytest.mark.parametrize("block", [BLOCK, None], ids=["64-byte-blocks", "elements"])
+def test_a_delta_onto_a_strided_tensor_parallel_layout(state: nnx.State, block: int | None) -> None:
     v2 = step(state, 2)
     like = tensor_parallel(state)
-    with Publisher(delta=True, block_bytes=BLOCK) as pub:
+    with Publisher(delta=True, block_bytes=block) as pub:
         first = pull_weights(pub.publish(1, state), like, timeout_s=20)
         second = pull_weights(
             pub.publish(2, v2), like, timeout_s=20, previous=first, have_version=1, have_lineage=pub.lineage
@@ -173,6 +177,9 @@ def test_delta_fields_round_trip_and_are_checked(state: nnx.State) -> None:
         m = pub.publish(2, step(state, 2))
     back = Manifest.from_json(m.to_json())
     assert (back.lineage, back.base_version, back.block_bytes) == (pub.lineage, 1, BLOCK)
+    with Publisher(delta=True) as pub:  # the default block: one element of the serving dtype
+        pub.publish(1, state)
+        assert pub.publish(2, step(state, 2)).block_bytes == 2 == jnp.dtype(jnp.bfloat16).itemsize
     with pytest.raises(ValueError, match="base version 2 is not below version 2"):
         Manifest(2, m.endpoints, m.params, base_version=2)
     with pytest.raises(ValueError, match="deltas travel over tcp only"):
