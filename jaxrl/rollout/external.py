@@ -288,7 +288,7 @@ class ExternalBackend:
         manifest = manifest_for(
             version, state, self._endpoints, self.publisher.dtype, transport="tcp",
             lineage=self.publisher.lineage, base_version=fragment.base_version,
-            block_bytes=self.publisher.block_bytes,
+            block_bytes=None if fragment.base_version is None else self.publisher.block_bytes,
         )  # fmt: skip
         body = {
             "version": self._offset + version,

@@ -23,15 +23,12 @@ import numpy as np
 
 from jaxrl.weight_transfer.bits import as_bits, contiguous
 
-BLOCK_BYTES = 64 << 10
-"""A coarse block (64 KiB of a region's row-major bytes), for the bench's comparison."""
-
 
 def num_blocks(nbytes: int, block_bytes: int) -> int:
     return -(-nbytes // block_bytes)
 
 
-def changed_blocks(old: np.ndarray, new: np.ndarray, block_bytes: int = BLOCK_BYTES) -> np.ndarray:
+def changed_blocks(old: np.ndarray, new: np.ndarray, block_bytes: int) -> np.ndarray:
     """bool[num_blocks]: whether each ``block_bytes`` block of ``new``'s row-major bytes differs
     from ``old``'s (same shape and dtype; C-contiguous copies are made of strided views)."""
     if old.shape != new.shape or old.dtype != new.dtype:

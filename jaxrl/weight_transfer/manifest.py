@@ -32,8 +32,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl.weight_transfer.delta import BLOCK_BYTES
-
 Box = tuple[tuple[int, int], ...]
 """A global index range: ``(start, stop)`` per dimension."""
 
@@ -93,7 +91,7 @@ class Manifest:
     transport: str = "tcp"
     lineage: str = ""  # the publishers' run; versions compare only within one
     base_version: int | None = None  # a delta against this version of the lineage; None: full
-    block_bytes: int = BLOCK_BYTES  # a delta's block size
+    block_bytes: int | None = None  # a delta's block size (a full version has none)
     _by_path: dict[str, ParamEntry] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -108,7 +106,9 @@ class Manifest:
                     )
         if self.base_version is not None and not self.base_version < self.version:
             raise ValueError(f"manifest: base version {self.base_version} is not below version {self.version}")
-        if self.block_bytes < 1:
+        if self.base_version is not None and self.block_bytes is None:
+            raise ValueError(f"manifest: a delta against version {self.base_version} names no block_bytes")
+        if self.block_bytes is not None and self.block_bytes < 1:
             raise ValueError(f"manifest: block_bytes {self.block_bytes} < 1")
 
     def param(self, path: str) -> ParamEntry:
@@ -155,7 +155,7 @@ class Manifest:
         )
         return cls(
             d["version"], tuple(d["endpoints"]), params, d.get("transport", "tcp"), d.get("lineage", ""),
-            d.get("base_version"), d.get("block_bytes", BLOCK_BYTES),
+            d.get("base_version"), d.get("block_bytes"),
         )  # fmt: skip
 
 
@@ -210,11 +210,11 @@ def manifest_for(
     unchanged_since: Mapping[str, int] | None = None,
     lineage: str = "",
     base_version: int | None = None,
-    block_bytes: int = BLOCK_BYTES,
+    block_bytes: int | None = None,
 ) -> Manifest:
     """The manifest of ``state`` (arrays or abstract arrays with shardings) served in ``dtype``,
     with ``endpoints[i]`` the publisher of process ``i`` (a delta against ``base_version`` when
-    given). Pure: no transfers, no collectives."""
+    given, with its ``block_bytes``). Pure: no transfers, no collectives."""
     unchanged_since = unchanged_since or {}
     params = []
     for path, x in param_leaves(state):

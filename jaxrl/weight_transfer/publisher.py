@@ -174,7 +174,7 @@ class Publisher:
         )
         return Manifest(
             version, (self.address,), params, self._transport.name, self.lineage,
-            None if full else base, self.block_bytes,
+            None if full else base, None if full else self.block_bytes,
         )  # fmt: skip
 
     def _compare(
