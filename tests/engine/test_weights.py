@@ -130,30 +130,35 @@ def test_update_from_hf_directory_and_version_rules(engine, other_model_dir, tmp
 def test_drain_finishes_requests_in_flight_on_the_old_weights(
     engine, model_dir, other_model_dir, score, kl
 ) -> None:
-    """weight_update = "drain": requests in flight never see the new weights; later ones only do."""
-    old = load_decoder(other_model_dir)  # version 1, from the previous test
+    """weight_update = "drain": requests in flight never see the new weights; later ones only do.
+
+    Self-contained (pytest-xdist may run the module's other tests on the other worker, so the
+    shared engine's version is whatever ran here before): the old weights go in first."""
+    old = load_decoder(other_model_dir)
     new = load_decoder(model_dir)
+    v_old = engine.update_weights_from_state(nnx.state(old))  # the engine is not started: swaps now
+    v_new = v_old + 4
     engine.start()
     try:
         before = engine.stats.generated_tokens
         inflight_reqs = [_req(max_tokens=100, seed=s, prompt=[7, 7, s]) for s in range(3)]
         inflight = [engine.submit(r) for r in inflight_reqs]
         _wait_for_tokens(engine, before)
-        assert engine.update_weights_from_state(nnx.state(new), version=5, wait=False) == 5
+        assert engine.update_weights_from_state(nnx.state(new), version=v_new, wait=False) == v_new
         assert not all(f.done() for f in inflight), "test needs requests in flight at the update"
         later_reqs = [_req(max_tokens=10, seed=s, prompt=[8, 8, s]) for s in range(2)]
         later = [engine.submit(r) for r in later_reqs]
         for r, f in zip(inflight_reqs, inflight):
             out = f.result(120)
-            assert (out.policy_version, out.policy_version_final) == (1, 1)
+            assert (out.policy_version, out.policy_version_final) == (v_old, v_old)
             assert kl(score(old, r.prompt, out.token_ids, 1.0), out.logprobs) <= 1e-6
         for r, f in zip(later_reqs, later):
             out = f.result(120)
-            assert (out.policy_version, out.policy_version_final) == (5, 5)
+            assert (out.policy_version, out.policy_version_final) == (v_new, v_new)
             assert kl(score(new, r.prompt, out.token_ids, 1.0), out.logprobs) <= 1e-6
     finally:
         engine.stop()
-    assert engine.policy_version == 5
+    assert engine.policy_version == v_new
 
 
 def test_immediate_update_switches_requests_in_flight(model_dir, other_model_dir, make_config) -> None:
