@@ -16,15 +16,10 @@ samples to all processes; all run the same train step and weight export.
 
 from __future__ import annotations
 
-import sys
-
 if __name__ == "__main__":  # before the heavy imports: a script checking exit codes learns at once
-    print(
-        "jaxrl.rl is a library module; run training with: python -m jaxrl.train --config ... "
-        "(the config's [orchestrator] section makes it RL)",
-        file=sys.stderr,
-    )
-    sys.exit(2)
+    from jaxrl.library_module import refuse_main
+
+    refuse_main("jaxrl.rl", "orchestrator")
 
 import json
 import time

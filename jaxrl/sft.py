@@ -3,15 +3,10 @@ HF export (``<output_dir>/hf``, with the tokenizer: the warm start RL recipes lo
 
 from __future__ import annotations
 
-import sys
-
 if __name__ == "__main__":  # before the heavy imports: a script checking exit codes learns at once
-    print(
-        "jaxrl.sft is a library module; run training with: python -m jaxrl.train --config ... "
-        "(the config's [data] section makes it SFT)",
-        file=sys.stderr,
-    )
-    sys.exit(2)
+    from jaxrl.library_module import refuse_main
+
+    refuse_main("jaxrl.sft", "data")
 
 import random
 import time
