@@ -558,9 +558,20 @@ def render(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     }
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """``--help`` keeps the description's line breaks and shows each flag's default (where it has
+    one its help does not already explain)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in help or not action.option_strings:
+            return help
+        return f"{help} (default: %(default)s)"
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__.split("\n\n")[0], formatter_class=_Help
     )
     p.add_argument("--slice", required=True, help="trainer slice, e.g. v5e-16 or v6e-8")
     p.add_argument("--image", required=True, help="jaxrl image (launch/gke/Dockerfile)")
@@ -577,7 +588,7 @@ def parser() -> argparse.ArgumentParser:
         "--rollout-slice", default=None, help="disaggregated: vllm-tpu servers on their own slices"
     )
     p.add_argument("--rollout-replicas", type=int, default=1, help="vLLM servers (one slice each)")
-    p.add_argument("--rollout-image", default=VLLM_TPU_IMAGE, help=f"vLLM server image (default {VLLM_TPU_IMAGE})")
+    p.add_argument("--rollout-image", default=VLLM_TPU_IMAGE, help="vLLM server image")
     p.add_argument(
         "--rollout-tensor-parallel", type=int, default=None,
         help="chips per vLLM server (default: the most that the model's head counts allow)",
@@ -617,7 +628,7 @@ def parser() -> argparse.ArgumentParser:
         "--wait-timeout-s", type=int, default=3600,
         help="deadline of every wait (weights fetched or exported, rollout servers healthy)",
     )
-    p.add_argument("-o", "--output", default="-", help="output file (default: stdout)")
+    p.add_argument("-o", "--output", default="-", help="output file (-: stdout)")
     return p
 
 
