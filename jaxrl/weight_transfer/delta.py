@@ -40,7 +40,11 @@ def changed_blocks(old: np.ndarray, new: np.ndarray, block_bytes: int) -> np.nda
     if full:
         head = full * block_bytes
         dt = _word(block_bytes)
-        out[:full] = (a[:head].view(dt) != b[:head].view(dt)).reshape(full, -1).any(axis=1)
+        x, y = a[:head].view(dt), b[:head].view(dt)
+        if x.size == full:  # one word per block (an element of the serving dtype): the compare is the bitmap
+            np.not_equal(x, y, out=out[:full])
+        else:
+            out[:full] = (x != y).reshape(full, -1).any(axis=1)
     if full < out.size:
         out[full] = not np.array_equal(a[full * block_bytes :], b[full * block_bytes :])
     return out
@@ -58,12 +62,14 @@ def delta_payload_bytes(bits: np.ndarray, nbytes: int, block_bytes: int) -> int:
 def gather_blocks(flat: np.ndarray, bits: np.ndarray, block_bytes: int) -> np.ndarray:
     """The bytes of the blocks ``bits`` marks in ``flat`` (C-contiguous uint8), one after
     another in one buffer: a vectorised gather, so a delta of millions of scattered elements is
-    one numpy pass and one send, not a send per run."""
+    one numpy pass and one send, not a send per run. By index (``flatnonzero``, then ``take``),
+    not by boolean mask: 3x faster for scattered elements (measured, 150M bf16 elements, 3%
+    changed: 0.69 -> 0.18 s)."""
     full = flat.size // block_bytes
     parts = []
     if full:
-        blocks = flat[: full * block_bytes].view(_word(block_bytes)).reshape(full, -1)
-        parts.append(blocks[bits[:full]].reshape(-1).view(np.uint8))
+        rows = np.flatnonzero(bits[:full])
+        parts.append(_blocks(flat, full, block_bytes).take(rows, axis=0).reshape(-1).view(np.uint8))
     if full < bits.size and bits[full]:
         parts.append(flat[full * block_bytes :])
     if not parts:
@@ -74,14 +80,20 @@ def gather_blocks(flat: np.ndarray, bits: np.ndarray, block_bytes: int) -> np.nd
 def scatter_blocks(flat: np.ndarray, bits: np.ndarray, block_bytes: int, payload: np.ndarray) -> None:
     """Write ``gather_blocks``'s ``payload`` back over the blocks ``bits`` marks in ``flat``."""
     full = flat.size // block_bytes
-    changed = int(bits[:full].sum())
-    head = changed * block_bytes
-    if changed:
-        word = _word(block_bytes)
-        blocks = flat[: full * block_bytes].view(word).reshape(full, -1)
-        blocks[bits[:full]] = payload[:head].view(word).reshape(changed, -1)
+    rows = np.flatnonzero(bits[:full])
+    head = rows.size * block_bytes
+    if rows.size:
+        blocks = _blocks(flat, full, block_bytes)
+        blocks[rows] = payload[:head].view(blocks.dtype).reshape(rows.size, *blocks.shape[1:])
     if full < bits.size and bits[full]:
         flat[full * block_bytes :] = payload[head:]
+
+
+def _blocks(flat: np.ndarray, full: int, block_bytes: int) -> np.ndarray:
+    """``flat``'s ``full`` whole blocks as words: 1-D when a block is one word (an element), else
+    one row of words per block."""
+    words = flat[: full * block_bytes].view(_word(block_bytes))
+    return words if words.size == full else words.reshape(full, -1)
 
 
 def _word(block_bytes: int) -> type[np.unsignedinteger]:

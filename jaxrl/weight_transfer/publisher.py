@@ -224,7 +224,7 @@ class Publisher:
             packed = cached[1].get(param, {}).get(shard)
             if packed is not None:
                 count = num_blocks(box_size(shard) * self.dtype.itemsize, block_bytes)
-                return np.unpackbits(packed, count=count, bitorder="little").astype(bool)
+                return np.unpackbits(packed, count=count, bitorder="little").view(bool)  # 0/1 bytes: no copy
         new, old = self.shard(version, param, shard), self.shard(base, param, shard)
         where = local_slices(region, shard)
         return changed_blocks(old[where], new[where], block_bytes)

@@ -298,7 +298,7 @@ class TcpConnection:
         blocks = num_blocks(out.nbytes, k)
         head = -(-blocks // 8)
         packed = np.frombuffer(recv_exact(self._sock, head), np.uint8) if head else np.zeros(0, np.uint8)
-        bits = np.unpackbits(packed, count=blocks, bitorder="little").astype(bool)
+        bits = np.unpackbits(packed, count=blocks, bitorder="little").view(bool)  # 0/1 bytes: no copy
         if head + delta_payload_bytes(bits, out.nbytes, k) != n:
             raise WeightTransferError(
                 f"the endpoint sent a delta of {n} bytes that its bitmap does not describe"
