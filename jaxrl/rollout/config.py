@@ -164,7 +164,7 @@ class ExternalConfig(BaseModel):
     delta is ~9-16% of the bytes; at the reverse_text recipes' lr 5e-4 ~96% change and a delta
     saves nothing, hence off by default. Fewer bytes cost CPU: the changed elements are gathered
     and scattered by numpy on one core, so on this 2-core host's loopback a Qwen3-0.6B delta step
-    (2.8% of elements) took 10.9 s where a full direct pull took 5.9 s (bench/weight_delivery.py,
+    (2.8% of elements) took 6.7 s where a full direct pull took 5.8 s (bench/weight_delivery.py,
     2026-11-29): turn it on where the link between trainer and servers, not the hosts' CPU, is
     the bottleneck. Each step logs ``weights/changed_fraction``."""
 
