@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxrl.weight_transfer.bits import as_bits, contiguous
+from jaxrl.weight_transfer.bits import as_bits
 
 
 def num_blocks(nbytes: int, block_bytes: int) -> int:
@@ -105,4 +105,4 @@ def _word(block_bytes: int) -> type[np.unsignedinteger]:
 
 
 def _flat_bytes(x: np.ndarray) -> np.ndarray:
-    return as_bits(contiguous(x)).reshape(-1).view(np.uint8)
+    return np.ascontiguousarray(as_bits(x)).reshape(-1).view(np.uint8)

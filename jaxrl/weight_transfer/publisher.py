@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxrl.weight_transfer.base import Transport, TransportServer, VersionUnavailable, WeightTransferError
 from jaxrl.weight_transfer.bits import copy
-from jaxrl.weight_transfer.delta import changed_blocks, num_blocks
+from jaxrl.weight_transfer.delta import changed_blocks, delta_payload_bytes, num_blocks
 from jaxrl.weight_transfer.manifest import (
     Box,
     Manifest,
@@ -198,12 +198,11 @@ class Publisher:
         total = changed = blocks = changed_n = 0
         for path, boxes in shards.items():
             for box, array in boxes.items():
-                bits, n = bitmaps[path][box], array.nbytes
-                last = n - (bits.size - 1) * self.block_bytes  # the last block may be short
-                total += n
+                bits = bitmaps[path][box]
+                total += array.nbytes
                 blocks += bits.size
                 changed_n += int(bits.sum())
-                changed += int(bits[:-1].sum()) * self.block_bytes + (last if bits.size and bits[-1] else 0)
+                changed += delta_payload_bytes(bits, array.nbytes, self.block_bytes)
         return Changes(base, total, changed, blocks, changed_n)
 
     def changes(self, version: int) -> Changes | None:
