@@ -323,15 +323,16 @@ class RunConfig(BaseModel):
 
 
 def check_multihost_rl(backend: str) -> None:
-    """Multi-process RL samples from external servers only (the embedded engine and a launched
-    vLLM server live in one process). Called at load when the process count is known then
+    """Multi-process RL samples from the embedded engine colocated over every process
+    (``jaxrl.rollout.colocated``) or from external servers; a launched vLLM server lives in one
+    process. Called at load when the process count is known then
     (``DistributedConfig.expected_processes``), else by the run once ``jax.distributed`` has
     started (a TPU slice outside GKE learns its process count only then)."""
-    if backend != "external":
+    if backend == "vllm":
         raise ValueError(
-            f'inference.backend = "{backend}" with several processes: multi-host RL samples rollouts from '
-            'servers outside the trainer; set inference.backend = "external" and inference.base_url to '
-            "`python -m jaxrl.serve` servers (README: Multi-host RL)"
+            'inference.backend = "vllm" with several processes: a launched vLLM server runs beside one process; '
+            'use the embedded engine (colocated over every process) or inference.backend = "external" with '
+            "servers on their own hosts (README: Multi-host RL)"
         )
 
 

@@ -9,9 +9,11 @@ files); after every optimizer step it serves the new parameters as policy versio
 Timings per step are split into rollout wait, scoring, train and weight sync
 (``bench/rl_step.py`` reads them).
 
-Multi-host (``[distributed]``, backend "external"): the trainer spans every process; the
-orchestrator, env servers, rollout log and metrics live on process 0, which sends each step's
-samples to all processes; all run the same train step and weight export.
+Multi-host (``[distributed]``): the trainer spans every process; the orchestrator, env
+servers, rollout log and metrics live on process 0, which sends each step's samples to all
+processes; all run the same train step and weight export. Rollouts come from external servers
+or from the embedded engine colocated over every process (``jaxrl.rollout.colocated``), whose
+processes meet the loop only in ``backend.collective()`` sections.
 """
 
 from __future__ import annotations
@@ -146,11 +148,14 @@ def run_rl(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
                     last |= _evaluate(orch, rollouts, step)
                 last = run.logger.log(step, last)  # written by process 0 only
                 if run.should_checkpoint(step):
-                    run.save(_orch_meta(orch, step))
-        run.save(_orch_meta(orch, run.trainer.step))
+                    with backend.collective():
+                        run.save(_orch_meta(orch, step))
+        with backend.collective():
+            run.save(_orch_meta(orch, run.trainer.step))
     except (*STOPPING, LeaderStopped) as e:  # keep what was learnt: checkpoint, result.json, then stop with the cause
         aborted = e
-        run.save(_orch_meta(orch, run.trainer.step))
+        with backend.collective():
+            run.save(_orch_meta(orch, run.trainer.step))
     finally:
         if orch is not None:
             orch.close()
@@ -218,24 +223,25 @@ class _Stepper:
             except BaseException as e:  # noqa: BLE001 - sent to every process, then raised here
                 failure = e
                 message = {"kind": "abort" if isinstance(e, STOPPING) else "crash", "error": str(e)}
-        message = broadcast_from_main(message)
-        if failure is not None:
-            raise failure
-        if message["kind"] == "stop":
-            return None
-        if message["kind"] != "batch":
-            cls = LeaderStopped if message["kind"] == "abort" else RuntimeError
-            raise cls(f"process 0 stopped the run: {message['error']}")
-        t_rollout = time.perf_counter() - t0
-        samples = message["samples"]
-        score_references(samples, self.teachers)
-        t_score = time.perf_counter() - t0 - t_rollout
-        train = self.run.train_step(samples, unused=self.unused)
-        t_train = time.perf_counter() - t0 - t_rollout - t_score
-        try:
-            self.backend.update_weights(self.run.trainer.params, version=self.run.trainer.step)
-        except STOPPING as e:  # logged with this step; the next step stops the run on every process
-            self._pending = e
+        with self.backend.collective():  # the colocated engine's processes meet here
+            message = broadcast_from_main(message)
+            if failure is not None:
+                raise failure
+            if message["kind"] == "stop":
+                return None
+            if message["kind"] != "batch":
+                cls = LeaderStopped if message["kind"] == "abort" else RuntimeError
+                raise cls(f"process 0 stopped the run: {message['error']}")
+            t_rollout = time.perf_counter() - t0
+            samples = message["samples"]
+            score_references(samples, self.teachers)
+            t_score = time.perf_counter() - t0 - t_rollout
+            train = self.run.train_step(samples, unused=self.unused)
+            t_train = time.perf_counter() - t0 - t_rollout - t_score
+            try:
+                self.backend.update_weights(self.run.trainer.params, version=self.run.trainer.step)
+            except STOPPING as e:  # logged with this step; the next step stops the run on every process
+                self._pending = e
         t_sync = time.perf_counter() - t0 - t_rollout - t_score - t_train
         if self.orch is None:
             return train

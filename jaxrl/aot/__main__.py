@@ -54,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"[jaxrl.aot] {topo.name}: {topo.num_devices} devices, {topo.hbm_per_device / 1024**3:.0f} GiB HBM each; "
-          f"model from {source}", file=sys.stderr)
+    hosts = f"{topo.hosts} hosts (an embedded engine runs colocated on every device)" if topo.hosts > 1 else "1 host"
+    print(f"[jaxrl.aot] {topo.name}: {topo.num_devices} devices, {topo.hbm_per_device / 1024**3:.0f} GiB HBM each, "
+          f"{hosts}; model from {source}", file=sys.stderr)
     try:
         fits = plan(cfg, topo, engine=False if args.no_engine else None)
     except ValueError as e:  # e.g. a mesh that does not match the topology

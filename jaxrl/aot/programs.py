@@ -3,7 +3,11 @@
 What is compiled is what the run executes, built by the run's own code: the trainer's
 ``TrainPrograms`` (the micro-step once per ``trainer.seq_len_buckets`` entry, and the update)
 and, for RL configs with the embedded engine, ``engine_programs`` at the largest decode and
-prefill buckets (``max_seqs`` rows x ``max_model_len`` positions; smaller buckets need less).
+prefill buckets (``max_seqs`` rows x ``max_model_len`` positions; smaller buckets need less),
+on the mesh the run gives the engine: ``weights.serving_mesh`` (its first tensor x expert
+devices) on a single-host topology, ``weights.colocated_mesh`` (every device: data x expert x
+tensor, the KV cache's rows split over data) on a multi-host one, where the engine runs
+colocated over every trainer process (``jaxrl.rollout.colocated``).
 Model and optimizer state are ``nnx.eval_shape`` / ``jax.eval_shape`` shapes with the run's
 shardings, so nothing is allocated.
 
@@ -46,7 +50,10 @@ TRAINER_KNOBS = (
 )
 ENGINE_KNOBS = (
     "inference.max_seqs and inference.max_model_len (KV cache = max_seqs x max_model_len positions)",
-    "inference.backend.tensor_parallel (shards weights and KV cache heads)",
+    (
+        "inference.backend.tensor_parallel (shards weights and KV cache heads; colocated on a multi-host slice, "
+        "the devices / (tensor x expert) data groups split the KV cache rows)"
+    ),
     'inference.backend.kv_cache_dtype = "bfloat16"',
 )
 
@@ -188,9 +195,13 @@ class RunShapes:
         return out
 
 
-def run_shapes(cfg: RunConfig, topo: Topology, *, engine: bool | None = None) -> RunShapes:
+def run_shapes(
+    cfg: RunConfig, topo: Topology, *, engine: bool | None = None, colocated: bool | None = None
+) -> RunShapes:
     """The run's abstract state on ``topo``. ``engine``: include the embedded engine (default:
-    for RL configs whose ``inference.backend`` is "embedded")."""
+    for RL configs whose ``inference.backend`` is "embedded"); ``colocated``: the engine spans
+    every device (default: when ``topo`` has several hosts, as the run does with several
+    processes), else it takes the first tensor x expert devices."""
     hf_config, _ = model_hf_config(cfg.model)
     arch = arch_from_hf_config(hf_config)
     param_dtype, dtype = DTYPES[cfg.model.param_dtype], DTYPES[cfg.model.dtype]
@@ -206,11 +217,14 @@ def run_shapes(cfg: RunConfig, topo: Topology, *, engine: bool | None = None) ->
         state = jax.eval_shape(lambda: lora.init_adapters(frozen, lora_cfg, mesh))
     params, opt = programs.abstract_state(state)
     with_engine = (cfg.mode == "rl" and cfg.inference.backend.type == "embedded") if engine is None else engine
-    eng = _engine_shapes(cfg, arch, model, topo) if with_engine else None
+    colocated = topo.hosts > 1 if colocated is None else colocated
+    eng = _engine_shapes(cfg, arch, model, topo, colocated) if with_engine else None
     return RunShapes(topo, arch, mesh, model, programs, params, opt, eng, frozen)
 
 
-def _engine_shapes(cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo: Topology) -> EngineShapes:
+def _engine_shapes(
+    cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo: Topology, colocated: bool = False
+) -> EngineShapes:
     from jaxrl.engine import weights
     from jaxrl.engine.programs import EngineLayout
     from jaxrl.kernel_dispatch import Kernels
@@ -226,9 +240,13 @@ def _engine_shapes(cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo
             f"inference.backend.tensor_parallel * expert_parallel = {icfg.tensor_parallel * icfg.expert_parallel} "
             f"> {topo.num_devices} devices in {topo.name}"
         )
-    # The run's engine uses weights.serving_mesh (None = one device): a 1-device "tensor" mesh places
-    # everything the same way on the topology's first chip.
-    mesh = weights.serving_mesh(icfg.tensor_parallel, list(topo.devices), icfg.expert_parallel) or Mesh(np.array(topo.devices[:1]), ("tensor",))
+    if colocated:  # several processes: the run's engine spans them all (jaxrl.rollout.colocated)
+        mesh = weights.colocated_mesh(icfg.tensor_parallel, icfg.expert_parallel, list(topo.devices))
+    else:  # one process: weights.serving_mesh (None = one device); a 1-device "tensor" mesh places
+        # everything the same way on the topology's first chip.
+        mesh = weights.serving_mesh(icfg.tensor_parallel, list(topo.devices), icfg.expert_parallel) or Mesh(
+            np.array(topo.devices[:1]), ("tensor",)
+        )
     graphdef, state = nnx.split(trainer_model)  # the engine serves the trainer's model (jaxrl.rl)
     shardings = weights.state_shardings(state, weights.param_sharding_fn(mesh))
     weights = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings)
@@ -237,13 +255,16 @@ def _engine_shapes(cfg: RunConfig, arch: ModelArch, trainer_model: Decoder, topo
     return EngineShapes(icfg, mesh, graphdef, weights, layout, kernels)
 
 
-def plan(cfg: RunConfig, topo: Topology, *, engine: bool | None = None, trainer: bool = True) -> list[ProgramFit]:
+def plan(
+    cfg: RunConfig, topo: Topology, *, engine: bool | None = None, trainer: bool = True, colocated: bool | None = None
+) -> list[ProgramFit]:
     """Compile the run's programs for ``topo``; one ``ProgramFit`` each (errors included).
 
-    ``engine``: also the embedded engine's programs (see ``run_shapes``); ``trainer``: the
-    trainer's (False: the engine's alone, with the trainer's state still counted resident).
+    ``engine``: also the embedded engine's programs, ``colocated``: on every device (see
+    ``run_shapes``); ``trainer``: the trainer's (False: the engine's alone, with the trainer's
+    state still counted resident).
     """
-    run = run_shapes(cfg, topo, engine=engine)
+    run = run_shapes(cfg, topo, engine=engine, colocated=colocated)
     tcfg, mesh, programs, params, opt = cfg.trainer, run.mesh, run.programs, run.params, run.opt
     frozen_args = () if run.frozen is None else (run.frozen,)  # LoRA: the base is the micro-step's last argument
     sb = run.state_bytes()

@@ -47,6 +47,11 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 GPU_MEMORY = {"h100": 84942979072}
 
 
+# The most chips one host of a TPU generation has (v5e / v6e: an 8-chip VM; larger slices, and
+# every v4 / v5p slice, have 4 chips per host).
+MAX_CHIPS_PER_HOST: dict[str, int] = {"v4": 4, "v5e": 8, "v5p": 4, "v6e": 8}
+
+
 @dataclass(frozen=True)
 class Topology:
     name: str  # e.g. "v5e:2x4"
@@ -57,6 +62,24 @@ class Topology:
     @property
     def num_devices(self) -> int:
         return len(self.devices)
+
+    @property
+    def hosts(self) -> int:
+        """Hosts (trainer processes) of the slice: as the compile-only devices say (their
+        ``process_index``), else from its chip count (``v5p:2x2x4``: 16 chips, 4 hosts). A
+        multi-host slice runs RL's embedded engine colocated over every device."""
+        processes = {getattr(d, "process_index", 0) for d in self.devices}
+        if len(processes) > 1:
+            return len(processes)
+        _, _, dims = self.name.partition(":")
+        per_host = MAX_CHIPS_PER_HOST.get(self.generation)
+        try:
+            chips = math.prod(int(x) for x in dims.split("x"))
+        except ValueError:  # "gpu:h100x8" and the like: one host
+            return 1
+        if per_host is None or chips <= per_host:
+            return 1
+        return -(-chips // 4)
 
 
 def compile_only_env() -> None:

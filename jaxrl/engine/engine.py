@@ -343,7 +343,11 @@ class Engine:
 
     def _maybe_swap_weights(self) -> bool:
         """Apply a pending update when the policy allows; True while admission must pause."""
-        with self._lock:
+        if self._pending is None:  # read without the lock: an update set meanwhile applies next step
+            return False
+        # The device order before the engine's own lock (a colocated swap is a command every
+        # process sees in order; the main thread may hold that order and then take this lock).
+        with self.runner.device_order(), self._lock:
             update = self._pending
             if update is None:
                 return False

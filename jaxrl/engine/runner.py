@@ -10,11 +10,15 @@ change here alone.
 Weight swaps (DESIGN contract 6, ``weight_update``): new weights are placed on the runner's
 shardings in the caller's thread (``place`` / ``load`` / ``pull``), and ``swap`` installs them, called by
 the engine between steps only.
+
+Colocated across processes (``jaxrl.engine.lockstep``): on process 0 ``lockstep`` is set, and
+each device call is first sent to the other processes, which repeat it on their own runner.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -33,6 +37,7 @@ from jax.sharding import Mesh
 
 from jaxrl.engine import weights
 from jaxrl.engine.config import EngineConfig
+from jaxrl.engine.lockstep import Leader
 from jaxrl.engine.programs import EngineLayout, engine_programs
 from jaxrl.engine.scheduler import DecodePlan, PrefillPlan
 from jaxrl.kernel_dispatch import Kernels
@@ -85,6 +90,16 @@ class ModelRunner:
         )
         self.warmup_s: float | None = None
         self.device_s = {"prefill": 0.0, "decode": 0.0, "copy": 0.0}
+        self.lockstep: Leader | None = None
+        """Set on process 0 of a colocated engine: every device call is sent to the others first."""
+
+    def device_order(self) -> contextlib.AbstractContextManager[Any]:
+        """Held while this runner's device calls must not interleave with another thread's
+        (colocated: the order every process issues programs in); a no-op in one process."""
+        return self.lockstep.lock if self.lockstep is not None else contextlib.nullcontext()
+
+    def _mirrored(self, name: str, *args: Any) -> contextlib.AbstractContextManager[Any]:
+        return self.lockstep.command(name, *args) if self.lockstep is not None else contextlib.nullcontext()
 
     def _zero_cache(self) -> jax.Array:
         layout = self.layout
@@ -147,7 +162,8 @@ class ModelRunner:
 
     def swap(self, state: Any, version: int) -> None:
         """Serve ``state`` (from ``place`` / ``load``) as policy ``version`` from the next call on."""
-        self.state, self.version = state, version
+        with self._mirrored("swap", version):
+            self.state, self.version = state, version
 
     # -- programs --------------------------------------------------------------------------
 
@@ -213,7 +229,7 @@ class ModelRunner:
 
     def copy_row(self, src: int, dst: int) -> None:
         """Copy KV cache row ``src`` onto ``dst`` (prefix reuse)."""
-        with self._timer("copy"):
+        with self._mirrored("copy_row", src, dst), self._timer("copy"):
             self.cache = self._copy_fn(self.cache, *self._put((np.int32(src), np.int32(dst))))
 
     def reset_counts(self, row: int, prompt: np.ndarray) -> None:
@@ -221,17 +237,17 @@ class ModelRunner:
         request's admission)."""
         mask = np.zeros(self.arch.vocab_size, np.bool_)
         mask[prompt] = True
-        with self._timer("copy"):
+        with self._mirrored("reset_counts", row, prompt), self._timer("copy"):
             self.counts = self._reset_fn(self.counts, *self._put((np.int32(row), mask)))
 
     def prefill(self, plan: PrefillPlan) -> DeviceOutputs:
-        with self._timer("prefill"):
+        with self._mirrored("prefill", _arrays_only(plan)), self._timer("prefill"):
             args = self._put((plan.tokens, plan.positions, plan.rows, plan.last, plan.sampling))
             self.cache, tokens, logprobs, top, experts = self._prefill_fn(self.state, self.cache, self.counts, *args)
             return jax.device_get((tokens, logprobs, top, experts))
 
     def decode(self, plan: DecodePlan) -> DeviceOutputs:
-        with self._timer("decode"):
+        with self._mirrored("decode", _arrays_only(plan)), self._timer("decode"):
             args = self._put((plan.tokens, plan.positions, plan.rows, plan.sampling, (plan.share_rows, plan.share_lens)))
             self.cache, self.counts, tokens, logprobs, top, experts = self._decode_fn(
                 plan.steps, self.state, self.cache, self.counts, *args
@@ -240,6 +256,10 @@ class ModelRunner:
 
     def reset(self) -> None:
         """After a failed device call: rebuild the buffers it consumed (donation)."""
+        with self._mirrored("reset"):
+            self._rebuild_consumed()
+
+    def _rebuild_consumed(self) -> None:
         if any(a.is_deleted() for a in (self.cache.k, self.cache.v)):
             self.cache = KVCache(*(self._zero_cache() for _ in range(2)))
         if any(a.is_deleted() for a in (self.counts.output, self.counts.prompt)):
@@ -248,3 +268,8 @@ class ModelRunner:
     @property
     def kv_cache_bytes(self) -> int:
         return sum(int(x.size) * x.dtype.itemsize for x in (self.cache.k, self.cache.v))
+
+
+def _arrays_only(plan: PrefillPlan | DecodePlan) -> PrefillPlan | DecodePlan:
+    """``plan`` without its sequences (requests, callbacks): what another process needs to repeat it."""
+    return dataclasses.replace(plan, seqs=[])

@@ -44,6 +44,23 @@ def serving_mesh(tensor_parallel: int, devices: list[Any] | None = None, expert_
     return Mesh(np.array(devices[:size]).reshape(expert_parallel, tensor_parallel), ("expert", "tensor"))
 
 
+def colocated_mesh(tensor_parallel: int, expert_parallel: int = 1, devices: list[Any] | None = None) -> Mesh:
+    """The mesh of an engine colocated with a multi-process trainer: every device of every
+    process (each process must take part in each engine program: ``jaxrl.engine.lockstep``), as
+    ("data", "expert", "tensor") with ``data`` = devices / (expert * tensor). Weights are split
+    over expert and tensor and repeated over data; KV cache rows split over data
+    (``jaxrl.parallel.rules``: "cache_rows")."""
+    devices = jax.devices() if devices is None else devices
+    size = expert_parallel * tensor_parallel
+    if len(devices) % size:
+        raise ValueError(
+            f"inference.backend.expert_parallel * tensor_parallel = {expert_parallel} * {tensor_parallel} "
+            f"does not divide the {len(devices)} devices of the colocated engine; use a divisor of {len(devices)}"
+        )
+    grid = np.array(devices).reshape(len(devices) // size, expert_parallel, tensor_parallel)
+    return Mesh(grid, ("data", "expert", "tensor"))
+
+
 def param_sharding_fn(mesh: Mesh | None) -> ShardingFn:
     """``(weight name, shape) -> sharding`` for ``load_decoder(sharding_fn=...)``."""
     if mesh is None:

@@ -10,6 +10,7 @@ kind of server is a new class, not a change to the loop.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Protocol
 
 from flax import nnx
@@ -66,6 +67,13 @@ class RolloutBackend(Protocol):
         """The policy version of each token of each generate answer sent for ``session_id``
         (verifiers' trace id), in answer order, taken once; None where the backend does not know
         (each token then carries its rollout's dispatch version)."""
+        ...
+
+    def collective(self) -> contextlib.AbstractContextManager[None]:
+        """A section every trainer process runs together (the batch hand-off, the train step,
+        the weight update, a checkpoint). Only the colocated engine (``colocated``) needs it:
+        its processes run the engine's calls in one order outside such sections and meet at
+        its start; elsewhere a no-op."""
         ...
 
     def stop(self) -> None: ...

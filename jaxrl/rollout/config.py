@@ -41,7 +41,39 @@ class EmbeddedConfig(EngineSettings, _Embedded):  # _Embedded last: `type` is th
     training process (or in ``python -m jaxrl.serve``), weights handed over in memory. Its fields
     are the engine's own settings (``jaxrl.engine.config.EngineSettings``: compiled shapes,
     kernels, tensor / expert parallelism, warm-up, prefix reuse); the sizes every backend reads
-    stay in ``[inference]``."""
+    stay in ``[inference]``.
+
+    With several trainer processes (a multi-host slice) the engine is colocated: it spans every
+    device of every process (``jaxrl.engine.weights.colocated_mesh``); process 0 schedules and
+    sends each device call to the others over a socket (``jaxrl.engine.lockstep``), which repeat it."""
+
+    colocated_host: str = "127.0.0.1"
+    """Colocated engine (several processes): the address process 0 listens on for the other
+    processes' command connections (a free port unless ``colocated_port``). The default reaches
+    processes on its own host only (``launch/gke/local.py``, tests); a multi-host slice needs
+    "0.0.0.0" (launch/gke/render.py sets it), and the others then dial process 0's host name
+    (the slice's first worker, ``TPU_WORKER_HOSTNAMES``, else ``socket.gethostname()``)."""
+
+    colocated_port: int = Field(0, ge=0, le=65535)
+    """Colocated engine: process 0's command port; 0 picks a free one (fine on one host). A fixed
+    port is what a pod declares (the GKE trainer's ``containerPort`` named ``engine``)."""
+
+    colocated_timeout_s: float = Field(300.0, ge=5, le=86400)
+    """Colocated engine: the longest any process waits on another outside a step's collectives:
+    a process other than 0 that hears nothing from process 0 this long (process 0 sends a
+    heartbeat every quarter of it while idle) stops with an error, as does process 0 when
+    another process has not connected by then. A process that dies is noticed at once (its
+    connection closes) and ends the run on every process, for the job to restart it and resume."""
+
+    @field_validator("colocated_host")
+    @classmethod
+    def _a_bind_address(cls, value: str) -> str:
+        if not is_host_address(value):
+            raise ValueError(
+                f"inference.backend.colocated_host = {value!r}: give a host name or an IP address (no scheme, "
+                'no port), e.g. "127.0.0.1" or "0.0.0.0"'
+            )
+        return value
 
 
 class VLLMConfig(BaseModel):

@@ -3,6 +3,7 @@ process, behind its vLLM-compatible HTTP server on loopback (``jaxrl.engine`` be
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,10 @@ class EmbeddedBackend:
 
     def token_versions(self, session_id: str) -> list[list[int]] | None:
         return self.server.session_versions.take(session_id)
+
+    def collective(self) -> contextlib.AbstractContextManager[None]:
+        """A section every trainer process runs together (nothing to order here)."""
+        return contextlib.nullcontext()
 
     def stop(self) -> None:
         self.server.stop()

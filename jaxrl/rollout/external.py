@@ -50,6 +50,7 @@ Process 0 alone talks to the servers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -225,6 +226,10 @@ class ExternalBackend:
         if resp.status_code != 200:
             raise RuntimeError(f"rollout server {url}: GET {path} answered {resp.status_code}: {resp.text[:500]}")
         return resp.json()
+
+    def collective(self) -> contextlib.AbstractContextManager[None]:
+        """A section every trainer process runs together (nothing to order here)."""
+        return contextlib.nullcontext()
 
     def stop(self) -> None:
         if self.proxy is not None:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import jax
 from flax import nnx
 
 from jaxrl.rollout.base import RolloutBackend
@@ -68,14 +69,23 @@ def start_rollout_backend(
         from jaxrl.rollout.embedded import EmbeddedBackend
         from jaxrl.serving.server import build_engine_server
 
-        engine = Engine(model, inference.engine_config())
         model_dir = resolve_model_dir(model_config.name, model_config.revision) if model_config.name else None
-        replay = engine.arch.is_moe and moe_routing != "recompute"  # verifiers puts the experts on the trace
-        server = build_engine_server(
-            engine, inference.server, tokenizer_dir=tokenizer_dir, model_dir=model_dir, model_name=served_name,
-            renderer=renderer, return_routed_experts=inference.server.return_routed_experts or replay,
-        )  # fmt: skip
-        backend = EmbeddedBackend(engine, server, tokenizer_dir=str(tokenizer_dir), renderer=renderer)
+        replay = model.arch.is_moe and moe_routing != "recompute"  # verifiers puts the experts on the trace
+        routed = inference.server.return_routed_experts or replay
+        if jax.process_count() > 1:  # a multi-host trainer: one engine over every process
+            from jaxrl.rollout.colocated import start_colocated
+
+            backend = start_colocated(
+                model, inference, model_dir=model_dir, served_name=served_name, tokenizer_dir=str(tokenizer_dir),
+                renderer=renderer, return_routed_experts=routed,
+            )  # fmt: skip
+        else:
+            engine = Engine(model, inference.engine_config())
+            server = build_engine_server(
+                engine, inference.server, tokenizer_dir=tokenizer_dir, model_dir=model_dir, model_name=served_name,
+                renderer=renderer, return_routed_experts=routed,
+            )  # fmt: skip
+            backend = EmbeddedBackend(engine, server, tokenizer_dir=str(tokenizer_dir), renderer=renderer)
     try:
         backend.start(state, version=version)
     except BaseException:

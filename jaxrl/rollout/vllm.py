@@ -23,6 +23,7 @@ works for a vLLM server on another host that shares ``weights_dir``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import socket
@@ -236,6 +237,10 @@ class VLLMBackend:
     def _served_model(self) -> str:
         models = self._request("GET", "/v1/models").json()["data"]
         return models[0]["id"]
+
+    def collective(self) -> contextlib.AbstractContextManager[None]:
+        """A section every trainer process runs together (nothing to order here)."""
+        return contextlib.nullcontext()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the proxy and, if we launched it, the vLLM server (SIGTERM, then SIGKILL)."""

@@ -8,7 +8,12 @@
 
 One replicated Job ("trainer") runs ``launch/gke/entrypoint.py`` - i.e. ``python -m
 jaxrl.train --config ... --distributed.enabled true`` - on every host of the slice; JAX finds
-its peers from the TPU_WORKER_* variables GKE injects. With ``--rollout-slice`` a second
+its peers from the TPU_WORKER_* variables GKE injects. RL on the embedded engine (the recipes'
+default) with no ``--rollout-slice`` is colocated, also on a multi-host slice: the engine runs
+on every chip of the trainer's slice, process 0 scheduling and sending each device call to the
+other processes over its command socket (``inference.backend.colocated_host`` 0.0.0.0, port
+``ENGINE_PORT``, declared as the port named ``engine``; the others dial the slice's first host
+from TPU_WORKER_HOSTNAMES), and weights change hands in place. With ``--rollout-slice`` a second
 replicated Job ("rollout") runs vllm-tpu (or ``jaxrl.serve``) servers, one per single-host slice,
 and the trainer spreads its rollouts over all of them as external servers, giving each every new
 version: jaxrl.serve servers pull it straight from every trainer pod (``--weight-transfer direct``,
@@ -16,7 +21,9 @@ their default: each trainer process publishes on port ``WEIGHTS_PORT`` of its po
 its JobSet DNS name), vLLM servers load it from files on the bucket (see launch/gke/README.md).
 Everything a run writes lands in the bucket, mounted at /data by the GCS FUSE CSI driver.
 
-Only layouts that can run are rendered: RL on a multi-host slice needs ``--rollout-slice``, and
+Only layouts that can run are rendered: RL on a multi-host slice samples from the embedded
+engine (colocated) or from rollout servers (``--rollout-slice``), never from a vLLM the trainer
+launches (``backend = "vllm"``, one process), ``--weight-transfer`` needs ``--rollout-slice``, and
 the starting weights must be readable by every pod (a hub id or ``gs://`` path is fetched once
 per run into the bucket by trainer process 0; everything else waits for it with a deadline).
 ``launch/gke/local.py`` runs the rendered manifest on one machine.
@@ -46,6 +53,9 @@ VLLM_PORT = 8000
 # Each trainer process's weight publisher (direct transfer): the rollout servers pull every
 # version from this port of every trainer pod (``inference.backend.weight_transfer_port``).
 WEIGHTS_PORT = 8477
+# Colocated RL (the embedded engine on a multi-host trainer slice): process 0's command socket,
+# which every other trainer process dials (``inference.backend.colocated_port``).
+ENGINE_PORT = 8478
 # The pod's index in its Job, as Kubernetes sets it on an Indexed Job's pods (JobSet's Jobs are
 # Indexed); declared in the container's env so that ``$(JOB_COMPLETION_INDEX)`` in its command
 # expands to it, which makes each trainer process's own DNS name.
@@ -293,11 +303,14 @@ def compile_cache(args: argparse.Namespace) -> dict[str, str]:
 
 
 def trainer_container(
-    args: argparse.Namespace, s: Slice, weights: Weights, overrides: list[str], direct: bool
+    args: argparse.Namespace, s: Slice, weights: Weights, overrides: list[str], direct: bool, colocated: bool = False
 ) -> dict[str, Any]:
     """The entry point on every host of the trainer slice. ``direct``: each process publishes
     its weights on ``WEIGHTS_PORT`` (declared as the port named ``weights``) and advertises its
-    pod's JobSet DNS name, ``<jobset>-trainer-0-<i>.<jobset>``, for the rollout servers to dial."""
+    pod's JobSet DNS name, ``<jobset>-trainer-0-<i>.<jobset>``, for the rollout servers to dial.
+    ``colocated``: the embedded engine spans the slice; process 0 listens for the others' command
+    connections on ``ENGINE_PORT`` (declared as the port named ``engine``; the flags are in
+    ``overrides``)."""
     # Multi-host: JAX's multi-controller runtime, its peers read from GKE's TPU_WORKER_* variables.
     dist = ["--distributed.enabled", "true"] if s.hosts > 1 else []
     fetch = ["--fetch", weights.source, "--fetch-to", weights.path] if weights.source else []
@@ -333,6 +346,8 @@ def trainer_container(
     if direct:
         container["env"].append(POD_INDEX_ENV)
         container["ports"].append({"containerPort": WEIGHTS_PORT, "name": "weights"})
+    if colocated:
+        container["ports"].append({"containerPort": ENGINE_PORT, "name": "engine"})
     if args.hf_token_secret:  # a gated or private hub model: the token from a Kubernetes secret
         secret, _, key = args.hf_token_secret.partition(":")
         container["env"].append(
@@ -482,15 +497,45 @@ def rollout_url(name: str, index: int) -> str:
     return f"http://{name}-rollout-{index}-0.{name}:{VLLM_PORT}/v1"
 
 
-def check_runnable(args: argparse.Namespace, recipe: dict[str, Any], train: Slice) -> None:
-    """Refuse a layout that cannot run, naming the flag that makes it run."""
+def rollout_backend(recipe: dict[str, Any], overrides: list[str]) -> str:
+    """The run's ``[inference.backend]`` type: the recipe's (the table's ``type`` or the name
+    itself, default "embedded"), unless an override (``--inference.backend X`` or
+    ``--inference.backend.type X``) sets it."""
     backend = recipe.get("inference", {}).get("backend", "embedded")
     backend = backend.get("type", "embedded") if isinstance(backend, dict) else backend  # the table or its name
-    if "orchestrator" in recipe and train.hosts > 1 and not args.rollout_slice and backend != "external":
+    for i, arg in enumerate(overrides):
+        flag, eq, given = arg.partition("=")
+        if flag.replace("-", "_") in ("__inference.backend", "__inference.backend.type"):
+            backend = given if eq else (overrides[i + 1] if i + 1 < len(overrides) else backend)
+    return backend
+
+
+def is_colocated(args: argparse.Namespace, recipe: dict[str, Any], train: Slice, overrides: list[str]) -> bool:
+    """RL on the embedded engine across a multi-host trainer slice (no rollout servers)."""
+    return ("orchestrator" in recipe and train.hosts > 1 and not args.rollout_slice
+            and rollout_backend(recipe, overrides) == "embedded")  # fmt: skip
+
+
+def colocated_args() -> list[str]:
+    """The colocated engine's command socket: process 0 binds every interface at ``ENGINE_PORT``
+    (the pod's declared port), which the other processes dial at the slice's first host. The
+    backend is named too: a recipe that leaves it to the default has no backend table for the
+    socket's fields to join."""
+    return [
+        "--inference.backend.type", "embedded",
+        "--inference.backend.colocated_host", "0.0.0.0",
+        "--inference.backend.colocated_port", str(ENGINE_PORT),
+    ]  # fmt: skip
+
+
+def check_runnable(args: argparse.Namespace, recipe: dict[str, Any], train: Slice, overrides: list[str]) -> None:
+    """Refuse a layout that cannot run, naming the flag that makes it run."""
+    backend = rollout_backend(recipe, overrides)
+    if "orchestrator" in recipe and train.hosts > 1 and not args.rollout_slice and backend == "vllm":
         raise ValueError(
-            f"--slice {train.name} has {train.hosts} hosts, and multi-host RL samples rollouts from servers on "
-            f"their own slices (the {backend} engine runs in one process): add --rollout-slice v6e-8 "
-            "(and --rollout-replicas N), or train on a single-host slice such as v6e-8"
+            f'--slice {train.name} has {train.hosts} hosts, and the vllm backend (a vLLM server the trainer launches) '
+            'runs in one process: set [inference.backend] type = "embedded" (the engine colocated on the slice), '
+            "or add --rollout-slice v6e-8 (and --rollout-replicas N) for rollout servers on their own slices"
         )
     if args.rollout_slice and "orchestrator" not in recipe:
         raise ValueError(f"--rollout-slice: {args.config} is not an RL recipe (no [orchestrator]); drop --rollout-slice")
@@ -505,7 +550,10 @@ def render(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     """The JobSet (as a dict) for ``args``; ``overrides`` are extra ``jaxrl.train`` arguments."""
     train = Slice.parse(args.slice)
     recipe = read_recipe(args.config)
-    check_runnable(args, recipe, train)
+    check_runnable(args, recipe, train, overrides)
+    colocated = is_colocated(args, recipe, train, overrides)
+    if colocated:  # before the user's overrides, which may still change them
+        overrides = [*colocated_args(), *overrides]
     weights = run_weights(args, recipe)
     jobs = []
     spec: dict[str, Any] = {
@@ -542,7 +590,7 @@ def render(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
         # The run is over when the trainer is; the servers are then torn down with the JobSet.
         spec["successPolicy"] = {"operator": "All", "targetReplicatedJobs": ["trainer"]}
     direct = bool(args.rollout_slice) and args.weight_transfer == "direct"
-    pod = tpu_pod_spec(train, trainer_container(args, train, run_weights(args, recipe), overrides, direct),
+    pod = tpu_pod_spec(train, trainer_container(args, train, run_weights(args, recipe), overrides, direct, colocated),
                        args.service_account, args.bucket)  # fmt: skip
     jobs.insert(0, replicated_job("trainer", train, pod))
     spec["replicatedJobs"] = jobs
@@ -585,8 +633,10 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-restarts", type=int, default=3, help="JobSet restarts (after preemption: resumes)")
     p.add_argument(
-        "--rollout-slice", default=None, help="disaggregated: vllm-tpu servers on their own slices"
-    )
+        "--rollout-slice", default=None,
+        help="disaggregated: rollout servers on their own slices (default for RL: the embedded engine "
+        "colocated on the trainer's slice)",
+    )  # fmt: skip
     p.add_argument("--rollout-replicas", type=int, default=1, help="vLLM servers (one slice each)")
     p.add_argument("--rollout-image", default=VLLM_TPU_IMAGE, help="vLLM server image")
     p.add_argument(

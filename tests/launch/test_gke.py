@@ -382,22 +382,82 @@ def test_sigterm_reaches_the_trainer_process(tmp_path) -> None:
 
 @pytest.mark.parametrize("slice_name", ["v6e-16", "v5p-32"])
 @pytest.mark.parametrize("config", ["configs/reverse_text/rl.toml", "configs/qwen3_8b/rl.toml"])
-def test_multihost_rl_on_the_embedded_engine_is_refused_naming_the_flag(capsys, slice_name, config) -> None:
-    assert render.main(["--slice", slice_name, "--image", IMAGE, "--bucket", "B", "--config", config]) == 2
+def test_multihost_rl_on_the_embedded_engine_is_colocated_on_the_slice(tmp_path, slice_name, config) -> None:
+    """No --rollout-slice: one JobSet of trainer pods, the embedded engine on every chip of the
+    slice. Process 0 binds its command socket on every interface at the declared port ``engine``;
+    the others dial it at the slice's first host (TPU_WORKER_HOSTNAMES)."""
+    m = rendered(tmp_path, ["--slice", slice_name, "--image", IMAGE, "--bucket", "B", "--config", config, "--name", "co"])
+    assert list(jobs(m)) == ["trainer"] and "successPolicy" not in m["spec"]  # no rollout servers
+    job = jobs(m)["trainer"]
+    s = render.Slice.parse(slice_name)
+    assert job["replicas"] == 1 and job["template"]["spec"]["parallelism"] == s.hosts > 1
+    (c,) = pod(job)["containers"]
+    assert {"containerPort": render.ENGINE_PORT, "name": "engine"} in c["ports"]
+    ports = [p["containerPort"] for p in c["ports"]]
+    assert len(set(ports)) == len(ports) and render.ENGINE_PORT not in (render.WEIGHTS_PORT, render.VLLM_PORT, 8476)
+    assert "weights" not in [p["name"] for p in c["ports"]] and render.POD_INDEX_ENV not in c["env"]  # no publisher
+    cmd = c["command"]
+    flags = {name: cmd[cmd.index(f"--inference.backend.{name}") + 1] for name in ("type", "colocated_host", "colocated_port")}
+    assert flags == {"type": "embedded", "colocated_host": "0.0.0.0", "colocated_port": str(render.ENGINE_PORT)}
+    assert "--inference.base_url" not in cmd  # no servers: the recipe's embedded engine
+    args = train_args(job)
+    if "--model.name" in args:
+        args[args.index("--model.name") + 1] = str(ROOT / "tests")  # any directory: the fetched weights are not here
+    cfg, _ = load_config(args)
+    b = cfg.inference.backend
+    assert (b.type, b.colocated_host, b.colocated_port) == ("embedded", "0.0.0.0", render.ENGINE_PORT)
+    assert cfg.distributed.enabled
+    # A single-host slice runs one process: no command socket, nothing declared.
+    one = pod(jobs(rendered(tmp_path, ["--slice", "v6e-8", "--image", IMAGE, "--bucket", "B", "--config", config]))["trainer"])
+    assert "--inference.backend.colocated_host" not in one["containers"][0]["command"]
+    assert "engine" not in [p["name"] for p in one["containers"][0]["ports"]]
+
+
+def test_colocated_jobset_runs_here_each_process_dialing_process_0(tmp_path) -> None:
+    """launch/gke/local.py runs the colocated render as rendered: ``0.0.0.0`` becomes each pod's
+    own address (process 0 binds its own), and the others find process 0 as the first of
+    TPU_WORKER_HOSTNAMES, at the declared port."""
+    m = rendered(tmp_path, ["--slice", "v5p-16", *BASE, "--name", "rt"])
+    pods = local.plan(m, "127.9.9")
+    assert [p.name for p in pods] == ["rt-trainer-0-0", "rt-trainer-0-1"]
+    names = {p.hostname: p.address for p in pods}
+    for p in pods:
+        cmd = local.pod_command(p, names, Path("/b"), Path("/i"))
+        host, port = (cmd[cmd.index(f"--inference.backend.colocated_{f}") + 1] for f in ("host", "port"))
+        assert (host, port) == (p.address, str(render.ENGINE_PORT))
+        env = local.pod_env(p, names, Path("/b"), Path("/i"))
+        assert env["TPU_WORKER_HOSTNAMES"].split(",")[0] == pods[0].address == "127.9.9.2"
+
+
+@pytest.mark.parametrize(("slice_name", "extra", "message"), [
+    # A vLLM the trainer launches runs in one process: colocated (embedded) or rollout servers.
+    ("v5p-32", ["--", "--inference.backend", "vllm"], 'type = "embedded"'),
+    ("v6e-16", ["--", "--inference.backend.type=vllm"], "add --rollout-slice"),
+    # Weight transfer feeds rollout servers: the colocated engine swaps weights in place.
+    ("v5p-32", ["--weight-transfer", "direct"], "--weight-transfer direct: it feeds rollout servers; add --rollout-slice"),
+])  # fmt: skip
+def test_multihost_rl_layouts_that_cannot_run_are_refused_naming_the_fix(capsys, slice_name, extra, message) -> None:
+    args = ["--slice", slice_name, "--image", IMAGE, "--bucket", "B", "--config", "configs/qwen3_8b/rl.toml"]
+    i = extra.index("--") if "--" in extra else len(extra)
+    assert render.main([*args, *extra[:i], *extra[i:]]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "add --rollout-slice" in err and slice_name in err
-    # ... and with the flag it names, the layout renders.
-    assert render.main(["--slice", slice_name, "--image", IMAGE, "--bucket", "B", "--config", config,
-                        "--rollout-slice", "v6e-8", "-o", "/dev/null"]) == 0  # fmt: skip
+    assert err.count("\n") == 1 and message in err
+    if "vllm" in extra[-1]:
+        assert slice_name in err and "--rollout-slice" in err
+        # ... and with the flag it names, the layout renders (rollout servers: the backend is external).
+        assert render.main([*args, "--rollout-slice", "v6e-8", "-o", "/dev/null", *extra]) == 0
 
 
-def test_multihost_rl_on_the_embedded_engine_is_refused_at_config_time(monkeypatch) -> None:
+def test_multihost_rl_backend_is_checked_at_config_time(monkeypatch) -> None:
     """On the slice the process count is GKE's TPU_WORKER_HOSTNAMES: the check fires while the
-    config loads, before jax.distributed or a warm start does any work."""
+    config loads, before jax.distributed or a warm start does any work. The embedded engine runs
+    colocated over the processes; a vLLM the trainer launches cannot."""
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "h0,h1,h2,h3")
     args = ["--config", str(ROOT / "configs/reverse_text/rl.toml"), "--distributed.enabled", "true"]
-    with pytest.raises(ValueError, match='inference.backend = "embedded" with several processes'):
-        load_config(args)
+    cfg, _ = load_config(args)
+    assert cfg.inference.backend.type == "embedded" and cfg.distributed.expected_processes() == 4
+    with pytest.raises(ValueError, match="vllm"):
+        load_config([*args, "--inference.backend", "vllm"])
     monkeypatch.delenv("TPU_WORKER_HOSTNAMES")
     assert load_config(args)[0].distributed.expected_processes() == 1
 
