@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import tomli_w
 from xla_flags import cpu_devices
 
@@ -115,3 +116,36 @@ def rl_toml(
 
 def train_cmd(config: Path, *more: str) -> list[str]:
     return [sys.executable, "-m", "jaxrl.train", "--config", str(config), *more]
+
+
+DEADLINE_S = 420  # safety net only: a tiny RL run takes ~30-60 s on a loaded 2-core machine
+# Metrics computed from the rollouts alone (equal when the rollouts are), and the trainer's.
+ROLLOUT_KEYS = ("train/reward_mean", "train/reward_std", "train/rollouts", "train/rollouts_failed", "train/rl_tokens",
+                "train/samples", "train/policy_version", "train/sampled_tokens_mean")  # fmt: skip
+TRAIN_KEYS = ("train/rl_loss", "train/entropy", "train/grad_norm", "train/mismatch_kl", "train/tokens")
+
+
+
+def run_to_end(procs: list[subprocess.Popen], logs: list[Path]) -> None:
+    """Wait for every process; fail with the logs' tails if one exits non-zero or hangs."""
+    end = time.monotonic() + DEADLINE_S
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < end:
+            if any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.5)
+        codes = [p.poll() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    if codes != [0] * len(procs):
+        tails = "\n".join(f"--- {log.name} ---\n{log.read_text()[-3000:]}" for log in logs)
+        pytest.fail(f"exit codes {codes}\n{tails}")
+
+
+def launch(cmd: list[str], devices: int, log: Path) -> subprocess.Popen:
+    with log.open("w") as f:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env_with_devices(devices), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip

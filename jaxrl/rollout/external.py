@@ -332,7 +332,7 @@ class ExternalBackend:
 
     def _post_update(self, url: str, body: dict[str, Any]) -> None:
         if self.ecfg.server == "vllm":
-            request = lambda method, route, **kw: self._call(url, method, route, **kw)  # noqa: E731
+            request = lambda method, route, **kw: self._call(url, method, route, **kw)
             reload_vllm_weights(request, body["path"], body["version"], self.config.weight_update)
         else:
             self._call(url, "POST", "/update_weights", json=body)

@@ -28,18 +28,25 @@ import time
 from pathlib import Path
 
 import pytest
-from external_servers import ROOT, env_with_devices, free_port, rl_toml, start_servers, train_cmd
+from external_servers import (
+    DEADLINE_S,
+    ROLLOUT_KEYS,
+    ROOT,
+    TRAIN_KEYS,
+    env_with_devices,
+    free_port,
+    launch,
+    rl_toml,
+    run_to_end,
+    start_servers,
+    train_cmd,
+)
 from families import build_family_model
 
 from jaxrl.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 MESH = {"data": 1, "fsdp": 4, "tensor": 2}  # 8 devices: one process, or two processes of 4
-DEADLINE_S = 420  # safety net only: each run takes ~30-60 s on a loaded 2-core machine
-# Metrics computed from the rollouts alone (equal when the rollouts are), and the trainer's.
-ROLLOUT_KEYS = ("train/reward_mean", "train/reward_std", "train/rollouts", "train/rollouts_failed", "train/rl_tokens",
-                "train/samples", "train/policy_version", "train/sampled_tokens_mean")  # fmt: skip
-TRAIN_KEYS = ("train/rl_loss", "train/entropy", "train/grad_norm", "train/mismatch_kl", "train/tokens")
 
 
 @pytest.fixture(scope="module")
@@ -53,31 +60,6 @@ def servers(model_dir, tmp_path_factory):
     yield started
     for s in started:
         s.kill()
-
-
-def run_to_end(procs: list[subprocess.Popen], logs: list[Path]) -> None:
-    """Wait for every process; fail with the logs' tails if one exits non-zero or hangs."""
-    end = time.monotonic() + DEADLINE_S
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < end:
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.5)
-        codes = [p.poll() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    if codes != [0] * len(procs):
-        tails = "\n".join(f"--- {log.name} ---\n{log.read_text()[-3000:]}" for log in logs)
-        pytest.fail(f"exit codes {codes}\n{tails}")
-
-
-def launch(cmd: list[str], devices: int, log: Path) -> subprocess.Popen:
-    with log.open("w") as f:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env_with_devices(devices), stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
 
 
 def test_two_processes_match_one_process_and_every_server_follows_every_step(model_dir, servers, tmp_path) -> None:

@@ -430,22 +430,29 @@ def test_colocated_jobset_runs_here_each_process_dialing_process_0(tmp_path) -> 
 
 
 @pytest.mark.parametrize(("slice_name", "extra", "message"), [
-    # A vLLM the trainer launches runs in one process: colocated (embedded) or rollout servers.
-    ("v5p-32", ["--", "--inference.backend", "vllm"], 'type = "embedded"'),
-    ("v6e-16", ["--", "--inference.backend.type=vllm"], "add --rollout-slice"),
+    # A vLLM the trainer launches runs beside one process: colocated (embedded) or rollout servers.
+    ("v5p-32", [], 'type = "embedded"'),
+    ("v6e-16", [], "add --rollout-slice v6e-8"),
+    ("v5p-32", ["--", "--inference.backend.type=vllm"], "add --rollout-slice"),  # an override too
     # Weight transfer feeds rollout servers: the colocated engine swaps weights in place.
     ("v5p-32", ["--weight-transfer", "direct"], "--weight-transfer direct: it feeds rollout servers; add --rollout-slice"),
 ])  # fmt: skip
-def test_multihost_rl_layouts_that_cannot_run_are_refused_naming_the_fix(capsys, slice_name, extra, message) -> None:
-    args = ["--slice", slice_name, "--image", IMAGE, "--bucket", "B", "--config", "configs/qwen3_8b/rl.toml"]
-    i = extra.index("--") if "--" in extra else len(extra)
-    assert render.main([*args, *extra[:i], *extra[i:]]) == 2
+def test_multihost_rl_layouts_that_cannot_run_are_refused_naming_the_fix(tmp_path, capsys, slice_name, extra, message) -> None:
+    recipe = tmp_path / "vllm_rl.toml"
+    text = (ROOT / "configs/qwen3_8b/rl.toml").read_text()
+    recipe.write_text(text.replace('type = "embedded"\ntensor_parallel = 8', 'type = "vllm"'))
+    config = str(recipe if not extra else ROOT / "configs/qwen3_8b/rl.toml")
+    args = ["--slice", slice_name, "--image", IMAGE, "--bucket", "B", "--config", config]
+    assert render.main([*args, *extra]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
-    if "vllm" in extra[-1]:
-        assert slice_name in err and "--rollout-slice" in err
+    if not extra:
+        assert slice_name in err and 'type = "embedded"' in err and "add --rollout-slice" in err
         # ... and with the flag it names, the layout renders (rollout servers: the backend is external).
-        assert render.main([*args, "--rollout-slice", "v6e-8", "-o", "/dev/null", *extra]) == 0
+        m = rendered(tmp_path, [*args, "--rollout-slice", "v6e-8"])
+        assert list(jobs(m)) == ["trainer", "rollout"]
+        cmd = pod(jobs(m)["trainer"])["containers"][0]["command"]
+        assert cmd[cmd.index("--inference.backend") + 1] == "external" and "--inference.backend.colocated_host" not in cmd
 
 
 def test_multihost_rl_backend_is_checked_at_config_time(monkeypatch) -> None:
