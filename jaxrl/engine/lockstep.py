@@ -42,9 +42,9 @@ log = logging.getLogger(__name__)
 SYNC, STOP, PING = "sync", "stop", "ping"
 RUNNER_CALLS = frozenset({"prefill", "decode", "copy_row", "reset_counts", "reset", "swap"})
 _HEADER = struct.Struct("<Q")
-EXIT_PEER_LOST = 75
-"""Process 0's exit status when another process of the colocated engine died (EX_TEMPFAIL: a
-restart resumes)."""
+EXIT_PEER_LOST = 70
+"""Process 0's exit status when another process of the colocated engine died: a failure, not a
+preemption (the GKE render restarts 75, a checkpointed stop, without counting it; this counts)."""
 
 
 class LeaderLost(RuntimeError):
@@ -141,9 +141,9 @@ class Leader:
         with self.lock:
             if self._closing:
                 return
+            self._closing = True  # before STOP: the others close their ends once they read it
             with contextlib.suppress(OSError):
                 self.send(STOP)
-            self._closing = True
             for conn in self._conns:
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_WR)

@@ -57,7 +57,9 @@ def hub_cache(cache: Path, model_dir: Path) -> Path:
     return cache
 
 
-def recipe(path: Path) -> Path:
+def recipe(path: Path, *, colocated: bool = False) -> Path:
+    """The run's recipe: for rollout servers, or (``colocated``) for the embedded engine over the
+    trainer's processes, which reads no ``[inference.external]``."""
     cfg = {
         "output_dir": "outputs/rl",
         "seed": 0,
@@ -74,6 +76,9 @@ def recipe(path: Path) -> Path:
         "ckpt": {"interval": 1},
         "log": {"progress": False, "plot": False},
     }  # fmt: skip
+    if colocated:
+        del cfg["inference"]["external"]
+        cfg["inference"]["backend"] = ENGINE | {"colocated_timeout_s": 120}
     path.write_text(tomli_w.dumps(cfg))
     return path
 
@@ -160,3 +165,55 @@ def test_rendered_jobset_fetches_once_resumes_after_preemption_and_a_dead_server
             seen[server] |= set(versions)
         assert first[0] == first[1] and (first[0] >= 1) == (attempt != attempts[0]), first  # a resumed run's version
     assert all(seen[server] >= {1, 2, 3} for server in seen), seen  # every server followed every step
+
+
+def test_rendered_colocated_jobset_resumes_after_preemption_and_a_dead_trainer_process(tmp_path) -> None:
+    """The single-slice colocated render (no rollout slice: the embedded engine over both trainer
+    processes) run here: a preemption after the first step restarts it for free and it resumes;
+    then trainer process 1 is killed mid-run: process 0 sees its connection close and exits (70)
+    instead of waiting in a collective, the JobSet restarts (counted), and the run finishes with
+    each step once."""
+    cache = hub_cache(tmp_path / "hub", build_family_model(tmp_path / "model", "qwen3"))
+    manifest, bucket, work = tmp_path / "jobset.yaml", tmp_path / "bucket", tmp_path / "work"
+    rendered = subprocess.run(
+        [sys.executable, str(ROOT / "launch/gke/render.py"), "--slice", "v5p-16", "--image", "jaxrl:test",
+         "--bucket", "b", "--config", str(recipe(tmp_path / "rl.toml", colocated=True)), "--name", NAME,
+         "--max-restarts", "2", "--wait-timeout-s", "300", "-o", str(manifest)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert rendered.returncode == 0, rendered.stderr
+    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    log = tmp_path / "runner.log"
+    with log.open("w") as f:
+        runner = subprocess.Popen(
+            [sys.executable, str(ROOT / "launch/gke/local.py"), str(manifest), "--bucket", str(bucket),
+             "--work", str(work), "--timeout-s", str(DEADLINE_S)],
+            env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    metrics = bucket / NAME / "rl" / "metrics.jsonl"
+    rows = lambda: read_metrics(metrics) if metrics.exists() else []
+    pods = lambda: json.loads((work / "pods.json").read_text())
+    attempt = lambda: next(iter(pods().values()))["attempt"] if (work / "pods.json").exists() else -1
+    try:
+        wait_until(lambda: len(rows()) >= 1, runner, log, "first step")
+        os.kill(runner.pid, signal.SIGUSR1)  # preemption: every pod evicted
+        wait_until(lambda: attempt() == 1, runner, log, "restart")
+        before = len(rows())
+        wait_until(lambda: len(rows()) > before, runner, log, "a step after the restart")
+        os.killpg(pods()[f"{NAME}-trainer-0-1"]["pid"], signal.SIGKILL)
+        assert runner.wait(timeout=DEADLINE_S) == 0, log.read_text()[-3000:]
+    finally:
+        if runner.poll() is None:
+            os.killpg(runner.pid, signal.SIGTERM)
+            runner.wait(timeout=300)
+
+    assert [r["step"] for r in rows()] == [1, 2, 3]  # nothing missing, nothing twice
+    assert json.loads((bucket / NAME / "rl" / "result.json").read_text())["steps"] == 3
+    status = json.loads((work / "status.json").read_text())
+    assert status["outcome"] == "succeeded" and len(status["restarts"]) == 2, status
+    assert status["restarts"][0]["reason"] == "PodFailurePolicy" and not status["restarts"][0]["counted"], status
+    assert status["restarts"][1]["counted"], status
+    attempts = sorted((work / "logs").glob("attempt-*"), key=lambda d: int(d.name.split("-")[1]))
+    killed = (attempts[1] / f"{NAME}-trainer-0-0.log").read_text()
+    assert "process 1 closed its connection" in killed, killed[-3000:]
+    assert not (bucket / NAME / "rl" / "rollout_weights").exists()  # weights never left the devices

@@ -5,7 +5,7 @@ alone in 1 process on the same 8 devices and mesh (``colocated_mesh``: data 4 x 
 Checked: greedy and seeded-sampled tokens, their log-probs and top log-probs equal, before and
 after a weight update resharded from a trainer-like layout inside a section (the RL loop's);
 prefix reuse (row copies) and a penalised request (a token-count reset) among the calls. And
-no hang when a process dies mid-decode: process 0 exits (75) when another process's connection
+no hang when a process dies mid-decode: process 0 exits (70) when another process's connection
 closes; the others stop when process 0 dies (LeaderLost, or JAX's coordination service, which
 process 0 hosts, ending them while they wait in a collective).
 """
