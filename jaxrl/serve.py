@@ -110,6 +110,19 @@ def _print_ready(server, url: str) -> None:  # type: ignore[no-untyped-def]
     print(f"jaxrl.serve: serving {server.model_name} at {url}", flush=True)
 
 
+def check_one_process(cfg: RunConfig) -> None:
+    """jaxrl.serve is one process: the colocated engine's settings (a multi-process trainer's)
+    would be accepted and never read; refused instead, naming the first one set."""
+    backend = cfg.inference.backend
+    fields = type(backend).model_fields
+    colocated = sorted(f for f in fields if f.startswith("colocated_") and getattr(backend, f) != fields[f].default)
+    if colocated:
+        raise ValueError(
+            f"inference.backend.{colocated[0]}: a setting of the engine colocated over a multi-process trainer; "
+            "jaxrl.serve runs one process and never reads it: delete it"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 after a clean stop, 2 for a config error (one message, before any work),
     1 when the engine failed beyond recovery (a supervisor should restart the process)."""
@@ -119,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             argv, prog="python -m jaxrl.serve", fields=SERVE_FIELDS, hidden=SERVE_HIDDEN,
             defaults={"inference": {"server": {"port": SERVE_PORT}}},  # a server people point clients at
         )  # fmt: skip
+        check_one_process(cfg)
         if flags.dry_run:
             print(to_toml(cfg, include=set(SERVE_FIELDS)), end="")
             return 0

@@ -380,7 +380,7 @@ def test_external_config_is_checked_when_loaded(over, needle) -> None:
     assert ok.server_urls() == ["http://a:8000", "https://b"]
 
 
-def test_multihost_rl_needs_external_servers(tmp_path) -> None:
+def test_multihost_rl_samples_from_the_colocated_engine_or_external_servers_never_a_launched_vllm(tmp_path) -> None:
     from jaxrl.cli import build_config
 
     rl = {"model": {"scratch": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 1,
@@ -388,8 +388,9 @@ def test_multihost_rl_needs_external_servers(tmp_path) -> None:
           "trainer": {"seq_len": 64}, "orchestrator": {"train": {"env": [{"id": "reverse_text"}],
                                                                  "sampling": {"max_completion_tokens": 8}}},
           "distributed": {"enabled": True, "num_processes": 2, "process_id": 0, "coordinator_address": "h:1"}}  # fmt: skip
-    with pytest.raises(ValueError, match=r'inference.backend = "embedded" with several processes.*"external"'):
-        build_config(rl, [])
+    assert build_config(rl, []).inference.backend.type == "embedded"  # colocated over the processes
+    with pytest.raises(ValueError, match=r'inference.backend = "vllm" with several processes.*"external"'):
+        build_config(rl | {"inference": {"backend": "vllm"}}, [])
     external = {"inference": {"backend": "external", "base_url": "http://h:8000"}}
     assert build_config(rl | external, []).inference.backend.type == "external"
 

@@ -160,3 +160,14 @@ def test_vllm_flags_without_an_equivalent_fail_in_one_line_naming_the_jaxrl_sett
     assert code == 2
     assert err.startswith(f"error: {flag} (vLLM's flag) has no jaxrl.serve equivalent") and hint in err
     assert len(err.splitlines()) == 1
+
+
+def test_colocated_engine_settings_are_refused_by_the_one_process_server(model_dir_stub, capsys) -> None:
+    """``colocated_*`` configure an engine spread over a multi-process trainer: jaxrl.serve would
+    accept and never read them, so it refuses them naming the field (the defaults pass)."""
+    base = ["--model.name", str(model_dir_stub), "--inference.backend.type", "embedded"]
+    code, _, err = _dry_run([*base, "--inference.backend.colocated_port", "8478"], capsys)
+    assert code == 2 and err.count("\n") == 0 and "inference.backend.colocated_port" in err and "delete it" in err
+    code, cfg, err = _dry_run(base, capsys)
+    assert code == 0, err
+    assert cfg["inference"]["backend"]["colocated_host"] == "127.0.0.1"
