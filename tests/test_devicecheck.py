@@ -97,6 +97,12 @@ def test_smoke_run_writes_every_line_and_passes(tmp_path: Path) -> None:
     assert all(line["engine_tok_s"] > 0 and line["hbm_gbps"] > 0 and line["hbm_share"] is None for line in decode)
     if HAS_TORCH:
         assert all(line["hf_generate_tok_s"] > 0 for line in decode)
+    # 8-bit projections: the mismatch grows, stays small; decode runs at the largest batch
+    for kind in ("int8", "fp8"):
+        (q,) = [line for line in benches if line["bench"] == f"logprob_mismatch_{kind}"]
+        assert q["tokens"] == 2 * 8 and 0 < q["abs_delta_mean"] <= q["abs_delta_max"] < 0.1 and q["kl_k3"] >= 0
+    quantized = {line["quantization"]: line for line in benches if line["bench"] == "decode_quantized"}
+    assert set(quantized) == {"int8", "fp8"} and all(q["batch"] == 4 and q["engine_tok_s"] > 0 for q in quantized.values())
     steps = [line for line in benches if line["bench"] == "rl_step"]
     assert [line["step"] for line in steps] == [1, 2, 3, 4, 5]
     (rl,) = [line for line in benches if line["bench"] == "rl_run"]

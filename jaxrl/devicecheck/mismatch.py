@@ -4,11 +4,13 @@ The float32 ``engine_vs_trainer`` check proves the two paths compute the same fu
 accelerator RL runs them in bfloat16 (the engine on bfloat16 weights, the trainer on float32 master
 weights with bfloat16 compute), at the device's default matmul precision, with different kernels
 and shapes (one token at a time from the KV cache vs one packed forward). Their disagreement on
-the sampled tokens is the off-policy error RL corrects with importance ratios; this measures it.
+the sampled tokens is the off-policy error RL corrects with importance ratios; this measures it,
+and the same with the engine's projections in int8 and fp8 (``[inference.backend] quantization``).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,10 +34,11 @@ def mismatch_stats(logp_trainer: np.ndarray, logp_engine: np.ndarray) -> dict[st
             "ratio_min": float(ratio.min()), "ratio_max": float(ratio.max())}
 
 
-def logprob_mismatch_bf16(dev: Device, shapes: Shapes) -> Iterator[dict[str, Any]]:
-    """Sample at temperature 1 from the engine in bfloat16, score the same tokens with the
-    trainer's log-prob path in bfloat16 compute, and report ``mismatch_stats``. Random weights
-    give flatter distributions than a trained checkpoint (``entropy_mean`` says how flat)."""
+def logprob_mismatch(dev: Device, shapes: Shapes, quantization: str = "none") -> Iterator[dict[str, Any]]:
+    """Sample at temperature 1 from the engine in bfloat16 (its projections in ``quantization``:
+    "none", "int8", "fp8"), score the same tokens with the trainer's log-prob path in bfloat16
+    compute, and report ``mismatch_stats``. Random weights give flatter distributions than a
+    trained checkpoint (``entropy_mean`` says how flat)."""
     from jaxrl.engine.engine import Engine
     from jaxrl.engine.requests import Request
     from jaxrl.engine.token_sampling import SamplingParams
@@ -48,7 +51,7 @@ def logprob_mismatch_bf16(dev: Device, shapes: Shapes) -> Iterator[dict[str, Any
     graphdef, state = nnx.split(trainer_model)
     engine_model = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(jnp.bfloat16), state))
     prompts, icfg = parity_engine_setup(shapes, seed=7)
-    engine = Engine(engine_model, icfg)
+    engine = Engine(engine_model, icfg.model_copy(update={"quantization": quantization}))
     outs = engine.generate([Request(p, SamplingParams(max_tokens=new, temperature=1.0, seed=i))
                             for i, p in enumerate(prompts)])
     width = prompt_len + new
@@ -70,8 +73,17 @@ def logprob_mismatch_bf16(dev: Device, shapes: Shapes) -> Iterator[dict[str, Any
         got.append(logp[i, cols])
         want.append(np.asarray(o.logprobs))
         ent.append(entropy[i, cols])
-    yield {"bench": "logprob_mismatch_bf16", **mismatch_stats(np.concatenate(got), np.concatenate(want)),
+    name = "logprob_mismatch_bf16" if quantization == "none" else f"logprob_mismatch_{quantization}"
+    yield {"bench": name, **mismatch_stats(np.concatenate(got), np.concatenate(want)),
            "tokens": int(sum(len(o.token_ids) for o in outs)), "entropy_mean": float(np.concatenate(ent).mean()),
-           "engine": "bfloat16 weights and compute", "trainer": "float32 weights, bfloat16 compute",
+           "engine": "bfloat16 weights and compute" + ("" if quantization == "none" else f", projections {quantization}"),
+           "trainer": "float32 weights, bfloat16 compute",
            "engine_kernels": engine.kernels.impl, "trainer_kernels": kernels.impl,
            "layers": shapes.parity["num_hidden_layers"], "temperature": 1.0}
+
+
+MISMATCH = {
+    f"logprob_mismatch_{name}": functools.partial(logprob_mismatch, quantization=q)
+    for name, q in (("bf16", "none"), ("int8", "int8"), ("fp8", "fp8"))
+}
+"""The device check's mismatch measures: the bfloat16 engine, and with 8-bit projections."""

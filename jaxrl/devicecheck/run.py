@@ -24,13 +24,15 @@ Correctness (``{"check": name, "ok": bool, ...}``; a failed or timed-out check e
 
 Numbers (``{"bench": name, ...}``):
 
-* ``logprob_mismatch_bf16``: the bfloat16 engine's sampled-token log-probs vs the trainer's
-  (mean / max |delta|, the KL RL sees, importance-ratio extremes);
+* ``logprob_mismatch_bf16`` / ``_int8`` / ``_fp8``: the bfloat16 engine's sampled-token
+  log-probs vs the trainer's (mean / max |delta|, the KL RL sees, importance-ratio extremes), with
+  its projections unquantized, in int8 and in fp8;
 * ``train_remat_none`` / ``_dots`` / ``_full``: train step tokens/s, MFU (6N + attention) and HFU
   (plus what the policy recomputes) at Qwen3-0.6B x 4 x 4096 tokens, beside transformers + torch at
   the same setting (gradient checkpointing for "full" only);
 * ``decode``: engine tokens/s at batch 1 / 32 / 128, the share of peak HBM bandwidth reached, vs
-  transformers ``generate``;
+  transformers ``generate``; ``decode_quantized``: the same at the largest batch with int8 / fp8
+  projections;
 * ``rl_run``: five reverse_text GRPO steps on a random model of Qwen3-0.6B's shape, the step split
   (rollout wait / train / weight sync) per step and averaged.
 
@@ -66,17 +68,18 @@ import jax  # after the environment above
 
 from jaxrl.devicecheck.checks import CHECKS
 from jaxrl.devicecheck.common import detect_device, full_shapes, smoke_shapes
-from jaxrl.devicecheck.mismatch import logprob_mismatch_bf16
+from jaxrl.devicecheck.mismatch import MISMATCH
 from jaxrl.devicecheck.speed import BENCHES
 
 Measure = Callable[..., Iterable[dict[str, Any]]]
 MEASURES: dict[str, tuple[str, Measure]] = {
     **{name: ("check", fn) for name, fn in CHECKS.items()},
-    "logprob_mismatch_bf16": ("bench", logprob_mismatch_bf16),
+    **{name: ("bench", fn) for name, fn in MISMATCH.items()},
     **{name: ("bench", fn) for name, fn in BENCHES.items()},
 }
 # Seconds per measure on an accelerator (compiles of the 0.6B programs included); 14 minutes in all.
 DEADLINES = {"train_remat_none": 180.0, "train_remat_dots": 180.0, "train_remat_full": 180.0, "decode": 240.0,
+             "decode_quantized": 180.0,
              "rl_run": 300.0}
 DEFAULT_DEADLINE = 120.0
 VERSIONED = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin", "jax-cuda12-pjrt", "libtpu",

@@ -288,6 +288,33 @@ def decode(dev: Device, shapes: Shapes) -> Lines:
         yield line
 
 
+def decode_quantized(dev: Device, shapes: Shapes) -> Lines:
+    """Greedy decode tokens/s at the largest batch with the engine's projections in int8 and in
+    fp8 (``[inference.backend] quantization``), the same shapes and timing as ``decode`` (whose
+    line at that batch is the unquantized side of the comparison, from the same run), and the
+    bytes the served weights take."""
+    from jaxrl.engine.config import EngineConfig
+    from jaxrl.engine.engine import Engine
+
+    dtype = _dtype(dev)
+    top = max(shapes.decode_batches)
+    prompts = np.random.default_rng(0).integers(0, shapes.decode["vocab_size"], (top, shapes.decode_prompt))
+    for kind in ("int8", "fp8"):
+        cfg = EngineConfig(
+            max_model_len=shapes.decode_prompt + shapes.decode_new + 8, max_seqs=top,
+            max_batched_tokens=top * shapes.decode_prompt, decode_steps=4, decode_steps_idle=shapes.decode_steps_idle,
+            decode_batch_buckets=[top], prefill_len_buckets=[shapes.decode_prompt],
+            prefill_batch_buckets=list(shapes.decode_prefill_batches), quantization=kind,
+        )  # fmt: skip
+        engine = Engine(random_decoder(shapes.decode, param_dtype=jnp.dtype(dtype), dtype=jnp.dtype(dtype)), cfg)
+        warmup_s = engine.warmup()
+        seconds = engine_decode_s(engine, prompts, shapes.decode_new, shapes.repeats)
+        yield {"bench": "decode_quantized", "quantization": kind, "batch": top, "engine_tok_s": top * shapes.decode_new / seconds,
+               "engine_s": seconds, "dtype": dtype, "weight_bytes": sum(x.nbytes for x in jax.tree.leaves(engine.params)),
+               "warmup_s": warmup_s, "kernels": engine.kernels.impl}  # fmt: skip
+        del engine
+
+
 RL_KEYS = ("time/rollout_wait_s", "time/train_s", "time/weight_sync_s", "time/scoring_s", "time/step_s")
 
 
@@ -343,5 +370,6 @@ def rl_run(dev: Device, shapes: Shapes) -> Lines:
 BENCHES = {
     **{f"train_remat_{r}": functools.partial(train_step, remat=r) for r in REMATS},
     "decode": decode,
+    "decode_quantized": decode_quantized,
     "rl_run": rl_run,
 }

@@ -116,6 +116,15 @@ class EngineSettings(BaseModel):
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """KV cache dtype; "auto" uses the model's compute dtype (``[model] dtype``)."""
 
+    quantization: Literal["none", "int8", "fp8"] = "none"
+    """Serve the attention and MLP projections in 8 bits, one scale per output channel,
+    quantized on device whenever weights are placed or swapped in (the trainer keeps its own
+    precision) and dequantized inside each program (``jaxrl.models.quantize``): half the weight
+    bytes a bf16 decode step reads, and room for KV cache. Sampled tokens' log-probs then differ
+    more from the trainer's: pair it with an off-policy correction (``[trainer.loss]`` TIS /
+    MIS / IcePop; docs/quantization.md). "int8": round to nearest over 255 levels; "fp8":
+    float8_e4m3fn (H100 / H200 and TPU v5p+ carry it natively)."""
+
     kernels: KernelChoice = "auto"
     """Decode attention over the KV cache, and on CPU the projections (``jaxrl.kernel_dispatch``).
     "auto": the Pallas kernel on TPU; on CPU the CPU serving backend (``kernels/cpu_serving.py``:

@@ -74,7 +74,9 @@ class ModelRunner:
         )
         self._param_dtype = jax.tree.leaves(state)[0].dtype
         self._compute_dtype = model.dtype
-        self.kernels = Kernels.create(config.kernels, field="inference.backend.kernels", mesh=mesh)
+        self.kernels = Kernels.create(
+            config.kernels, field="inference.backend.kernels", mesh=mesh, quantization=config.quantization
+        )
         # Always a copy: the caller (the trainer) may donate or overwrite its arrays later.
         self.state: nnx.State = self._served(weights.place_state(state, state, self.param_shardings))
         self.version = 0

@@ -1,0 +1,109 @@
+"""8-bit serving weights: the engine's projections stored as int8 or fp8 with one scale per
+output channel, dequantized inside each engine program (``[inference.backend] quantization``).
+
+Decode reads every weight every step, so storing them in 8 bits halves the bytes a bf16 decode
+step reads from HBM and the weights' share of it (more KV cache fits). The trainer keeps its own
+precision: quantization happens on device each time weights are placed or swapped in
+(``Kernels.serving_weights``), and the mismatch it adds to the sampled tokens' log-probs is what
+the off-policy corrections (TIS / MIS / IcePop, ``[trainer.loss]``) are for.
+
+Which weights: the attention and MLP projections (``wq wk wv wo w_gate w_up w_down`` and the
+experts' ``moe_gate moe_up moe_down``), scaled per output channel: the maximum magnitude over
+each weight's contracting axes (its input: ``embed``, or ``q_heads x head_dim`` for ``wo``,
+``mlp`` / ``moe_mlp`` for the down projections) maps to 127 (int8, round to nearest) or 448
+(float8_e4m3fn, its largest finite value). The embedding, the LM head, norms, biases and the
+router stay in the model's dtype: the LM head sets every log-prob directly, and the others are
+small.
+
+The dequantize (``values * scale`` in the compute dtype) is the pure-JAX reference, written where
+XLA can fuse it into the dot that reads the weight. Not qwix (Google's JAX quantization library):
+its post-training mode swaps a model's parameters for its own array types inside the nnx graph,
+which every path that moves our serving weights by parameter path and dtype (resharding, direct
+transfer, deltas, the CPU packed layout) would have to learn; one pytree leaf type at the
+kernel-dispatch seam changes none of them. Quantized matmul kernels (int8 x int8 on TPU) belong
+behind the same seam when measured to pay.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxrl.models.decoder import PARAM_LOGICAL_AXES, param_name
+
+Quantization = Literal["none", "int8", "fp8"]
+
+CONTRACTING: dict[str, tuple[str, ...]] = {
+    "wq": ("embed",), "wk": ("embed",), "wv": ("embed",), "wo": ("q_heads", "head_dim"),
+    "w_gate": ("embed",), "w_up": ("embed",), "w_down": ("mlp",),
+    "moe_gate": ("embed",), "moe_up": ("embed",), "moe_down": ("moe_mlp",),
+}  # fmt: skip
+"""The weights stored in 8 bits, each with the logical axes its matmul contracts over."""
+
+QMAX = {"int8": 127.0, "fp8": 448.0}
+STORAGE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
+@struct.dataclass
+class QArray:
+    """One quantized weight: ``values`` (int8 / float8_e4m3fn, the weight's shape) and ``scale``
+    (float32, 1 on the contracting axes): the weight is ``values * scale``."""
+
+    values: jax.Array
+    scale: jax.Array
+
+    def dequantize(self, dtype: Any) -> jax.Array:
+        return self.values.astype(dtype) * self.scale.astype(dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+
+def quantize_state(state: Any, kind: Quantization) -> Any:
+    """``state`` (the model's parameters, any sharding) with each weight of ``CONTRACTING`` as a
+    ``QArray`` of ``kind``; every other leaf unchanged. Identity for "none"."""
+    if kind == "none":
+        return state
+
+    def one(path: tuple[Any, ...], x: Any) -> Any:
+        name = param_name(path)
+        if name not in CONTRACTING or not hasattr(x, "ndim") or x.ndim != len(PARAM_LOGICAL_AXES[name]):
+            return x
+        axes = PARAM_LOGICAL_AXES[name]
+        return quantize_array(x, tuple(axes.index(a) for a in CONTRACTING[name]), kind)
+
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
+def dequantize_state(state: Any, dtype: Any) -> Any:
+    """The model's parameters back from ``quantize_state``'s form, in ``dtype`` (inside a program)."""
+    return jax.tree.map(
+        lambda x: x.dequantize(dtype) if isinstance(x, QArray) else x, state, is_leaf=lambda x: isinstance(x, QArray)
+    )
+
+
+def is_quantized(state: Any) -> bool:
+    return any(isinstance(x, QArray) for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, QArray)))
+
+
+def quantize_array(x: jax.Array, axes: tuple[int, ...], kind: Quantization) -> QArray:
+    """``x`` in ``kind`` with one scale per slice over ``axes`` (absmax -> the format's largest value)."""
+    return _quantize(x, axes, kind)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantize(x: jax.Array, axes: tuple[int, ...], kind: str) -> QArray:
+    w = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=axes, keepdims=True)
+    scale = jnp.where(amax > 0, amax / QMAX[kind], 1.0)
+    y = w / scale
+    if kind == "int8":
+        values = jnp.clip(jnp.round(y), -QMAX[kind], QMAX[kind]).astype(jnp.int8)
+    else:  # |y| <= 448 by construction: the cast rounds to the nearest e4m3 value, never to inf/nan
+        values = jnp.clip(y, -QMAX[kind], QMAX[kind]).astype(STORAGE[kind])
+    return QArray(values, scale)
