@@ -228,6 +228,7 @@ def _engine_shapes(
     from jaxrl.engine import weights
     from jaxrl.engine.programs import EngineLayout
     from jaxrl.kernel_dispatch import Kernels
+    from jaxrl.models.quantize import abstract_quantized
 
     icfg = cfg.inference.engine_config().with_model_len(arch.max_position_embeddings)  # unset: the model's own context
     if icfg.max_model_len > arch.max_position_embeddings:
@@ -251,7 +252,8 @@ def _engine_shapes(
     shardings = weights.state_shardings(state, weights.param_sharding_fn(mesh))
     weights = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings)
     layout = EngineLayout.create(arch, icfg, trainer_model.dtype, mesh)
-    kernels = Kernels.create(icfg.kernels, field="inference.backend.kernels", mesh=mesh)
+    kernels = Kernels.create(icfg.kernels, field="inference.backend.kernels", mesh=mesh, quantization=icfg.quantization)
+    weights = abstract_quantized(weights, icfg.quantization)  # the engine serves 8-bit projections when set
     return EngineShapes(icfg, mesh, graphdef, weights, layout, kernels)
 
 

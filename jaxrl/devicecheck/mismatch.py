@@ -39,28 +39,41 @@ def logprob_mismatch(dev: Device, shapes: Shapes, quantization: str = "none") ->
     "none", "int8", "fp8"), score the same tokens with the trainer's log-prob path in bfloat16
     compute, and report ``mismatch_stats``. Random weights give flatter distributions than a
     trained checkpoint (``entropy_mean`` says how flat)."""
+    new = shapes.engine_new_tokens
+    trainer_model = parity_model(shapes, jnp.bfloat16)  # float32 master weights, bfloat16 compute
+    graphdef, state = nnx.split(trainer_model)
+    engine_model = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(jnp.bfloat16), state))
+    prompts, icfg = parity_engine_setup(shapes, seed=7)
+    stats = sampled_vs_trainer(trainer_model, engine_model, icfg.model_copy(update={"quantization": quantization}),
+                               prompts, new)  # fmt: skip
+    name = "logprob_mismatch_bf16" if quantization == "none" else f"logprob_mismatch_{quantization}"
+    yield {"bench": name, **stats,
+           "engine": "bfloat16 weights and compute" + ("" if quantization == "none" else f", projections {quantization}"),
+           "trainer": "float32 weights, bfloat16 compute",
+           "layers": shapes.parity["num_hidden_layers"], "temperature": 1.0}
+
+
+def sampled_vs_trainer(trainer_model: Any, engine_model: Any, config: Any, prompts: list[list[int]], new: int) -> dict[str, Any]:
+    """``new`` tokens per prompt sampled at temperature 1 by an engine of ``engine_model`` with
+    ``config``, scored by the trainer's log-prob path on ``trainer_model``: ``mismatch_stats``,
+    the tokens compared, the trainer's mean entropy on them and both sides' kernels."""
     from jaxrl.engine.engine import Engine
     from jaxrl.engine.requests import Request
     from jaxrl.engine.token_sampling import SamplingParams
     from jaxrl.kernel_dispatch import Kernels
     from jaxrl.trainer.step import packed_logprobs
 
-    n, new = shapes.engine_prompts, shapes.engine_new_tokens
-    prompt_len = shapes.parity_tokens[1]
-    trainer_model = parity_model(shapes, jnp.bfloat16)  # float32 master weights, bfloat16 compute
-    graphdef, state = nnx.split(trainer_model)
-    engine_model = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(jnp.bfloat16), state))
-    prompts, icfg = parity_engine_setup(shapes, seed=7)
-    engine = Engine(engine_model, icfg.model_copy(update={"quantization": quantization}))
+    engine = Engine(engine_model, config)
     outs = engine.generate([Request(p, SamplingParams(max_tokens=new, temperature=1.0, seed=i))
-                            for i, p in enumerate(prompts)])
-    width = prompt_len + new
+                            for i, p in enumerate(prompts)])  # fmt: skip
+    n, width = len(prompts), max(len(p) for p in prompts) + new
     tokens = np.zeros((n, width), np.int32)
     for i, (p, o) in enumerate(zip(prompts, outs)):
         tokens[i, : len(p) + len(o.token_ids)] = p + o.token_ids
     mb = {"tokens": tokens, "positions": np.broadcast_to(np.arange(width), (n, width)).astype(np.int32),
-          "segment_ids": np.ones((n, width), np.int32), "temperature": np.ones((n, width), np.float32)}
+          "segment_ids": np.ones((n, width), np.int32), "temperature": np.ones((n, width), np.float32)}  # fmt: skip
     kernels = Kernels.create("auto", field="trainer.kernels")
+    graphdef, state = nnx.split(trainer_model)
 
     @jax.jit
     def score(state: Any, mb: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -73,13 +86,9 @@ def logprob_mismatch(dev: Device, shapes: Shapes, quantization: str = "none") ->
         got.append(logp[i, cols])
         want.append(np.asarray(o.logprobs))
         ent.append(entropy[i, cols])
-    name = "logprob_mismatch_bf16" if quantization == "none" else f"logprob_mismatch_{quantization}"
-    yield {"bench": name, **mismatch_stats(np.concatenate(got), np.concatenate(want)),
-           "tokens": int(sum(len(o.token_ids) for o in outs)), "entropy_mean": float(np.concatenate(ent).mean()),
-           "engine": "bfloat16 weights and compute" + ("" if quantization == "none" else f", projections {quantization}"),
-           "trainer": "float32 weights, bfloat16 compute",
-           "engine_kernels": engine.kernels.impl, "trainer_kernels": kernels.impl,
-           "layers": shapes.parity["num_hidden_layers"], "temperature": 1.0}
+    return {**mismatch_stats(np.concatenate(got), np.concatenate(want)),
+            "tokens": int(sum(len(o.token_ids) for o in outs)), "entropy_mean": float(np.concatenate(ent).mean()),
+            "engine_kernels": engine.kernels.impl, "trainer_kernels": kernels.impl}  # fmt: skip
 
 
 MISMATCH = {

@@ -32,6 +32,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl.models.decoder import PARAM_LOGICAL_AXES, param_name
 
@@ -89,6 +90,27 @@ def dequantize_state(state: Any, dtype: Any) -> Any:
 
 def is_quantized(state: Any) -> bool:
     return any(isinstance(x, QArray) for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, QArray)))
+
+
+def abstract_quantized(state: Any, kind: Quantization) -> Any:
+    """``quantize_state``'s output as shapes (``jax.ShapeDtypeStruct`` leaves with shardings) for
+    an abstract ``state`` whose leaves carry ``NamedSharding``s: what ahead-of-time compiles of
+    the engine's programs take. A scale is replicated over its weight's contracting axes."""
+    if kind == "none":
+        return state
+
+    def one(path: tuple[Any, ...], x: Any) -> Any:
+        name = param_name(path)
+        if name not in CONTRACTING or len(x.shape) != len(PARAM_LOGICAL_AXES[name]):
+            return x
+        axes = [PARAM_LOGICAL_AXES[name].index(a) for a in CONTRACTING[name]]
+        shape = tuple(1 if i in axes else n for i, n in enumerate(x.shape))
+        spec = list(x.sharding.spec) + [None] * (len(x.shape) - len(x.sharding.spec))
+        scale_sharding = NamedSharding(x.sharding.mesh, PartitionSpec(*(None if i in axes else s for i, s in enumerate(spec))))
+        return QArray(jax.ShapeDtypeStruct(x.shape, STORAGE[kind], sharding=x.sharding),
+                      jax.ShapeDtypeStruct(shape, jnp.float32, sharding=scale_sharding))  # fmt: skip
+
+    return jax.tree_util.tree_map_with_path(one, state)
 
 
 def quantize_array(x: jax.Array, axes: tuple[int, ...], kind: Quantization) -> QArray:

@@ -54,3 +54,23 @@ def test_colocated_engine_programs_compile_over_every_device() -> None:
     for f in fits:
         assert f.error is None and f.fits, f
         assert f.mesh == {"data": 4, "expert": 1, "tensor": 2}
+
+
+@pytest.mark.slow  # an engine decode compile each (~15-25 s on 2 cores)
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_8_bit_engine_weights_take_a_quarter_to_a_half_of_the_bytes_and_compile(kind) -> None:
+    """``[inference.backend] quantization``: ``jaxrl.aot`` counts and compiles the served 8-bit
+    projections (values in 1 byte, a float32 scale per output channel) instead of the model's dtype."""
+    cfg = build_config(read_toml(SMALL), ["--trainer.mesh.fsdp", "4"])
+    topo = topology("v6e:2x4", "v6e")
+    plain = run_shapes(cfg, topo).state_bytes()["engine_weights"]
+    cfg = build_config(read_toml(SMALL), ["--trainer.mesh.fsdp", "4", "--inference.backend.quantization", kind])
+    run = run_shapes(cfg, topo)
+    quantized = run.state_bytes()["engine_weights"]
+    assert quantized < plain and run.engine.kernels.quantization == kind
+    from jaxrl.models.quantize import QArray
+
+    leaves = jax.tree.leaves(run.engine.weights, is_leaf=lambda x: isinstance(x, QArray))
+    assert any(isinstance(x, QArray) for x in leaves)
+    (decode, *_) = plan(cfg, topo, trainer=False)
+    assert decode.error is None and decode.fits, decode
