@@ -44,7 +44,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--new", type=int, default=24)
-    p.add_argument("--no-qwen3-0.6b", action="store_true")
+    p.add_argument("--no-qwen3-0.6b", dest="no_qwen3", action="store_true")
     a = p.parse_args()
     rng = np.random.default_rng(0)
 
@@ -66,7 +66,7 @@ def main() -> None:
     else:
         print(json.dumps({"bench": "quantized_mismatch", "model": "reverse_text_sft", "skipped": f"no {reverse}"}))
 
-    if not a.no_qwen3_0_6b:
+    if not a.no_qwen3:
         from jaxrl.devicecheck.common import qwen3_0_6b, random_decoder
 
         arch = qwen3_0_6b(max_len=4096)

@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxrl.aot", description=__doc__.split("\n\n")[1])
     parser.add_argument("--topology", required=True, help="TPU slice (v5e:2x4, v6e:2x4, v5p:2x2x4) or GPUs (gpu:h100, gpu:h100x8)")
     parser.add_argument("--no-engine", action="store_true", help="skip the embedded engine's programs (RL configs)")
+    parser.add_argument("--serve", action="store_true",
+                        help="only the engine's programs, nothing else resident (a jaxrl.serve rollout server's view)")
     args, rest = parser.parse_known_args(argv)
     from jaxrl.aot.programs import model_hf_config, plan
     from jaxrl.aot.topology import get_topology
@@ -58,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[jaxrl.aot] {topo.name}: {topo.num_devices} devices, {topo.hbm_per_device / 1024**3:.0f} GiB HBM each, "
           f"{hosts}; model from {source}", file=sys.stderr)
     try:
-        fits = plan(cfg, topo, engine=False if args.no_engine else None)
+        if args.serve and args.no_engine:
+            raise ValueError("--serve compiles only the engine; drop --no-engine")
+        fits = plan(cfg, topo, engine=True if args.serve else (False if args.no_engine else None), serve=args.serve)
     except ValueError as e:  # e.g. a mesh that does not match the topology
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -258,14 +258,17 @@ def _engine_shapes(
 
 
 def plan(
-    cfg: RunConfig, topo: Topology, *, engine: bool | None = None, trainer: bool = True, colocated: bool | None = None
+    cfg: RunConfig, topo: Topology, *, engine: bool | None = None, trainer: bool = True, colocated: bool | None = None,
+    serve: bool = False,
 ) -> list[ProgramFit]:
     """Compile the run's programs for ``topo``; one ``ProgramFit`` each (errors included).
 
     ``engine``: also the embedded engine's programs, ``colocated``: on every device (see
     ``run_shapes``); ``trainer``: the trainer's (False: the engine's alone, with the trainer's
-    state still counted resident).
+    state still counted resident); ``serve``: the engine's alone with nothing else resident (a
+    ``jaxrl.serve`` rollout server's view).
     """
+    trainer = trainer and not serve
     run = run_shapes(cfg, topo, engine=engine, colocated=colocated)
     tcfg, mesh, programs, params, opt = cfg.trainer, run.mesh, run.programs, run.params, run.opt
     frozen_args = () if run.frozen is None else (run.frozen,)  # LoRA: the base is the micro-step's last argument
@@ -289,8 +292,9 @@ def plan(
         fit = ProgramFit("train_update", topo.name, _mesh_dict(mesh), knobs=TRAINER_KNOBS[:1])
         _compile(fit, programs.apply, params, opt, params, sums)
         fits.append(_finish(fit, engine_state_bytes + sb["trainer_frozen"], topo.hbm_per_device))
-    for f in engine_fits:  # the trainer's parameters and optimizer state stay resident
-        fits.append(_finish(f, sb["trainer_params"] + sb["trainer_frozen"] + sb["trainer_opt_state"], topo.hbm_per_device))
+    resident = 0 if serve else sb["trainer_params"] + sb["trainer_frozen"] + sb["trainer_opt_state"]
+    for f in engine_fits:  # the trainer's parameters and optimizer state stay resident (unless serving alone)
+        fits.append(_finish(f, resident, topo.hbm_per_device))
     return fits
 
 
