@@ -65,21 +65,20 @@ class Topology:
 
     @property
     def hosts(self) -> int:
-        """Hosts (trainer processes) of the slice: as the compile-only devices say (their
-        ``process_index``), else from its chip count (``v5p:2x2x4``: 16 chips, 4 hosts). A
-        multi-host slice runs RL's embedded engine colocated over every device."""
-        processes = {getattr(d, "process_index", 0) for d in self.devices}
-        if len(processes) > 1:
-            return len(processes)
+        """Hosts (trainer processes) of the slice, from its generation and chip count as GKE
+        provisions them (``v5p:2x2x4``: 16 chips, 4 hosts; ``v6e:2x4``: one 8-chip host), else
+        as the compile-only devices say (their ``process_index``; libtpu's ``v6e:2x4`` reports 2,
+        which is not how a v6e-8 VM runs). A multi-host slice runs RL's embedded engine colocated
+        over every device."""
         _, _, dims = self.name.partition(":")
         per_host = MAX_CHIPS_PER_HOST.get(self.generation)
         try:
             chips = math.prod(int(x) for x in dims.split("x"))
         except ValueError:  # "gpu:h100x8" and the like: one host
             return 1
-        if per_host is None or chips <= per_host:
-            return 1
-        return -(-chips // 4)
+        if per_host is None:
+            return len({getattr(d, "process_index", 0) for d in self.devices}) or 1
+        return 1 if chips <= per_host else -(-chips // 4)
 
 
 def compile_only_env() -> None:

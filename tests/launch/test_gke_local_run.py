@@ -91,14 +91,16 @@ def wait_until(cond, runner: subprocess.Popen, log: Path, what: str) -> None:
         time.sleep(0.5)
 
 
-def test_rendered_jobset_fetches_once_resumes_after_preemption_and_a_dead_server(tmp_path) -> None:
+def run_rendered(tmp_path: Path, render_args: list[str]) -> tuple[subprocess.Popen, Path, Path, Path]:
+    """Render a JobSet of NAME (v5p-16 trainer; ``render_args`` add the rest) and start
+    ``launch/gke/local.py`` on it with the tiny model given by hub id (an offline hub cache):
+    (the runner, its log, the bucket, local.py's work folder)."""
     cache = hub_cache(tmp_path / "hub", build_family_model(tmp_path / "model", "qwen3"))
     manifest, bucket, work = tmp_path / "jobset.yaml", tmp_path / "bucket", tmp_path / "work"
     rendered = subprocess.run(
         [sys.executable, str(ROOT / "launch/gke/render.py"), "--slice", "v5p-16", "--image", "jaxrl:test",
-         "--bucket", "b", "--config", str(recipe(tmp_path / "rl.toml")), "--name", NAME, "--max-restarts", "2",
-         "--rollout-slice", "v5e-1", "--rollout-replicas", "2", "--rollout-server", "jaxrl",
-         "--rollout-tensor-parallel", "1", "--wait-timeout-s", "300", "-o", str(manifest)],
+         "--bucket", "b", "--name", NAME, "--max-restarts", "2", "--wait-timeout-s", "300", "-o", str(manifest),
+         *render_args],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert rendered.returncode == 0, rendered.stderr
@@ -110,6 +112,13 @@ def test_rendered_jobset_fetches_once_resumes_after_preemption_and_a_dead_server
              "--work", str(work), "--timeout-s", str(DEADLINE_S)],
             env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
+    return runner, log, bucket, work
+
+
+def test_rendered_jobset_fetches_once_resumes_after_preemption_and_a_dead_server(tmp_path) -> None:
+    runner, log, bucket, work = run_rendered(tmp_path, [
+        "--config", str(recipe(tmp_path / "rl.toml")), "--rollout-slice", "v5e-1", "--rollout-replicas", "2",
+        "--rollout-server", "jaxrl", "--rollout-tensor-parallel", "1"])  # fmt: skip
     metrics = bucket / NAME / "rl" / "metrics.jsonl"
     rows = lambda: read_metrics(metrics) if metrics.exists() else []
     pods = lambda: json.loads((work / "pods.json").read_text())
@@ -173,23 +182,7 @@ def test_rendered_colocated_jobset_resumes_after_preemption_and_a_dead_trainer_p
     then trainer process 1 is killed mid-run: process 0 sees its connection close and exits (70)
     instead of waiting in a collective, the JobSet restarts (counted), and the run finishes with
     each step once."""
-    cache = hub_cache(tmp_path / "hub", build_family_model(tmp_path / "model", "qwen3"))
-    manifest, bucket, work = tmp_path / "jobset.yaml", tmp_path / "bucket", tmp_path / "work"
-    rendered = subprocess.run(
-        [sys.executable, str(ROOT / "launch/gke/render.py"), "--slice", "v5p-16", "--image", "jaxrl:test",
-         "--bucket", "b", "--config", str(recipe(tmp_path / "rl.toml", colocated=True)), "--name", NAME,
-         "--max-restarts", "2", "--wait-timeout-s", "300", "-o", str(manifest)],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    assert rendered.returncode == 0, rendered.stderr
-    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
-    log = tmp_path / "runner.log"
-    with log.open("w") as f:
-        runner = subprocess.Popen(
-            [sys.executable, str(ROOT / "launch/gke/local.py"), str(manifest), "--bucket", str(bucket),
-             "--work", str(work), "--timeout-s", str(DEADLINE_S)],
-            env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+    runner, log, bucket, work = run_rendered(tmp_path, ["--config", str(recipe(tmp_path / "rl.toml", colocated=True))])
     metrics = bucket / NAME / "rl" / "metrics.jsonl"
     rows = lambda: read_metrics(metrics) if metrics.exists() else []
     pods = lambda: json.loads((work / "pods.json").read_text())
