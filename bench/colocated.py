@@ -94,9 +94,9 @@ def worker(pid: int, nproc: int, port: int, model_dir: str, a: argparse.Namespac
         from jax.experimental import multihost_utils
 
         from jaxrl.engine.lockstep import SYNC
-        from jaxrl.rollout.colocated import start_colocated
+        from jaxrl.rollout.factory import colocated_backend
 
-        backend = start_colocated(model, inference, model_dir=None, served_name="b", tokenizer_dir=f"{model_dir}-tok", renderer=None,
+        backend = colocated_backend(model, inference, model_dir=None, served_name="b", tokenizer_dir=f"{model_dir}-tok", renderer=None,
                                   return_routed_experts=False)  # fmt: skip
         backend.start()
         plan = _plan(batch)

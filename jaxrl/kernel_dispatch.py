@@ -94,7 +94,6 @@ from jaxrl_kernels.logprobs import logprobs as pallas_logprobs
 from jaxrl_kernels.moe import expert_mlp_reference, tiled_gmm
 from jaxrl_kernels.moe_parallel import sharded_expert_mlp
 
-from jaxrl.models.quantize import Quantization, dequantize_state, quantize_state
 from jaxrl.parallel.rules import EXPERT_AXIS, SEQ_AXIS, logical_to_spec
 
 log = logging.getLogger(__name__)
@@ -178,18 +177,13 @@ class Kernels:
     impl: Impl = "reference"
     mesh: Mesh | None = None
     cpu: bool = False  # "auto" on CPU: the CPU serving backend where it builds
-    quantization: Quantization = "none"  # the engine's weights in 8 bits (``jaxrl.models.quantize``)
     serving: Serving | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def create(
-        cls, choice: KernelChoice, *, field: str, mesh: Mesh | None = None, quantization: Quantization = "none"
-    ) -> Kernels:
-        """Resolve ``choice`` for ``mesh``'s platform (JAX's default backend without a mesh);
-        ``quantization``: the engine serves its projections in 8 bits."""
+    def create(cls, choice: KernelChoice, *, field: str, mesh: Mesh | None = None) -> Kernels:
+        """Resolve ``choice`` for ``mesh``'s platform (JAX's default backend without a mesh)."""
         platform = mesh.devices.flat[0].platform if mesh is not None else select.current_platform()
-        return cls(resolve(choice, platform, field=field), mesh, cpu=choice == "auto" and platform == "cpu",
-                   quantization=quantization)  # fmt: skip
+        return cls(resolve(choice, platform, field=field), mesh, cpu=choice == "auto" and platform == "cpu")
 
     # -- the engine's weights ------------------------------------------------------------------
 
@@ -197,12 +191,9 @@ class Kernels:
         return cpu_serving() if self.cpu else None
 
     def serving_weights(self, state: nnx.State, compute_dtype: Any) -> Any:
-        """The layout the engine serves ``state`` in (its programs' ``bind`` takes it back): its
-        projections in 8 bits with ``quantization`` (``jaxrl.models.quantize``); the CPU
-        backend's packed projections on a one-device float32 CPU engine where the C++ matmul
-        builds (under a mesh XLA partitions the dots instead); else ``state`` itself."""
-        if self.quantization != "none":
-            return quantize_state(state, self.quantization)
+        """The layout the engine serves ``state`` in (its programs' ``bind`` takes it back): the
+        CPU backend's packed projections on a one-device float32 CPU engine where the C++ matmul
+        builds (under a mesh XLA partitions the dots instead), else ``state`` itself."""
         backend = self._cpu_backend()
         f32 = jnp.dtype(compute_dtype) == jnp.float32 and all(x.dtype == jnp.float32 for x in jax.tree.leaves(state))
         if backend is None or self.mesh is not None or not f32 or not backend.matmul_available():
@@ -217,9 +208,7 @@ class Kernels:
         call sites. ``shared``: (share_rows, share_lens) [B] of a decode step (the scheduler's)."""
         backend = self._cpu_backend()
         weights = None
-        if self.quantization != "none":
-            served = dequantize_state(served, _compute_dtype(served))
-        elif backend is not None:
+        if backend is not None:
             served, weights = backend.unpack(served)
         return nnx.merge(graphdef, served), replace(self, serving=Serving(weights, shared))
 
@@ -423,13 +412,3 @@ def _ulysses(inner: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax
 
     out = inner(to_heads(q), to_heads(k), to_heads(v), jax.lax.all_gather(seg, SEQ_AXIS, axis=1, tiled=True))
     return jax.lax.all_to_all(out, SEQ_AXIS, split_axis=1, concat_axis=2, tiled=True)
-
-
-def _compute_dtype(served: Any) -> Any:
-    """The dtype of ``served``'s other weights (the model's parameter dtype, as unquantized
-    serving weights would have)."""
-    from jaxrl.models.quantize import QArray
-
-    floats = [x.dtype for x in jax.tree.leaves(served, is_leaf=lambda x: isinstance(x, QArray))
-              if not isinstance(x, QArray) and jnp.issubdtype(x.dtype, jnp.floating)]  # fmt: skip
-    return floats[0] if floats else jnp.float32

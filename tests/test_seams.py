@@ -135,7 +135,7 @@ def test_the_engine_knows_nothing_of_its_http_face() -> None:
     assert any(m.startswith("jaxrl.engine") for m in IMPORTS["jaxrl.serving.server"])
 
 
-BACKENDS = ("jaxrl.rollout.embedded", "jaxrl.rollout.vllm", "jaxrl.rollout.external")
+BACKENDS = ("jaxrl.rollout.embedded", "jaxrl.rollout.colocated", "jaxrl.rollout.vllm", "jaxrl.rollout.external")
 SHARED = (  # protocol, settings, helpers
     "jaxrl.rollout.base", "jaxrl.rollout.config", "jaxrl.rollout.proxy", "jaxrl.rollout.weight_files",
 )

@@ -252,7 +252,7 @@ def _engine_shapes(
     shardings = weights.state_shardings(state, weights.param_sharding_fn(mesh))
     weights = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings)
     layout = EngineLayout.create(arch, icfg, trainer_model.dtype, mesh)
-    kernels = Kernels.create(icfg.kernels, field="inference.backend.kernels", mesh=mesh, quantization=icfg.quantization)
+    kernels = Kernels.create(icfg.kernels, field="inference.backend.kernels", mesh=mesh)
     weights = abstract_quantized(weights, icfg.quantization)  # the engine serves 8-bit projections when set
     return EngineShapes(icfg, mesh, graphdef, weights, layout, kernels)
 

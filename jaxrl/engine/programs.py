@@ -30,14 +30,16 @@ from jaxrl.engine.config import EngineConfig
 from jaxrl.engine.token_sampling import SamplingBatch, TokenCounts, penalize, sample_with_top
 from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.kv_cache import KVCache
+from jaxrl.models.quantize import dequantize_state
 from jaxrl.models.setup import DTYPES
 
 
 def _prefill(graphdef, state, cache, counts, tokens, positions, rows, last, sampling, *, kernels, top):  # type: ignore[no-untyped-def]
     """One batch of prompt chunks. ``kernels`` gives the projections of the served layout; the
     attention is the reference on every backend (``Kernels.cached_attention`` takes one-token
-    steps only). ``top``: top log-probs output per token (``sample_with_top``)."""
-    model, kernels = kernels.bind(graphdef, state)
+    steps only). ``top``: top log-probs output per token (``sample_with_top``). 8-bit
+    projections (``jaxrl.models.quantize``) are dequantized here, where XLA fuses it into their dots."""
+    model, kernels = kernels.bind(graphdef, dequantize_state(state))
     hidden, cache, experts = _forward(model, tokens, positions, cache, rows, kernels)
     h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
     logits = penalize(model.logits_f32(h_last, kernels), counts, rows, sampling)
@@ -74,7 +76,7 @@ def _decode(graphdef, steps, state, cache, counts, tokens, positions, rows, samp
     what they read is discarded) and position 0. ``shared``: ``DecodePlan``'s share rows/lengths,
     handed to the kernels (``Kernels.bind``).
     """
-    model, kernels = kernels.bind(graphdef, state, shared)
+    model, kernels = kernels.bind(graphdef, dequantize_state(state), shared)
 
     def body(carry, _):  # type: ignore[no-untyped-def]
         cache, counts, tok, pos, index = carry
@@ -131,6 +133,7 @@ class EngineLayout:
     cache_sharding: Any
     counts_shape: tuple[int, int]  # (max_seqs, vocab): ``TokenCounts`` of the penalties
     top_logprobs: int  # top log-probs every program outputs per token (``max_logprobs``, at most the vocab)
+    quantization: str  # the served projections' format ("none", "int8", "fp8": ``jaxrl.models.quantize``)
     inputs: Any  # sharding of host-fed inputs and of the token counts (replicated)
     key: tuple  # every shape the programs compile for (keys the program cache)
 
@@ -143,7 +146,8 @@ class EngineLayout:
         counts = (config.max_seqs, arch.vocab_size)
         top = min(config.max_logprobs, arch.vocab_size)
         sharding = weights.cache_sharding(mesh, shape)
-        return cls(mesh, shape, cache_dtype, sharding, counts, top, weights.replicated(mesh), key + counts + (top,))
+        return cls(mesh, shape, cache_dtype, sharding, counts, top, config.quantization, weights.replicated(mesh),
+                   key + counts + (top, config.quantization))  # fmt: skip
 
     def abstract_cache(self) -> KVCache:
         one = jax.ShapeDtypeStruct(self.cache_shape, self.cache_dtype, sharding=self.cache_sharding)

@@ -44,6 +44,7 @@ from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.models.kv_cache import KVCache
+from jaxrl.models.quantize import quantize_state
 from jaxrl.weight_transfer import Manifest, pull_weights
 from jaxrl.weight_transfer.manifest import param_path
 
@@ -74,9 +75,7 @@ class ModelRunner:
         )
         self._param_dtype = jax.tree.leaves(state)[0].dtype
         self._compute_dtype = model.dtype
-        self.kernels = Kernels.create(
-            config.kernels, field="inference.backend.kernels", mesh=mesh, quantization=config.quantization
-        )
+        self.kernels = Kernels.create(config.kernels, field="inference.backend.kernels", mesh=mesh)
         # Always a copy: the caller (the trainer) may donate or overwrite its arrays later.
         self.state: nnx.State = self._served(weights.place_state(state, state, self.param_shardings))
         self.version = 0
@@ -110,6 +109,10 @@ class ModelRunner:
     # -- weights ---------------------------------------------------------------------------
 
     def _served(self, placed: nnx.State) -> Any:
+        """The layout the programs take: 8-bit projections (``inference.backend.quantization``),
+        else the kernels' (``Kernels.serving_weights``)."""
+        if self.config.quantization != "none":
+            return quantize_state(placed, self.config.quantization)
         return self.kernels.serving_weights(placed, self._compute_dtype)
 
     def place(self, state: nnx.State | Decoder) -> Any:

@@ -15,13 +15,15 @@ each weight's contracting axes (its input: ``embed``, or ``q_heads x head_dim`` 
 router stay in the model's dtype: the LM head sets every log-prob directly, and the others are
 small.
 
-The dequantize (``values * scale`` in the compute dtype) is the pure-JAX reference, written where
-XLA can fuse it into the dot that reads the weight. Not qwix (Google's JAX quantization library):
+The engine's runner serves this form (``ModelRunner._served``) and its programs dequantize at
+their start (``values * scale`` in the model's parameter dtype: the pure-JAX reference), where XLA
+fuses the conversion into the dots that read each weight: the compiled Qwen3-8B decode program
+keeps the same temporaries as unquantized (docs/quantization.md), no full-precision copy. Not qwix (Google's JAX quantization library):
 its post-training mode swaps a model's parameters for its own array types inside the nnx graph,
 which every path that moves our serving weights by parameter path and dtype (resharding, direct
-transfer, deltas, the CPU packed layout) would have to learn; one pytree leaf type at the
-kernel-dispatch seam changes none of them. Quantized matmul kernels (int8 x int8 on TPU) belong
-behind the same seam when measured to pay.
+transfer, deltas, the CPU packed layout) would have to learn; one pytree leaf type in the served
+state changes none of them. Quantized matmul kernels (int8 x int8 on TPU) belong behind the
+kernel-dispatch seam when measured to pay.
 """
 
 from __future__ import annotations
@@ -81,11 +83,18 @@ def quantize_state(state: Any, kind: Quantization) -> Any:
     return jax.tree_util.tree_map_with_path(one, state)
 
 
-def dequantize_state(state: Any, dtype: Any) -> Any:
-    """The model's parameters back from ``quantize_state``'s form, in ``dtype`` (inside a program)."""
-    return jax.tree.map(
-        lambda x: x.dequantize(dtype) if isinstance(x, QArray) else x, state, is_leaf=lambda x: isinstance(x, QArray)
-    )
+def dequantize_state(state: Any, dtype: Any = None) -> Any:
+    """The model's parameters back from ``quantize_state``'s form (inside a program), in
+    ``dtype``, default the dtype of its other floating leaves (the model's parameter dtype, as
+    unquantized serving weights have); ``state`` itself when nothing is quantized."""
+    is_q = lambda x: isinstance(x, QArray)
+    leaves = jax.tree.leaves(state, is_leaf=is_q)
+    if not any(is_q(x) for x in leaves):
+        return state
+    if dtype is None:
+        floats = [x.dtype for x in leaves if not is_q(x) and jnp.issubdtype(x.dtype, jnp.floating)]
+        dtype = floats[0] if floats else jnp.float32
+    return jax.tree.map(lambda x: x.dequantize(dtype) if is_q(x) else x, state, is_leaf=is_q)
 
 
 def is_quantized(state: Any) -> bool:

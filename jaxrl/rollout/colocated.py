@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import jax
 from flax import nnx
@@ -25,33 +25,25 @@ from jaxrl.endpoint import ModelEndpoint
 from jaxrl.engine.lockstep import STOP, SYNC, Follower, Leader, Replica
 from jaxrl.parallel.distributed import gather_strings, gke_worker_hostnames
 from jaxrl.rollout.config import WILDCARDS, EmbeddedConfig, InferenceConfig
-from jaxrl.rollout.embedded import EmbeddedBackend
 
 if TYPE_CHECKING:
     from jaxrl.engine.engine import Engine
     from jaxrl.engine.metrics import EngineMetrics
     from jaxrl.models.decoder import Decoder
+    from jaxrl.rollout.embedded import EmbeddedBackend
 
 
 class LeaderStoppedEngine(RuntimeError):
     """On a process other than 0: process 0 stopped the engine where a section was expected."""
 
 
-def start_colocated(
-    model: Decoder,
-    inference: InferenceConfig,
-    *,
-    model_dir: Any,
-    served_name: str,
-    tokenizer_dir: str,
-    renderer: Mapping[str, Any] | None,
-    return_routed_experts: bool,
-) -> ColocatedLeader | ColocatedFollower:
-    """Every process calls this at the same point: process 0 gets the backend that serves (a
-    ``ColocatedLeader``), the others a ``ColocatedFollower``; not started yet."""
+def join(model: Decoder, inference: InferenceConfig) -> tuple[Engine, Leader | Replica]:
+    """Every process calls this at the same point: the engine over every device of every
+    process (built in the same order everywhere: the runner places weights and zeroes the cache
+    with programs over the whole mesh), and this process's end of the command stream: process
+    0's ``Leader`` (its runner sends every device call), the others' ``Replica``."""
     from jaxrl.engine.engine import Engine
     from jaxrl.engine.weights import colocated_mesh
-    from jaxrl.serving.server import build_engine_server
 
     cfg = inference.backend
     assert isinstance(cfg, EmbeddedConfig)
@@ -71,18 +63,12 @@ def start_colocated(
         leader.accept()
     else:
         follower = Follower(address, index=jax.process_index(), timeout_s=cfg.colocated_timeout_s)
-    # Built on every process in the same order: the runner places weights and zeroes the cache
-    # with programs over the whole mesh.
     engine = Engine(model, inference.engine_config(), mesh=mesh)
     if leader is None:
         assert follower is not None
-        return ColocatedFollower(engine, Replica(engine.runner, follower))
+        return engine, Replica(engine.runner, follower)
     engine.runner.lockstep = leader
-    server = build_engine_server(
-        engine, inference.server, tokenizer_dir=tokenizer_dir, model_dir=model_dir, model_name=served_name,
-        renderer=renderer, return_routed_experts=return_routed_experts,
-    )  # fmt: skip
-    return ColocatedLeader(engine, server, leader, tokenizer_dir=tokenizer_dir, renderer=renderer)
+    return engine, leader
 
 
 def _advertised(host: str) -> str:
@@ -95,14 +81,35 @@ def _advertised(host: str) -> str:
     return hosts[0].rsplit(":", 1)[0] if hosts else socket.gethostname()
 
 
-class ColocatedLeader(EmbeddedBackend):
-    """Process 0: the embedded backend whose engine calls every process repeats."""
+class ColocatedLeader:
+    """Process 0: the embedded backend (``embedded``: its engine behind the HTTP server) whose
+    engine calls every process repeats; updates weights inside sections."""
 
-    def __init__(self, engine: Engine, server: Any, leader: Leader, *, tokenizer_dir: str,
-                 renderer: Mapping[str, Any] | None):  # fmt: skip
-        super().__init__(engine, server, tokenizer_dir=tokenizer_dir, renderer=renderer)
+    def __init__(self, embedded: EmbeddedBackend, leader: Leader):
+        self.embedded = embedded
+        self.engine = embedded.engine
         self.leader = leader
         self._awaiting: int | None = None
+
+    def start(self, state: nnx.State | Decoder | None = None, version: int = 0) -> ModelEndpoint:
+        return self.embedded.start(state, version)
+
+    @property
+    def endpoint(self) -> ModelEndpoint:
+        return self.embedded.endpoint
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def check(self) -> None:
+        return None  # as the embedded backend: a failed engine fails its requests
+
+    def metrics(self) -> EngineMetrics | None:
+        return self.engine.metrics()
+
+    def token_versions(self, session_id: str) -> list[list[int]] | None:
+        return self.embedded.token_versions(session_id)
 
     def update_weights(self, state: nnx.State | Decoder, *, version: int) -> int:
         """Inside a section: reshard ``state`` onto the engine's mesh (every process does the
@@ -134,7 +141,7 @@ class ColocatedLeader(EmbeddedBackend):
 
     def stop(self) -> None:
         try:
-            super().stop()
+            self.embedded.stop()
         finally:
             self.leader.close()
 

@@ -73,9 +73,7 @@ def start_rollout_backend(
         replay = model.arch.is_moe and moe_routing != "recompute"  # verifiers puts the experts on the trace
         routed = inference.server.return_routed_experts or replay
         if jax.process_count() > 1:  # a multi-host trainer: one engine over every process
-            from jaxrl.rollout.colocated import start_colocated
-
-            backend = start_colocated(
+            backend = colocated_backend(
                 model, inference, model_dir=model_dir, served_name=served_name, tokenizer_dir=str(tokenizer_dir),
                 renderer=renderer, return_routed_experts=routed,
             )  # fmt: skip
@@ -92,3 +90,31 @@ def start_rollout_backend(
         backend.stop()
         raise
     return backend
+
+
+def colocated_backend(
+    model: Decoder,
+    inference: InferenceConfig,
+    *,
+    model_dir: Any,
+    served_name: str,
+    tokenizer_dir: str,
+    renderer: Mapping[str, Any] | None,
+    return_routed_experts: bool,
+) -> RolloutBackend:
+    """The embedded engine colocated over every process (``jaxrl.rollout.colocated``), not yet
+    started; every process calls this at the same point. Process 0 gets the backend that serves
+    (its engine behind the HTTP server), the others one that repeats its engine calls."""
+    from jaxrl.engine.lockstep import Leader
+    from jaxrl.rollout.colocated import ColocatedFollower, ColocatedLeader, join
+    from jaxrl.rollout.embedded import EmbeddedBackend
+    from jaxrl.serving.server import build_engine_server
+
+    engine, end = join(model, inference)
+    if not isinstance(end, Leader):  # a Replica: this process repeats process 0's calls
+        return ColocatedFollower(engine, end)
+    server = build_engine_server(
+        engine, inference.server, tokenizer_dir=tokenizer_dir, model_dir=model_dir, model_name=served_name,
+        renderer=renderer, return_routed_experts=return_routed_experts,
+    )  # fmt: skip
+    return ColocatedLeader(EmbeddedBackend(engine, server, tokenizer_dir=tokenizer_dir, renderer=renderer), end)

@@ -67,7 +67,7 @@ def test_8_bit_engine_weights_take_a_quarter_to_a_half_of_the_bytes_and_compile(
     cfg = build_config(read_toml(SMALL), ["--trainer.mesh.fsdp", "4", "--inference.backend.quantization", kind])
     run = run_shapes(cfg, topo)
     quantized = run.state_bytes()["engine_weights"]
-    assert quantized < plain and run.engine.kernels.quantization == kind
+    assert quantized < plain and run.engine.layout.quantization == kind
     from jaxrl.models.quantize import QArray
 
     leaves = jax.tree.leaves(run.engine.weights, is_leaf=lambda x: isinstance(x, QArray))

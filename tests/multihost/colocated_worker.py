@@ -3,7 +3,7 @@
 ``python colocated_worker.py PROCESS_ID NUM_PROCESSES PORT MODEL_DIR OTHER_DIR TOKENIZER_DIR OUT_JSON [forever]``
 
 With 2 processes: jax.distributed over 127.0.0.1:PORT, the backend from
-``jaxrl.rollout.colocated.start_colocated`` (process 0 serves, process 1 repeats its calls).
+``jaxrl.rollout.factory.colocated_backend`` (process 0 serves, process 1 repeats its calls).
 With 1 process: the engine alone on ``colocated_mesh`` over this process's 8 devices. Either way
 the same requests run on MODEL_DIR's weights, then on OTHER_DIR's (placed from a trainer-like
 fsdp sharding over every device, as the RL loop hands them over), and process 0 writes every
@@ -81,9 +81,9 @@ def main() -> None:
         engine.update_weights_from_state(other, version=1)
         results.append(engine.generate(requests()))
     else:
-        from jaxrl.rollout.colocated import start_colocated
+        from jaxrl.rollout.factory import colocated_backend
 
-        backend = start_colocated(
+        backend = colocated_backend(
             model, inference, model_dir=None, served_name="tiny", tokenizer_dir=tokenizer_dir, renderer=None,
             return_routed_experts=False,
         )  # fmt: skip
