@@ -5,8 +5,8 @@ What is compiled is what the run executes, built by the run's own code: the trai
 and, for RL configs with the embedded engine, ``engine_programs`` at the largest decode and
 prefill buckets (``max_seqs`` rows x ``max_model_len`` positions; smaller buckets need less),
 on the mesh the run gives the engine: ``weights.serving_mesh`` (its first tensor x expert
-devices) on a single-host topology, ``weights.colocated_mesh`` (every device: data x expert x
-tensor, the KV cache's rows split over data) on a multi-host one, where the engine runs
+devices) on a single-host topology, ``weights.colocated_mesh`` (every device: replica x expert x
+tensor, weights and KV cache repeated over the replica groups) on a multi-host one, where the engine runs
 colocated over every trainer process (``jaxrl.rollout.colocated``).
 Model and optimizer state are ``nnx.eval_shape`` / ``jax.eval_shape`` shapes with the run's
 shardings, so nothing is allocated.
@@ -52,7 +52,7 @@ ENGINE_KNOBS = (
     "inference.max_seqs and inference.max_model_len (KV cache = max_seqs x max_model_len positions)",
     (
         "inference.backend.tensor_parallel (shards weights and KV cache heads; colocated on a multi-host slice, "
-        "the devices / (tensor x expert) data groups split the KV cache rows)"
+        "each of the devices / (tensor x expert) replica groups holds a whole copy)"
     ),
     'inference.backend.kv_cache_dtype = "bfloat16"',
 )

@@ -134,10 +134,10 @@ def test_recipe_resolves_and_its_resident_state_fits(recipe: str) -> None:
     if cfg.mode == "rl":
         a, i = run.arch, cfg.inference
         cache = 2 * a.num_layers * i.max_seqs * i.max_model_len * a.num_kv_heads * a.head_dim * 2  # bf16 k and v
-        # v5p:2x2x4 is 4 hosts: the engine is colocated over all 16 chips, its rows split over data.
-        data = run.engine.mesh.shape.get("data", 1)
-        assert data == (topo.num_devices // i.backend.tensor_parallel if topo.hosts > 1 else 1)
-        assert sb["engine_kv_cache"] == cache // (i.backend.tensor_parallel * data)
+        # v5p:2x2x4 is 4 hosts: the engine is colocated over all 16 chips, repeated over replica groups.
+        replicas = run.engine.mesh.shape.get("replica", 1)
+        assert replicas == (topo.num_devices // i.backend.tensor_parallel if topo.hosts > 1 else 1)
+        assert sb["engine_kv_cache"] == cache // i.backend.tensor_parallel
     # + gradients (as parameters): well under the chip's HBM, leaving room for activations
     assert sum(sb.values()) + sb["trainer_params"] < 0.6 * topo.hbm_per_device
 
@@ -151,4 +151,4 @@ def test_multi_host_topology_compiles_the_engine_colocated() -> None:
     fits = {f.program: f for f in plan(cfg, topo, trainer=False)}
     for f in fits.values():
         assert f.error is None and f.fits, f
-        assert f.mesh == {"data": 4, "expert": 1, "tensor": 2}
+        assert f.mesh == {"replica": 4, "expert": 1, "tensor": 2}

@@ -37,12 +37,12 @@ def test_multi_host_topology_places_the_engine_on_every_device() -> None:
     cfg = build_config(read_toml(SMALL), ["--trainer.mesh.fsdp", "4"])  # fsdp 4 x tensor 2 = 8 devices
     topo = topology("v5p:2x2x2", "v5p")  # 2 hosts
     colocated, single = run_shapes(cfg, topo), run_shapes(cfg, topo, colocated=False)
-    assert dict(colocated.engine.mesh.shape) == {"data": 4, "expert": 1, "tensor": 2}
+    assert dict(colocated.engine.mesh.shape) == {"replica": 4, "expert": 1, "tensor": 2}
     assert dict(single.engine.mesh.shape) == {"expert": 1, "tensor": 2}  # one host: its first 2 devices
     co, one = colocated.state_bytes(), single.state_bytes()
-    # The weights are split over tensor and repeated over data; the KV cache's rows split over data.
+    # The weights and the KV cache are split over tensor and repeated over the replica groups.
     assert co["engine_weights"] == one["engine_weights"]
-    assert co["engine_kv_cache"] * 4 == one["engine_kv_cache"]
+    assert co["engine_kv_cache"] == one["engine_kv_cache"]
     assert run_shapes(cfg, topology("v6e:2x4", "v6e")).engine.mesh.axis_names == ("expert", "tensor")
 
 
@@ -53,7 +53,7 @@ def test_colocated_engine_programs_compile_over_every_device() -> None:
     assert [f.program for f in fits] == ["engine_decode[16x512]", "engine_prefill[8x128]"]
     for f in fits:
         assert f.error is None and f.fits, f
-        assert f.mesh == {"data": 4, "expert": 1, "tensor": 2}
+        assert f.mesh == {"replica": 4, "expert": 1, "tensor": 2}
 
 
 @pytest.mark.slow  # an engine decode compile each (~15-25 s on 2 cores)
