@@ -88,24 +88,33 @@ def start_servers(model_dir: Path, logs: Path, n: int = 2, **kw: Any) -> list[Se
     return servers
 
 
+def tiny_grpo(steps: int, mesh: dict) -> dict[str, Any]:
+    """The tiny RL run the multi-process tests share: ``[trainer]`` and ``[orchestrator]`` of GRPO
+    on reverse_text, 2 groups of 4, on-policy (lag 0), ``steps`` steps on ``mesh``."""
+    return {
+        "trainer": {"steps": steps, "seq_len": 256, "seq_len_buckets": [256], "micro_batch_rows": 4, "mesh": mesh,
+                    "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"}},
+        "orchestrator": {"batch_size": 8, "group_size": 4, "max_async_level": 0, "max_resample": 3,
+                         "train": {"sampling": {"max_completion_tokens": 8, "temperature": 1.0},
+                                   "env": [{"id": "reverse_text", "args": {"seed": 3}}]}},
+    }  # fmt: skip
+
+
 def rl_toml(
     path: Path, model_dir: Path, out: Path, urls: list[str], *, steps: int, mesh: dict,
     weight_transfer: str = "direct", **extra: Any,
 ) -> Path:  # fmt: skip
-    """An RL config over ``urls``: GRPO on reverse_text, 2 groups of 4, on-policy (lag 0), weights
-    to the servers by ``weight_transfer``."""
+    """An RL config over ``urls``: ``tiny_grpo``, weights to the servers by ``weight_transfer``."""
+    run = tiny_grpo(steps, mesh)
     cfg = {
         "output_dir": str(out),
         "seed": 0,
         "model": {"name": str(model_dir)},
-        "trainer": {"steps": steps, "seq_len": 256, "seq_len_buckets": [256], "micro_batch_rows": 4, "mesh": mesh,
-                    "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"}},
+        "trainer": run["trainer"],
         "inference": {"backend": "external", "base_url": urls, "server": {"port": 0},
                       "external": {"request_timeout_s": 60, "startup_timeout_s": 30,
                                    "weight_transfer": weight_transfer}, **SIZES},
-        "orchestrator": {"batch_size": 8, "group_size": 4, "max_async_level": 0, "max_resample": 3,
-                         "train": {"sampling": {"max_completion_tokens": 8, "temperature": 1.0},
-                                   "env": [{"id": "reverse_text", "args": {"seed": 3}}]}},
+        "orchestrator": run["orchestrator"],
         "log": {"progress": False, "plot": False},
     }  # fmt: skip
     for key, value in extra.items():

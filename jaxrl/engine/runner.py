@@ -100,7 +100,10 @@ class ModelRunner:
         return self.lockstep.lock if self.lockstep is not None else contextlib.nullcontext()
 
     def _mirrored(self, name: str, *args: Any) -> contextlib.AbstractContextManager[Any]:
-        return self.lockstep.command(name, *args) if self.lockstep is not None else contextlib.nullcontext()
+        """Process 0 of a colocated engine: send this call (plans without their sequences) first."""
+        if self.lockstep is None:
+            return contextlib.nullcontext()
+        return self.lockstep.command(name, *(_arrays_only(a) if isinstance(a, (PrefillPlan, DecodePlan)) else a for a in args))
 
     def _zero_cache(self) -> jax.Array:
         layout = self.layout
@@ -246,13 +249,13 @@ class ModelRunner:
             self.counts = self._reset_fn(self.counts, *self._put((np.int32(row), mask)))
 
     def prefill(self, plan: PrefillPlan) -> DeviceOutputs:
-        with self._mirrored("prefill", _arrays_only(plan)), self._timer("prefill"):
+        with self._mirrored("prefill", plan), self._timer("prefill"):
             args = self._put((plan.tokens, plan.positions, plan.rows, plan.last, plan.sampling))
             self.cache, tokens, logprobs, top, experts = self._prefill_fn(self.state, self.cache, self.counts, *args)
             return jax.device_get((tokens, logprobs, top, experts))
 
     def decode(self, plan: DecodePlan) -> DeviceOutputs:
-        with self._mirrored("decode", _arrays_only(plan)), self._timer("decode"):
+        with self._mirrored("decode", plan), self._timer("decode"):
             args = self._put((plan.tokens, plan.positions, plan.rows, plan.sampling, (plan.share_rows, plan.share_lens)))
             self.cache, self.counts, tokens, logprobs, top, experts = self._decode_fn(
                 plan.steps, self.state, self.cache, self.counts, *args

@@ -19,7 +19,16 @@ from pathlib import Path
 
 import pytest
 import tomli_w
-from external_servers import ROLLOUT_KEYS, SIZES, TRAIN_KEYS, free_port, launch, run_to_end, train_cmd
+from external_servers import (
+    ROLLOUT_KEYS,
+    SIZES,
+    TRAIN_KEYS,
+    free_port,
+    launch,
+    run_to_end,
+    tiny_grpo,
+    train_cmd,
+)
 from families import build_family_model
 
 from jaxrl.metrics import read_metrics
@@ -29,19 +38,17 @@ MESH = {"data": 1, "fsdp": 4, "tensor": 2}
 
 
 def colocated_toml(path: Path, model_dir: Path, out: Path, *, steps: int) -> Path:
+    run = tiny_grpo(steps, MESH)
     cfg = {
         "output_dir": str(out),
         "seed": 0,
         "model": {"name": str(model_dir)},
-        "trainer": {"steps": steps, "seq_len": 256, "seq_len_buckets": [256], "micro_batch_rows": 4, "mesh": MESH,
-                    "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"}},
+        "trainer": run["trainer"],
         "inference": {**SIZES, "server": {"port": 0},
                       "backend": {"type": "embedded", "tensor_parallel": 2, "prefill_len_buckets": [128, 256],
                                   "prefill_batch_buckets": [4], "decode_batch_buckets": [8],
                                   "colocated_timeout_s": 120}},
-        "orchestrator": {"batch_size": 8, "group_size": 4, "max_async_level": 0, "max_resample": 3,
-                         "train": {"sampling": {"max_completion_tokens": 8, "temperature": 1.0},
-                                   "env": [{"id": "reverse_text", "args": {"seed": 3}}]}},
+        "orchestrator": run["orchestrator"],
         "ckpt": {"interval": 1},
         "log": {"progress": False, "plot": False},
     }  # fmt: skip

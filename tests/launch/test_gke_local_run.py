@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 import tomli_w
-from external_servers import ENGINE, SIZES
+from external_servers import ENGINE, SIZES, tiny_grpo
 from families import build_family_model
 
 from jaxrl.metrics import read_metrics
@@ -60,19 +60,16 @@ def hub_cache(cache: Path, model_dir: Path) -> Path:
 def recipe(path: Path, *, colocated: bool = False) -> Path:
     """The run's recipe: for rollout servers, or (``colocated``) for the embedded engine over the
     trainer's processes, which reads no ``[inference.external]``."""
+    run = tiny_grpo(3, {"data": 1, "fsdp": 4, "tensor": 2})
     cfg = {
         "output_dir": "outputs/rl",
         "seed": 0,
         "model": {"name": HUB_ID},
-        "trainer": {"steps": 3, "seq_len": 256, "seq_len_buckets": [256], "micro_batch_rows": 4,
-                    "mesh": {"data": 1, "fsdp": 4, "tensor": 2},
-                    "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"}},
+        "trainer": run["trainer"],
         # One recipe for both sides: the trainer's (--inference.backend external) and the rollout
         # servers' (jaxrl.serve --inference.backend embedded, which reads the engine's settings).
         "inference": {"external": {"request_timeout_s": 60}, **SIZES, "backend": ENGINE},
-        "orchestrator": {"batch_size": 8, "group_size": 4, "max_async_level": 0, "max_resample": 3,
-                         "train": {"sampling": {"max_completion_tokens": 8, "temperature": 1.0},
-                                   "env": [{"id": "reverse_text", "args": {"seed": 3}}]}},
+        "orchestrator": run["orchestrator"],
         "ckpt": {"interval": 1},
         "log": {"progress": False, "plot": False},
     }  # fmt: skip
