@@ -21,7 +21,10 @@ bfloat16 serving bytes that changed per step, by element (and what an element de
   trainer's fsdp layout) publish the version (``Publisher``: cast, copy to host) and 2 server
   processes (one CPU device each) pull it whole at once over loopback TCP (``pull_weights``);
   ``step_s`` = publish + the slower pull, median of ``--repeats`` versions.
-- ``direct_delta``: the same with ``Publisher(delta=True)``: each version changes a fraction of
+- ``direct_int8``: ``direct`` to servers that serve int8 projections: the trainers quantize them
+  (``quantize_param``, as the external backend does) and the servers pull values + scales,
+  ``bytes`` being what travelled;
+- ``direct_delta``: the same as ``direct`` with ``Publisher(delta=True)``: each version changes a fraction of
   every shard's elements, scattered (the measured fraction of a real step at each of ``--lrs``,
   then each of ``--fractions``) and the servers, holding the version before, pull only the
   changed elements (a bitmap and their bytes);
@@ -204,6 +207,8 @@ class Procs:
 
     def step(self, version: int, fraction: float | None) -> dict[str, Any]:
         """Publish ``version`` on every trainer, then pull it on every server at once."""
+        from jaxrl.weight_transfer.manifest import Manifest
+
         pub = self.ask(self.trainers, {"op": "publish", "version": version, "fraction": fraction})
         publish_s = max(p["publish_s"] for p in pub)  # the processes publish at once (after a barrier)
         manifest = pub[0]["manifest"]
@@ -213,7 +218,8 @@ class Procs:
         changed = sum(p.get("changed_bytes", 0) for p in pub)
         total = sum(p.get("bytes", 0) for p in pub)
         return {"publish_s": publish_s, "pull_s": pull_s, "delta": all(p["delta"] for p in pulls),
-                "changed_fraction": changed / total if total else None}  # fmt: skip
+                "changed_fraction": changed / total if total else None,
+                "bytes_sent": Manifest.from_json(manifest).nbytes}  # fmt: skip
 
     def stop(self) -> None:
         for p in self.trainers + self.servers:
@@ -253,6 +259,9 @@ def measure_direct(label: str, name: str, layers: int | None, full_layers: int, 
     try:
         steps = [procs.step(v, None) for v in range(1, args.repeats + 1)]
         rows = [("direct", None, steps)]
+        procs.ask(procs.trainers, {"op": "reset", "delta": False, "quantization": "int8"})
+        procs.ask(procs.servers, {"op": "forget"})
+        rows.append(("direct_int8", None, [procs.step(v, None) for v in range(1, args.repeats + 1)]))
         for kind, fraction in fractions:
             procs.ask(procs.trainers, {"op": "reset", "delta": True})
             procs.ask(procs.servers, {"op": "forget"})
@@ -272,6 +281,9 @@ def measure_direct(label: str, name: str, layers: int | None, full_layers: int, 
             "step_s": round(step_s, 3), "GBps": round(size / step_s / 1e9, 3),
             "pull_GBps_per_server": round(size / pull_s / 1e9, 3), "repeats": len(runs),
         }  # fmt: skip
+        if path == "direct_int8":  # the bytes that travelled: int8 projections + their scales
+            row |= {"bytes": runs[0]["bytes_sent"], "GBps": round(runs[0]["bytes_sent"] / step_s / 1e9, 3),
+                    "pull_GBps_per_server": round(runs[0]["bytes_sent"] / pull_s / 1e9, 3)}  # fmt: skip
         if path == "direct":  # both servers pull at once: their sum against one socket stream
             row |= {"socket_GBps_adjacent": round(socket_now, 3),
                     "vs_socket": round(2 * row["pull_GBps_per_server"] / socket_now, 3)}  # fmt: skip

@@ -12,9 +12,10 @@ Both are driven over stdin, one JSON command a line, and answer one JSON line ea
   devices): ``{"op": "publish", "version": V, "delta": bool, "fraction": f}`` publishes version V
   (V = 1: random weights; later: the previous version with a fraction ``f`` of each shard's
   64 KiB blocks changed) with a ``Publisher(delta=...)`` and answers ``publish_s`` and, from
-  process 0, the manifest (``manifest_for``). ``{"op": "reset", "delta": bool}`` starts a new
-  publisher (new lineage).
-- server (one CPU device): ``{"op": "pull", "manifest": ...}`` pulls it onto its device over the
+  process 0, the manifest (``manifest_for``). ``{"op": "reset", "delta": bool, "quantization":
+  "none" | "int8" | "fp8"}`` starts a new publisher (new lineage), quantizing the projections as
+  the external backend does for 8-bit servers unless "none".
+- server (one CPU device): ``{"op": "pull", "manifest": ...}`` pulls it (in the manifest's dtypes) onto its device over the
   last version it pulled (a delta when that is the manifest's base) and answers ``pull_s``;
   ``{"op": "forget"}`` drops the held version.
 """
@@ -22,6 +23,7 @@ Both are driven over stdin, one JSON command a line, and answer one JSON line ea
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import socket
 import statistics
@@ -101,7 +103,8 @@ def changed_fraction(steps: int, block_sizes: tuple[int, ...], lr: float) -> lis
     (the main job's shape: hidden 128, 4 layers, Qwen3's 151,936-token vocabulary, tied), float32
     master weights, next-token loss on batches drawn from 300 of the tokens (a small task's
     vocabulary); after each step, the fraction of the bfloat16 serving bytes that changed: by
-    element, by whole tensor, by block of each size."""
+    element, by whole tensor, by block of each size; and of the projections' int8 values
+    (``int8_values``: what a delta to an int8 server would carry)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -109,6 +112,7 @@ def changed_fraction(steps: int, block_sizes: tuple[int, ...], lr: float) -> lis
 
     from jaxrl.models.arch import arch_from_hf_config
     from jaxrl.models.decoder import Decoder
+    from jaxrl.models.quantize import quantize_param
     from jaxrl.models.tiny import qwen3_config
     from jaxrl.weight_transfer.delta import changed_blocks, delta_payload_bytes
     from jaxrl.weight_transfer.manifest import param_leaves
@@ -137,7 +141,12 @@ def changed_fraction(steps: int, block_sizes: tuple[int, ...], lr: float) -> lis
     def served(p: Any) -> dict[str, np.ndarray]:
         return {k: np.asarray(x.astype(jnp.bfloat16)) for k, x in param_leaves(p)}
 
-    rows, before = [], served(params)
+    def int8_values(p: Any) -> dict[str, np.ndarray]:
+        """The projections as an int8 server serves them (what quantized transfer sends)."""
+        made = {k: quantize_param(k, x, jnp.bfloat16, "int8") for k, x in param_leaves(p)}
+        return {k: np.asarray(m["values"]) for k, m in made.items() if isinstance(m, dict)}
+
+    rows, before, before_q = [], served(params), int8_values(params)
     for i in range(steps):
         params, opt_state, value = step(params, opt_state, jnp.asarray(rng.choice(used, (batch, seq))))
         after = served(params)
@@ -151,8 +160,10 @@ def changed_fraction(steps: int, block_sizes: tuple[int, ...], lr: float) -> lis
             bits = {k: changed_blocks(before[k], after[k], bs) for k in after}
             row[f"blocks_{bs >> 10}k"] = sum(int(b.sum()) for b in bits.values()) / sum(b.size for b in bits.values())
             row[f"bytes_{bs >> 10}k"] = sum(delta_payload_bytes(b, after[k].nbytes, bs) for k, b in bits.items()) / total
-        rows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
-        before = after
+        after_q = int8_values(params)  # the share of int8 projection values that moved a step
+        row["int8_values"] = sum(int((before_q[k] != a).sum()) for k, a in after_q.items()) / sum(a.size for a in after_q.values())
+        rows.append({k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()})
+        before, before_q = after, after_q
     return rows
 
 
@@ -204,7 +215,15 @@ def trainer(args: argparse.Namespace) -> None:
         port = np.int32(address.rsplit(":", 1)[1])
         return [f"127.0.0.1:{p}" for p in np.asarray(multihost_utils.process_allgather(port)).reshape(-1)]
 
-    pub = Publisher(dtype="bfloat16", delta=False)
+    def publisher(delta: bool, quantization: str) -> Publisher:
+        """bfloat16 as served, or int8 / fp8 projections quantized here (the external backend's
+        ``prepare`` for 8-bit servers)."""
+        if quantization == "none":
+            return Publisher(dtype="bfloat16", delta=delta, full_every=1 << 30)
+        prepare = functools.partial(_quantized, kind=quantization)
+        return Publisher(dtype=None, prepare=prepare, block_bytes=2, delta=delta, full_every=1 << 30)
+
+    pub = publisher(False, "none")
     endpoints = allgather(pub.address)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -213,7 +232,7 @@ def trainer(args: argparse.Namespace) -> None:
             break
         if cmd["op"] == "reset":
             pub.stop()
-            pub = Publisher(dtype="bfloat16", delta=cmd["delta"], full_every=1 << 30)
+            pub = publisher(cmd["delta"], cmd.get("quantization", "none"))
             endpoints = allgather(pub.address)
             print(json.dumps({"ok": True}), flush=True)
             continue
@@ -230,11 +249,17 @@ def trainer(args: argparse.Namespace) -> None:
         if changes is not None:
             answer |= {"changed_bytes": changes.changed_bytes, "bytes": changes.bytes}
         if jax.process_index() == 0:
-            manifest = manifest_for(cmd["version"], arrays, endpoints, "bfloat16", lineage=pub.lineage,
+            manifest = manifest_for(cmd["version"], pub.layout(), endpoints, None, lineage=pub.lineage,
                                     base_version=fragment.base_version, block_bytes=pub.block_bytes)  # fmt: skip
             answer["manifest"] = manifest.to_json()
         print(json.dumps(answer), flush=True)
     pub.stop()
+
+
+def _quantized(path: str, x: Any, kind: str) -> Any:
+    from jaxrl.models.quantize import quantize_param
+
+    return quantize_param(path, x, "bfloat16", kind)
 
 
 def server(args: argparse.Namespace) -> None:
@@ -244,7 +269,6 @@ def server(args: argparse.Namespace) -> None:
     from jaxrl.weight_transfer import Manifest, applies_as_delta, pull_weights
 
     sh = SingleDeviceSharding(jax.devices()[0])
-    target = {p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) for p, x in abstract_params(args.model, args.layers)}
     held: tuple[str, int, Any] | None = None
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -256,6 +280,8 @@ def server(args: argparse.Namespace) -> None:
             print(json.dumps({"ok": True}), flush=True)
             continue
         manifest = Manifest.from_json(cmd["manifest"])
+        # What the manifest serves (bfloat16, or 8-bit values + scales), on this server's device.
+        target = {p.path: jax.ShapeDtypeStruct(p.shape, jax.numpy.dtype(p.dtype), sharding=sh) for p in manifest.params}
         lineage, have, previous = held or (None, None, None)
         delta = applies_as_delta(manifest, lineage, have) and previous is not None
         t0 = time.perf_counter()

@@ -215,6 +215,7 @@ class Engine:
             shared_prefix_positions=stats.shared_prefix_positions,
             max_seqs=self.config.max_seqs,
             max_model_len=self.max_model_len,
+            quantization=self.config.quantization,
             kv_cache_bytes=kv_bytes,
             kv_bytes_per_sequence=kv_bytes // self.config.max_seqs,
             kv_tokens_in_use=in_use,

@@ -117,6 +117,9 @@ class EngineMetrics(BaseModel):
     max_seqs: int
     """KV cache rows: at most this many sequences run at once (``inference.max_seqs``)."""
     max_model_len: int
+    quantization: str = "none"
+    """How the projections are served (``inference.backend.quantization``): an external
+    trainer's direct transfer sends them already in this form."""
     policy_version: int
     generated_tokens: int
     """Completion tokens sampled since start-up."""

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.models.kv_cache import KVCache
-from jaxrl.models.quantize import quantize_state
+from jaxrl.models.quantize import abstract_quantized, quantization_of, quantize_state
 from jaxrl.weight_transfer import Manifest, pull_weights
 from jaxrl.weight_transfer.manifest import param_path
 
@@ -144,15 +144,28 @@ class ModelRunner:
         A delta manifest is applied over the last state pulled when that is exactly its base
         (same lineage, version ``manifest.base_version``); otherwise the version is pulled whole.
         That state is kept for the next delta: the served state itself when the manifest's dtypes
-        are the served ones (no extra memory), else one more copy in the manifest's dtypes."""
+        are the served ones (no extra memory), else one more copy in the manifest's dtypes.
+
+        A manifest of 8-bit projections (``values`` + ``scale`` per weight: the trainer quantized
+        them for this server's ``quantization``) is pulled into the served form itself: no
+        quantize pass here, half a bfloat16 version's bytes on the wire. Its format must be this
+        server's; a manifest in full precision is quantized here as ``place`` does."""
         with self._pulled_lock:
             lineage, have, previous = self._pulled or (None, None, None)
         dtypes = {p.path: jnp.dtype(p.dtype) for p in manifest.params}
+        kind = quantization_of(dtypes)
+        if kind != "none" and kind != self.config.quantization:
+            raise ValueError(
+                f"the trainer sent {kind} weights but this server serves quantization = "
+                f'"{self.config.quantization}" (inference.backend.quantization): serve {kind}, or send '
+                "full-precision weights"
+            )
+        template = self._stacked if kind == "none" else abstract_quantized(self._stacked, kind)
         target = jax.tree_util.tree_map_with_path(
             lambda path, x: jax.ShapeDtypeStruct(
                 x.shape, dtypes.get(param_path(path), x.dtype), sharding=x.sharding
             ),
-            self._stacked,
+            template,
         )
         pulled = pull_weights(
             manifest, target, timeout_s=timeout_s, previous=previous, have_version=have, have_lineage=lineage
@@ -160,6 +173,10 @@ class ModelRunner:
         with self._pulled_lock:
             if self._pulled is None or self._pulled[0] != manifest.lineage or self._pulled[1] < manifest.version:
                 self._pulled = (manifest.lineage, manifest.version, pulled)
+        if kind != "none":  # the served form already; a leaf in another dtype than served is cast
+            return jax.tree.map(
+                lambda x, t: x if x.dtype == t.dtype else _cast_fn(t.dtype, x.sharding)(x), pulled, template
+            )
         if all(p.dtype == x.dtype for p, x in zip(jax.tree.leaves(pulled), jax.tree.leaves(self._stacked))):
             return self._served(pulled)  # already fresh buffers on the runner's shardings
         return self._served(weights.place_state(pulled, self._stacked, self.param_shardings))
@@ -281,3 +298,8 @@ class ModelRunner:
 def _arrays_only(plan: PrefillPlan | DecodePlan) -> PrefillPlan | DecodePlan:
     """``plan`` without its sequences (requests, callbacks): what another process needs to repeat it."""
     return dataclasses.replace(plan, seqs=[])
+
+
+@cache
+def _cast_fn(dtype: Any, sharding: jax.sharding.Sharding) -> Any:
+    return jax.jit(lambda x: x.astype(dtype), out_shardings=sharding)

@@ -103,8 +103,9 @@ def is_quantized(state: Any) -> bool:
 
 def abstract_quantized(state: Any, kind: Quantization) -> Any:
     """``quantize_state``'s output as shapes (``jax.ShapeDtypeStruct`` leaves with shardings) for
-    an abstract ``state`` whose leaves carry ``NamedSharding``s: what ahead-of-time compiles of
-    the engine's programs take. A scale is replicated over its weight's contracting axes."""
+    an abstract ``state`` whose leaves carry shardings: what ahead-of-time compiles of the
+    engine's programs take, and the target of a quantized weight pull. A scale is replicated
+    over its weight's contracting axes."""
     if kind == "none":
         return state
 
@@ -114,12 +115,46 @@ def abstract_quantized(state: Any, kind: Quantization) -> Any:
             return x
         axes = [PARAM_LOGICAL_AXES[name].index(a) for a in CONTRACTING[name]]
         shape = tuple(1 if i in axes else n for i, n in enumerate(x.shape))
-        spec = list(x.sharding.spec) + [None] * (len(x.shape) - len(x.sharding.spec))
-        scale_sharding = NamedSharding(x.sharding.mesh, PartitionSpec(*(None if i in axes else s for i, s in enumerate(spec))))
+        scale_sharding = x.sharding  # one device: the same
+        if isinstance(x.sharding, NamedSharding):
+            spec = list(x.sharding.spec) + [None] * (len(x.shape) - len(x.sharding.spec))
+            scale_sharding = NamedSharding(x.sharding.mesh, PartitionSpec(*(None if i in axes else s for i, s in enumerate(spec))))
         return QArray(jax.ShapeDtypeStruct(x.shape, STORAGE[kind], sharding=x.sharding),
                       jax.ShapeDtypeStruct(shape, jnp.float32, sharding=scale_sharding))  # fmt: skip
 
     return jax.tree_util.tree_map_with_path(one, state)
+
+
+def quantize_param(path: str, x: jax.Array, dtype: Any, kind: Quantization) -> jax.Array | dict[str, jax.Array]:
+    """One trainer param (``path``: its state path, "layers/wq") as a server of ``kind`` serves
+    it, computed on device in the param's sharding: cast to ``dtype`` (the servers' parameter
+    dtype) and, for a weight of ``CONTRACTING``, quantized from that cast, ``{"values", "scale"}``
+    (the fields of ``QArray``). Exactly what the server's own ``quantize_state`` makes of the
+    cast weights: the external backend's direct transfer sends this form
+    (``weight_transfer.Publisher(prepare=...)``) so half the bytes travel."""
+    cast = x if x.dtype == jnp.dtype(dtype) else _cast(x, jnp.dtype(dtype))
+    name = path.rsplit("/", 1)[-1]
+    axes = PARAM_LOGICAL_AXES.get(name, ())
+    if kind == "none" or name not in CONTRACTING or x.ndim != len(axes):
+        return cast
+    q = quantize_array(cast, tuple(axes.index(a) for a in CONTRACTING[name]), kind)
+    return {"values": q.values, "scale": q.scale}
+
+
+def quantization_of(dtypes: dict[str, Any]) -> Quantization:
+    """The format of a served state described by path -> dtype (a weight-transfer manifest):
+    "int8" / "fp8" when its ``CONTRACTING`` weights travel as ``.../values`` in that storage
+    dtype, "none" when none does; mixed formats are an error."""
+    names = {jnp.dtype(v).name: k for k, v in STORAGE.items()}
+    kinds = {names.get(jnp.dtype(d).name) for p, d in dtypes.items() if p.endswith("/values")}
+    if None in kinds or len(kinds) > 1:
+        raise ValueError(f"quantized weights in more than one format, or not 8-bit: {sorted(map(str, kinds))}")
+    return kinds.pop() if kinds else "none"
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast(x: jax.Array, dtype: Any) -> jax.Array:
+    return x.astype(dtype)
 
 
 def quantize_array(x: jax.Array, axes: tuple[int, ...], kind: Quantization) -> QArray:

@@ -20,7 +20,10 @@ After every optimizer step every server is given the trainer's parameters, in on
   before it (``weight_transfer_full_every``: one whole version every so many): a server that
   pulled exactly that base pulls only the changed blocks, any other pulls the version whole
   (``jaxrl.weight_transfer.delta``); each step logs what changed (``weights/changed_fraction``,
-  process 0's shards). A server that cannot take a manifest fails the start with one line naming the fix (``weight_transfer =
+  process 0's shards). When every server serves 8-bit projections (``[inference.backend]
+  quantization`` of ``jaxrl.serve``, read from its ``/metrics.json`` at start), the trainer
+  quantizes them itself, exactly as the servers would (``models.quantize.quantize_param``), and
+  sends int8 / fp8 values and their scales: about half a bfloat16 version's bytes. A server that cannot take a manifest fails the start with one line naming the fix (``weight_transfer =
   "files"``); nothing falls back to files on its own.
 - "files" (the fallback, and the only way to vLLM servers): the parameters are written once as
   HF safetensors to a directory every server can read (a shared filesystem, or ``gs://`` through
@@ -61,10 +64,12 @@ from typing import Any
 
 import httpx
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.endpoint import ModelEndpoint
 from jaxrl.models.decoder import Decoder
+from jaxrl.models.quantize import Quantization, quantize_param
 from jaxrl.parallel.distributed import broadcast_from_main, gather_strings
 from jaxrl.rollout.base import RolloutServerDead
 from jaxrl.rollout.config import ExternalConfig, InferenceConfig
@@ -99,9 +104,12 @@ class ExternalBackend:
         self.direct = self.ecfg.weight_transfer == "direct"
         self.weights: WeightFiles | None = None
         self.publisher: Publisher | None = None
+        self._dtype = model.dtype  # the servers' parameter dtype ([model] dtype)
+        self._quantization: Quantization = "none"  # what every server serves (learnt at start)
         if self.direct:  # every process serves its own shards of each version
             self.publisher = Publisher(
-                dtype=model.dtype, transport="tcp", host=self.ecfg.weight_transfer_host,
+                dtype=None, prepare=self._prepare, block_bytes=jnp.dtype(model.dtype).itemsize,
+                transport="tcp", host=self.ecfg.weight_transfer_host,
                 port=self.ecfg.weight_transfer_port, advertise=self.ecfg.advertised_host(),
                 delta=self.ecfg.weight_transfer_delta, full_every=self.ecfg.weight_transfer_full_every,
             )  # fmt: skip
@@ -141,6 +149,8 @@ class ExternalBackend:
             raise failure
         if reason is not None:
             raise RuntimeError(f"process 0 could not reach the rollout servers: {reason}")
+        # Every process prepares the same served form (the quantize is a program over global arrays).
+        self._quantization = broadcast_from_main(self._quantization)
         self._offset = self._offset_base + 1 - version  # the first push is one above every server's version
         self.update_weights(self._model if state is None else state, version=version)
         self._model = None  # the trainer's state is passed at every update from now on
@@ -149,10 +159,18 @@ class ExternalBackend:
     def _start_main(self) -> None:
         """Process 0: every server healthy and serving one model; the balancer in front of them."""
         versions = self._each(self._await_server)
-        names = {u: n for u, (n, _) in versions.items()}
+        names = {u: n for u, (n, _, _) in versions.items()}
         if len(set(names.values())) > 1:
             raise ValueError(f"inference.base_url: the servers serve different models: {names}; serve one model")
-        self._offset_base = max(v for _, v in versions.values())
+        self._offset_base = max(v for _, v, _ in versions.values())
+        kinds = {u: q for u, (_, _, q) in versions.items()}
+        if self.direct and len(set(kinds.values())) == 1:
+            self._quantization = next(iter(kinds.values()))
+        elif self.direct:
+            logger.warning(
+                "rollout servers serve different quantizations (%s): weights travel in [model] dtype "
+                "and each server quantizes its own", kinds,
+            )  # fmt: skip
         self.proxy = ProxyServer(
             self.urls, self.config.server.host, self.config.server.port,
             timeout_s=self.ecfg.request_timeout_s, connect_timeout_s=self.ecfg.connect_timeout_s,
@@ -162,8 +180,9 @@ class ExternalBackend:
         model = self.config.server.served_model_name or next(iter(names.values()))
         self._endpoint = ModelEndpoint.at(self.proxy.url, model, self.tokenizer_dir, self.renderer)
 
-    def _await_server(self, url: str) -> tuple[str, int]:
-        """(served model id, current policy version) of ``url`` once it answers ``/health``."""
+    def _await_server(self, url: str) -> tuple[str, int, Quantization]:
+        """(served model id, current policy version, its weights' quantization) of ``url`` once
+        it answers ``/health``."""
         deadline = time.monotonic() + self.ecfg.startup_timeout_s
         while True:
             try:
@@ -179,7 +198,7 @@ class ExternalBackend:
             time.sleep(0.5)
         model = self._get(url, "/v1/models")["data"][0]["id"]
         if self.ecfg.server == "vllm":
-            return model, vllm_weight_version(lambda method, route, **kw: self._call(url, method, route, **kw))
+            return model, vllm_weight_version(lambda method, route, **kw: self._call(url, method, route, **kw)), "none"
         metrics = self._engine_metrics(url)
         if not isinstance(metrics, dict) or "policy_version" not in metrics:
             raise ValueError(
@@ -192,7 +211,10 @@ class ExternalBackend:
                 '"manifest"; a jaxrl.serve older than direct transfer): update it, or set '
                 'inference.backend.weight_transfer = "files"'
             )
-        return model, int(metrics["policy_version"])
+        quantization = metrics.get("quantization", "none")  # a server from before quantization: none
+        if quantization not in ("none", "int8", "fp8"):
+            raise ValueError(f"rollout server {url}: GET /metrics.json names quantization {quantization!r}")
+        return model, int(metrics["policy_version"]), quantization
 
     def _engine_metrics(self, url: str) -> Any:
         """``url``'s engine snapshot as JSON: ``GET /metrics.json``; a jaxrl.serve from before
@@ -291,7 +313,7 @@ class ExternalBackend:
             return
         self.check()
         manifest = manifest_for(
-            version, state, self._endpoints, self.publisher.dtype, transport="tcp",
+            version, self.publisher.layout(), self._endpoints, None, transport="tcp",
             lineage=self.publisher.lineage, base_version=fragment.base_version,
             block_bytes=None if fragment.base_version is None else self.publisher.block_bytes,
         )  # fmt: skip
@@ -303,6 +325,10 @@ class ExternalBackend:
             "timeout_s": max(1.0, 0.9 * self.ecfg.request_timeout_s - 1.0),
         }
         self._each(lambda url: self._call(url, "POST", "/update_weights", json=body))
+
+    def _prepare(self, path: str, x: jax.Array) -> jax.Array | dict[str, jax.Array]:
+        """One param as the servers serve it (the publisher's ``prepare``)."""
+        return quantize_param(path, x, self._dtype, self._quantization)
 
     def _changes(self, version: int, base: int | None) -> dict[str, float]:
         """``weights/...`` metrics of a delta publisher's step (this process's shards)."""

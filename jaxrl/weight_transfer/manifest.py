@@ -212,7 +212,8 @@ def manifest_for(
     base_version: int | None = None,
     block_bytes: int | None = None,
 ) -> Manifest:
-    """The manifest of ``state`` (arrays or abstract arrays with shardings) served in ``dtype``,
+    """The manifest of ``state`` (arrays or abstract arrays with shardings) served in ``dtype``
+    (None: each leaf in its own, as ``Publisher.layout()`` describes a prepared version),
     with ``endpoints[i]`` the publisher of process ``i`` (a delta against ``base_version`` when
     given, with its ``block_bytes``). Pure: no transfers, no collectives."""
     unchanged_since = unchanged_since or {}
@@ -224,7 +225,8 @@ def manifest_for(
             for proc, boxes in sorted(process_boxes(x.sharding, shape).items())
             for box in boxes
         )
-        params.append(ParamEntry(path, shape, _dtype_name(dtype), shards, unchanged_since.get(path)))
+        served = x.dtype if dtype is None else dtype
+        params.append(ParamEntry(path, shape, _dtype_name(served), shards, unchanged_since.get(path)))
     return Manifest(version, tuple(endpoints), tuple(params), transport, lineage, base_version, block_bytes)
 
 

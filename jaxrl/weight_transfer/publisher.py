@@ -16,6 +16,13 @@ over them per publish; ``changes(version)`` reports what changed (``Changes``). 
 version n needs n - 1 too, so it must finish before n + 1 is published (the external backend
 waits for every server's answer before its next step); a full pull only before n + 2.
 
+``prepare`` replaces the cast when a server serves another form than the trainer's params: it
+maps one param (path, global array) to what is served, an array or a mapping of named arrays
+(each published as ``path/name``), on device and in the param's own sharding. The external
+rollout backend quantizes this way for servers that serve 8-bit weights (``jaxrl.models.quantize``:
+``values`` int8 / fp8 and a float32 ``scale`` per projection), so half a bfloat16 version's
+bytes travel and the server swaps them in as they arrive, with no quantize pass of its own.
+
 Under the multi-controller runtime every process calls ``publish`` at the same point (the cast
 is a jitted program over the global arrays), as it calls the train step.
 """
@@ -25,7 +32,7 @@ from __future__ import annotations
 import functools
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -71,13 +78,15 @@ class Publisher:
     ``delta``: compare each version with the previous and offer it as a delta (tcp only), but
     every ``full_every``-th version (counted from the last full one) as a full version;
     ``block_bytes``: the delta's block (None: one element of ``dtype``; ``delta.py`` says why).
-    ``lineage``: this run's id (a fresh one by default).
+    ``lineage``: this run's id (a fresh one by default). ``prepare``: what each param is served
+    as (see the module docstring), given instead of ``dtype`` (``dtype=None``); the default block
+    is then one byte (the smallest element of any served dtype).
     """
 
     def __init__(
         self,
         *,
-        dtype: Any = "bfloat16",
+        dtype: Any | None = "bfloat16",
         transport: str | Transport = "tcp",
         host: str = "127.0.0.1",
         port: int = 0,
@@ -87,11 +96,16 @@ class Publisher:
         full_every: int = 10,
         block_bytes: int | None = None,
         lineage: str | None = None,
+        prepare: Callable[[str, jax.Array], jax.Array | Mapping[str, jax.Array]] | None = None,
     ):
         if keep < (2 if delta else 1):
             raise ValueError(f"Publisher(keep={keep}): keep at least one version (two with delta=True)")
-        self.dtype = jax.numpy.dtype(dtype)
-        block_bytes = self.dtype.itemsize if block_bytes is None else block_bytes
+        if (dtype is None) == (prepare is None):
+            raise ValueError("Publisher: give either dtype (each param cast to it) or prepare, not both")
+        self.dtype = None if dtype is None else jax.numpy.dtype(dtype)
+        self._prepare = prepare
+        if block_bytes is None:
+            block_bytes = 1 if self.dtype is None else self.dtype.itemsize
         if block_bytes < 1 or full_every < 1:
             raise ValueError(
                 f"Publisher(block_bytes={block_bytes}, full_every={full_every}): each at least 1"
@@ -111,6 +125,7 @@ class Publisher:
         # bitmap holds 1/16 of a bfloat16 version's bytes, not 1/2 as a bool array would.
         self._bitmaps: dict[int, tuple[int, dict[str, dict[Box, np.ndarray]]]] = {}
         self._changes: dict[int, Changes] = {}
+        self._layout: dict[str, jax.ShapeDtypeStruct] = {}
         self._server: TransportServer | None = self._transport.serve(self, host, port, advertise)
         self.address = self._server.address
 
@@ -143,8 +158,11 @@ class Publisher:
             base = max(self._versions) if self.delta and self._versions else None
             previous = self._versions.get(base) if base is not None else None
         shards: dict[str, dict[Box, np.ndarray]] = {}
-        for path, x in param_leaves(state):
-            shards[path] = self._host_shards(x)
+        layout: dict[str, jax.ShapeDtypeStruct] = {}
+        params_own = {id(x) for _, x in param_leaves(state)}
+        for path, x in self._served(state):  # one leaf on device at a time beyond the params
+            shards[path] = self._host_shards(x, id(x) in params_own)
+            layout[path] = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
         bitmaps = self._compare(previous, shards) if previous is not None else None
         full = full or bitmaps is None or self._since_full + 1 >= self.full_every
         self._since_full = 0 if full else self._since_full + 1
@@ -166,16 +184,39 @@ class Publisher:
             ParamEntry(
                 path,
                 tuple(x.shape),
-                self.dtype.name,
+                jax.numpy.dtype(x.dtype).name,
                 tuple(Shard(0, box) for box in shards[path]),
                 unchanged_since.get(path),
             )
-            for path, x in param_leaves(state)
+            for path, x in layout.items()
         )
+        with self._lock:
+            self._layout = layout
         return Manifest(
             version, (self.address,), params, self._transport.name, self.lineage,
             None if full else base, None if full else self.block_bytes,
         )  # fmt: skip
+
+    def _served(self, state: Any) -> Iterator[tuple[str, jax.Array]]:
+        """``(path, array)`` of every leaf served, made one param at a time: each param cast to
+        ``dtype`` on its own sharding, or what ``prepare`` makes of it (a mapping's arrays at
+        ``path/name``)."""
+        for path, x in param_leaves(state):
+            if self._prepare is None:
+                assert self.dtype is not None
+                yield path, (x if x.dtype == self.dtype else _cast_fn(self.dtype, x.sharding)(x))
+                continue
+            made = self._prepare(path, x)
+            if isinstance(made, Mapping):
+                yield from ((f"{path}/{name}", y) for name, y in made.items())
+            else:
+                yield path, made
+
+    def layout(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The last published version's leaves as served (path -> global shape, dtype and
+        sharding): what ``manifest_for`` describes the whole version from, on any process."""
+        with self._lock:
+            return dict(self._layout)
 
     def _compare(
         self, previous: dict[str, dict[Box, np.ndarray]], shards: dict[str, dict[Box, np.ndarray]]
@@ -222,23 +263,23 @@ class Publisher:
         if cached is not None and cached[0] == base and region == shard and block_bytes == self.block_bytes:
             packed = cached[1].get(param, {}).get(shard)
             if packed is not None:
-                count = num_blocks(box_size(shard) * self.dtype.itemsize, block_bytes)
+                count = num_blocks(box_size(shard) * self.shard(version, param, shard).itemsize, block_bytes)
                 return np.unpackbits(packed, count=count, bitorder="little").view(bool)  # 0/1 bytes: no copy
         new, old = self.shard(version, param, shard), self.shard(base, param, shard)
         where = local_slices(region, shard)
         return changed_blocks(old[where], new[where], block_bytes)
 
-    def _host_shards(self, x: jax.Array) -> dict[Box, np.ndarray]:
-        """The distinct shards of ``x`` on this process, in the serving dtype, on host."""
-        cast = x if x.dtype == self.dtype else _cast_fn(self.dtype, x.sharding)(x)
+    def _host_shards(self, x: jax.Array, is_param: bool) -> dict[Box, np.ndarray]:
+        """The distinct shards of ``x`` (a served leaf; ``is_param``: the trainer's own array,
+        not a cast or prepared copy) on this process, on host."""
         first: dict[Box, jax.Array] = {}
-        for s in cast.addressable_shards:
+        for s in x.addressable_shards:
             first.setdefault(box_of(s.index, x.shape), s.data)
         boxes = list(first)
         host = jax.device_get([first[b] for b in boxes])
         # On CPU, device_get returns views of the device buffers: when no cast made fresh ones,
         # those are the trainer's own params, which its next step may donate. Copy them.
-        alias = cast is x and any(d.platform == "cpu" for d in x.sharding.device_set)
+        alias = is_param and any(d.platform == "cpu" for d in x.sharding.device_set)
         return {b: copy(np.asarray(h)) if alias else np.asarray(h) for b, h in zip(boxes, host, strict=True)}
 
     def shard(self, version: int, param: str, box: Box) -> np.ndarray:

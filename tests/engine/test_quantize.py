@@ -91,3 +91,53 @@ def test_quantization_is_an_engine_setting_and_reads_from_inference_too(capsys) 
         InferenceConfig.model_validate({"backend": {"type": "vllm", "quantization": "int8"}})
     with pytest.raises(ValueError, match="int4|int8"):
         InferenceConfig.model_validate({"backend": {"quantization": "int4"}})
+
+
+def test_quantized_on_the_trainer_pulls_bit_for_bit_what_the_server_would_quantize(
+    model_dir, other_model_dir, make_config
+) -> None:
+    """Direct transfer to an int8 server (issue 40 item 3): the trainer's publisher quantizes
+    (``quantize_param``), about half the bytes travel, and the server swaps in exactly the
+    values, scales and shardings its own quantize of the same weights gives."""
+    from jaxrl.models.quantize import quantize_param
+    from jaxrl.models.sharding import param_sharding_fn
+    from jaxrl.parallel.mesh import MeshConfig, make_mesh
+    from jaxrl.weight_transfer import Publisher, manifest_for
+
+    trainer = load_decoder(other_model_dir, sharding_fn=param_sharding_fn(make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1))))
+    engine = Engine(load_decoder(model_dir), make_config(quantization="int8"))
+    serving_dtype = jax.tree.leaves(nnx.state(trainer))[0].dtype
+    try:
+        with Publisher(dtype=None, prepare=lambda p, x: quantize_param(p, x, serving_dtype, "int8"),
+                       delta=True, block_bytes=serving_dtype.itemsize) as pub:  # fmt: skip
+            pub.publish(1, nnx.state(trainer))
+            manifest = manifest_for(1, pub.layout(), [pub.address], None, lineage=pub.lineage)
+            full = manifest_for(1, nnx.state(trainer), [pub.address], serving_dtype)
+            assert manifest.nbytes < 0.55 * full.nbytes  # float32 here: projections at 1/4 (bf16: 1/2)
+            assert {p.dtype for p in manifest.params if p.path.endswith("/values")} == {"int8"}
+            engine.update_weights_from_manifest(manifest, version=1)
+            pulled = engine.params
+            # The same weights again, as a delta: nothing changed, and the pull applies over version 1.
+            again = pub.publish(2, nnx.state(trainer))
+            assert again.base_version == 1 and pub.changes(2).changed_bytes == 0
+            delta = manifest_for(2, pub.layout(), [pub.address], None, lineage=pub.lineage, base_version=1,
+                                 block_bytes=pub.block_bytes)  # fmt: skip
+            engine.update_weights_from_manifest(delta, version=2)
+            pulled_delta = engine.params
+        engine.update_weights_from_state(trainer, version=3)  # the server quantizes the weights itself
+        local = engine.params
+        is_q = lambda x: isinstance(x, QArray)
+        assert sum(map(is_q, jax.tree.leaves(local, is_leaf=is_q))) > 0
+        for a, b, c in zip(jax.tree.leaves(pulled), jax.tree.leaves(pulled_delta), jax.tree.leaves(local), strict=True):
+            assert a.dtype == c.dtype and a.sharding == c.sharding
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(c))
+        # A format the server does not serve is refused by name; its weights stay.
+        with Publisher(dtype=None, prepare=lambda p, x: quantize_param(p, x, serving_dtype, "fp8")) as pub:
+            pub.publish(1, nnx.state(trainer))
+            fp8 = manifest_for(1, pub.layout(), [pub.address], None, lineage=pub.lineage)
+            with pytest.raises(ValueError, match="trainer sent fp8 weights but this server serves quantization"):
+                engine.update_weights_from_manifest(fp8, version=4)
+        assert engine.policy_version == 3
+    finally:
+        engine.stop()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jax
 import pytest
 import uvicorn
 from engine_fixtures import make_qwen3
@@ -118,6 +119,40 @@ def test_direct_pushes_serve_the_trainers_weights_bit_for_bit(server, model_dir,
         r = httpx.post(f"{server.url}/update_weights", json={"path": str(checkpoint)}, timeout=120)
         assert r.status_code == 200, r.text
         assert served(generate(server.url)) == served(answer)
+
+
+@pytest.mark.slow  # a second jaxrl.serve process (int8): the slow tier
+def test_an_int8_server_is_sent_int8_weights_it_serves_as_its_own_quantize(model_dir, tokenizer_dir, tmp_path) -> None:
+    """Quantized transfer (issue 40 item 3): a server serving int8 says so in /metrics.json, the
+    trainer quantizes on its side and sends values + scales (about half the bytes), and the server
+    answers exactly as after loading the same checkpoint from disk and quantizing it itself."""
+    (serve,) = start_servers(
+        model_dir, tmp_path, n=1, sizes=SIZES, engine=ENGINE,
+        extra=("--model.tokenizer", str(tokenizer_dir), "--inference.backend.quantization", "int8"),
+    )  # fmt: skip
+    try:
+        assert serve.metrics()["quantization"] == "int8"
+        checkpoint = make_qwen3(tmp_path / "seed1", seed=1)
+        model = trainer_model(model_dir)
+        backend = ExternalBackend(
+            model, hf_config(model_dir), external(serve.url), output_dir=tmp_path, tokenizer_dir=tokenizer_dir
+        )
+        try:
+            backend.start(nnx.state(model), version=0)
+            backend.update_weights(nnx.state(trainer_model(checkpoint)), version=1)
+            pushed = generate(serve.url)
+            layout = backend.publisher.layout()
+        finally:
+            backend.stop()
+        assert {str(x.dtype) for p, x in layout.items() if p.endswith("/values")} == {"int8"}
+        sent = sum(x.size * x.dtype.itemsize for x in layout.values())
+        full = sum(x.size * 4 for x in jax.tree.leaves(nnx.state(model)))  # the trainer's float32 params
+        assert sent < 0.55 * full
+        r = httpx.post(f"{serve.url}/update_weights", json={"path": str(checkpoint)}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert served(generate(serve.url)) == served(pushed)
+    finally:
+        serve.kill()
 
 
 def test_bad_manifests_get_400_and_the_server_keeps_its_weights(server, model_dir) -> None:

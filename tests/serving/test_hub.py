@@ -73,35 +73,43 @@ def test_serve_loads_a_hub_id_from_the_offline_cache(model_dir, tokenizer_dir, t
 
 
 RESOLVE = """
-import sys
+import json, sys
 from jaxrl.models.hub import resolve_model_dir
-try:
-    print("OK", resolve_model_dir(sys.argv[1], sys.argv[2] or None))
-except FileNotFoundError as e:
-    print("ERR", e)
+for name, revision in json.loads(sys.argv[1]):
+    try:
+        print("OK", resolve_model_dir(name, revision or None))
+    except FileNotFoundError as e:
+        print("ERR", str(e).replace(chr(10), " "))
 """
 
 
-def resolve(hf_home: Path, name: str, revision: str = "") -> str:
+def resolve_all(hf_home: Path, queries: list[tuple[str, str]]) -> list[str]:
+    """Each (name, revision) resolved in one fresh process: huggingface_hub reads HF_HOME and
+    HF_HUB_OFFLINE when it is imported (one process for all, not one each: ~7 s of imports apiece)."""
     out = subprocess.run(
-        [sys.executable, "-c", RESOLVE, name, revision], env=offline_env(hf_home), capture_output=True, text=True, timeout=120
-    )
+        [sys.executable, "-c", RESOLVE, json.dumps(queries)], env=offline_env(hf_home), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    return out.stdout.strip().splitlines()[-1]
+    answers = [line for line in out.stdout.splitlines() if line.startswith(("OK ", "ERR "))]
+    assert len(answers) == len(queries), out.stdout
+    return answers
 
 
 def test_revisions_and_the_offline_miss_error(model_dir, tmp_path) -> None:
     hf_home = tmp_path / "hf"
     old = write_hub_cache(hf_home / "hub", REPO, [model_dir], "1" * 40, ("v1",))
     new = write_hub_cache(hf_home / "hub", REPO, [model_dir], "2" * 40, ("main",))
-    assert resolve(hf_home, REPO) == f"OK {new}"
-    assert resolve(hf_home, REPO, "v1") == f"OK {old}"
-    assert resolve(hf_home, REPO, "1" * 40) == f"OK {old}"
-    miss = resolve(hf_home, "jaxrl-test/not-cached")
+    bad_dir = str(tmp_path / "no" / "such" / "dir")
+    head, by_tag, by_hash, miss, local, bad = resolve_all(
+        hf_home, [(REPO, ""), (REPO, "v1"), (REPO, "1" * 40), ("jaxrl-test/not-cached", ""), (str(model_dir), ""), (bad_dir, "")]
+    )
+    assert head == f"OK {new}"
+    assert by_tag == f"OK {old}"
+    assert by_hash == f"OK {old}"
     assert miss.startswith("ERR") and "'jaxrl-test/not-cached'" in miss and "HF_HUB_OFFLINE" in miss
     assert str(hf_home / "hub") in miss
     # A local directory is used as given; a path that is neither a directory nor a hub id is named.
-    assert resolve(hf_home, str(model_dir)) == f"OK {model_dir}"
-    bad = resolve(hf_home, str(tmp_path / "no" / "such" / "dir"))
+    assert local == f"OK {model_dir}"
     assert bad.startswith("ERR") and "no such directory" in bad
     shutil.rmtree(hf_home)
