@@ -64,10 +64,14 @@ def parse_args(
     prog: str = "python -m jaxrl.train",
     fields: Sequence[str] | None = None,
     hidden: Mapping[str, str] | None = None,
+    refused_flags: Mapping[str, str] | None = None,
 ) -> tuple[argparse.Namespace, list[str]]:
     """The entry points' own flags; everything else is a dotted override. ``--help`` lists both
     (every field of ``fields`` sections, default all, with its type, default and docstring) and
-    exits 0. ``@ FILE`` (prime-rl's form) is ``--config FILE``."""
+    exits 0. ``@ FILE`` (prime-rl's form) is ``--config FILE``. ``refused_flags``: own flags
+    (``"resume"``) this entry point has no use for, each with the reason: not offered, and
+    refused with the reason when given (never accepted and ignored)."""
+    refused = dict(refused_flags or {})
     parser = argparse.ArgumentParser(
         prog=prog,
         add_help=False,
@@ -86,7 +90,10 @@ def parse_args(
     parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config as TOML, exit")
     parser.set_defaults(resume=False, overwrite=False)
     if fields is None or "output_dir" in fields:  # flags of an entry point that writes a run
-        parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+        if "resume" not in refused:
+            parser.add_argument(
+                "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
+            )
         parser.add_argument(
             "--overwrite", action="store_true", help="delete what output_dir holds (an earlier run) and start over"
         )
@@ -95,6 +102,10 @@ def parse_args(
     if flags.help:
         print(parser.format_help())
         CliSettingsSource(_cli_model(fields, hidden), cli_prog_name=prog, cli_parse_args=["--help"])()  # exits 0
+    for arg in rest:
+        name = arg.removeprefix("--").split("=", 1)[0]
+        if arg.startswith("--") and name in refused:
+            raise ValueError(f"--{name}: {refused[name]}")
     return flags, rest
 
 
@@ -296,13 +307,15 @@ def load_config(
     fields: Sequence[str] | None = None,
     defaults: dict[str, Any] | None = None,
     hidden: Mapping[str, str] | None = None,
+    refused_flags: Mapping[str, str] | None = None,
 ) -> tuple[RunConfig, argparse.Namespace]:
     """Parse an entry point's argv: (validated config, flags --config/--dry-run/--resume/--overwrite).
     Several ``--config`` files merge left to right over the entry point's own ``defaults``;
     overrides apply last. ``fields``: the top-level sections the entry point reads (``--help`` and
     overrides are limited to them); ``hidden``: ``section.field`` paths of them it refuses, with
-    the reason (left out of ``--help``; an override of one fails with the reason)."""
-    flags, rest = parse_args(argv, prog, fields, hidden)
+    the reason (left out of ``--help``; an override of one fails with the reason); ``refused_flags``:
+    its own flags likewise (``{"resume": reason}``)."""
+    flags, rest = parse_args(argv, prog, fields, hidden, refused_flags)
     toml: dict[str, Any] = dict(defaults or {})
     for path in flags.config:
         toml = deep_merge(toml, resolve_recipe_paths(read_toml(path), Path(path).parent))

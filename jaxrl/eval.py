@@ -24,6 +24,11 @@ from jaxrl.config import ConfigError, RunConfig
 from jaxrl.serving.http_thread import PortInUse
 
 EVAL_DIR = "eval"
+# The train flags an eval has no use for: not offered by --help, refused (exit 2) when given.
+REFUSED_FLAGS = {
+    "resume": "continues a training run from its checkpoint; jaxrl.eval trains nothing and has nothing to resume "
+    "(--overwrite replaces an earlier eval's results)",
+}
 
 
 def eval_dir(cfg: RunConfig, *, overwrite: bool) -> Path:
@@ -38,10 +43,8 @@ def eval_dir(cfg: RunConfig, *, overwrite: bool) -> Path:
     return out
 
 
-def check(cfg: RunConfig, resume: bool) -> None:
+def check(cfg: RunConfig) -> None:
     """What only an eval needs of the config, each refused with one line naming the fix."""
-    if resume:
-        raise ConfigError("--resume continues a training run; jaxrl.eval has nothing to resume")
     if cfg.orchestrator is None or cfg.orchestrator.eval is None:
         raise ConfigError(
             "[orchestrator.eval] is not set: jaxrl.eval runs the config's eval envs; add [orchestrator.eval] "
@@ -102,8 +105,8 @@ def evaluate(cfg: RunConfig, out: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        cfg, flags = load_config(argv, prog="python -m jaxrl.eval")
-        check(cfg, flags.resume)
+        cfg, flags = load_config(argv, prog="python -m jaxrl.eval", refused_flags=REFUSED_FLAGS)
+        check(cfg)
         if flags.dry_run:
             print(to_toml(cfg), end="")
             return 0

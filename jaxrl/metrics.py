@@ -45,18 +45,30 @@ def scoped(metrics: dict[str, Any]) -> dict[str, Any]:
     return {(k if k.split("/", 1)[0] in NAMESPACES and "/" in k else f"train/{k}"): v for k, v in metrics.items()}
 
 
-# Shown on the progress bar / plain progress line when present in a row, in this order.
+# The off-policy corrections at work (docs/off-policy.md, Metrics): the share of RL tokens whose
+# importance ratio the loss masked (trust region / PPO clip), clipped (cispo / tis), held at the
+# dual-clip floor or rejected (MIS), and how stale the batch was (the largest policy lag, the
+# share the staleness rule dropped). Every RL step logs them all; a correction the loss does not
+# have, or that did not act this step, is 0 and left off the line (metrics.jsonl keeps it).
+_OFF_POLICY_KEYS = (
+    "train/masked_high_frac", "train/masked_low_frac", "train/clipped_frac", "train/dual_clipped_frac",
+    "train/mis_rejected_frac", "train/policy_lag_max", "train/stale_dropped_frac",
+)  # fmt: skip
+
+# Shown on the progress bar / plain progress line when present in a row, in this order (the
+# live bar keeps as many as fit the terminal, from the left).
 _BAR_KEYS = (
     "train/reward_mean", "train/ce_loss", "eval/ce_loss", "train/rl_loss", "train/mismatch_kl", "train/grad_norm",
-    "train/rollouts_failed", "train/tokens_per_s", "time/rollout_wait_s", "time/train_s", "time/step_s",
+    "train/rollouts_failed", *_OFF_POLICY_KEYS,
+    "train/tokens_per_s", "time/rollout_wait_s", "time/train_s", "time/step_s",
 )  # fmt: skip
 
 
 def progress_fields(metrics: dict[str, Any]) -> str:
-    """``key=value`` for the row's headline metrics (eval averages included), in a fixed order."""
-    keys = [k for k in _BAR_KEYS if k in metrics] + sorted(
-        k for k in metrics if k.startswith("eval/") and "/avg@" in k
-    )
+    """``key=value`` for the row's headline metrics (eval averages included), in a fixed order;
+    the off-policy ones only where nonzero."""
+    shown = [k for k in _BAR_KEYS if k in metrics and not (k in _OFF_POLICY_KEYS and metrics[k] == 0)]
+    keys = shown + sorted(k for k in metrics if k.startswith("eval/") and "/avg@" in k)
     return " ".join(f"{k}={metrics[k]:.4g}" for k in keys if isinstance(metrics[k], (int, float)))
 
 

@@ -6,7 +6,8 @@
 #      jax, no torch), and its `pip freeze`;
 #   2. "here": scripts/wheelhouse.py --have that freeze -> a wheel folder (printed size);
 #   3. "the target, no network": pip install --no-index --no-deps DIR/*.whl, pip check, then
-#      python -m jaxrl.devicecheck --smoke from outside the checkout, under a hard timeout.
+#      python -m jaxrl.devicecheck --smoke (its checks and one measure of each kind) from outside
+#      the checkout, under a hard timeout.
 #      Step 3 runs in a network namespace with no network at all (unshare -n, loopback only)
 #      where this host allows it, and with no pip configuration (no find-links, no index).
 #
@@ -77,8 +78,12 @@ IMG=$WORK/image/bin/python
 [ -x "$IMG" ] || { echo "$WORK/image: no install to run the smoke on (run PHASE install first)" >&2; exit 1; }
 cd "$WORK"
 stamp "4. the smoke run, without network"
+# Every check and one measure of each kind (each imports and runs its path in the image; the others
+# repeat a path on other settings, and the slow tier's tests/test_devicecheck.py runs them all).
+ONLY=logits_vs_transformers,engine_vs_trainer,bf16_loss_grads,kernel_training_attention,kernel_cached_attention
+ONLY=$ONLY,kernel_logprobs,logprob_mismatch_int8,train_remat_none,decode,rl_run
 env -u XLA_FLAGS JAX_PLATFORMS=cpu "${NO_NET[@]}" timeout -k 10 900 \
-  "$IMG" -m jaxrl.devicecheck --smoke --out "$WORK/devicecheck-out" > "$WORK/smoke.log"
+  "$IMG" -m jaxrl.devicecheck --smoke --only "$ONLY" --out "$WORK/devicecheck-out" > "$WORK/smoke.log"
 cat "$WORK"/devicecheck-out/lines-*.jsonl | "$IMG" -c '
 import json, sys
 lines = [json.loads(x) for x in sys.stdin if x.strip()]

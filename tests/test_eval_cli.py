@@ -56,5 +56,26 @@ def test_eval_config_errors_are_one_line(tmp_path, capsys) -> None:
     assert eval_main(["--config", str(cfg)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: [orchestrator.eval] is not set") and len(err.splitlines()) == 1, err
-    assert eval_main(["--config", str(cfg), "--resume"]) == 2
-    assert "nothing to resume" in capsys.readouterr().err
+
+
+def test_eval_does_not_offer_resume_and_refuses_it(tmp_path, capsys) -> None:
+    """``--resume`` is a training flag: eval's --help does not list it, and given anyway (even
+    with a config that would otherwise run, or as prime-rl's --ckpt.resume) it fails with one line
+    naming why, before any work; it is never accepted and ignored. ``--overwrite`` stays offered."""
+    with pytest.raises(SystemExit) as e:
+        eval_main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--resume" not in out and "--overwrite" in out and "--dry-run" in out
+    cfg = tmp_path / "x.toml"
+    cfg.write_text(tomli_w.dumps({
+        "model": {"name": str(tmp_path)}, "inference": {"max_model_len": 512},
+        "orchestrator": {"train": {"env": [{"id": "reverse-text"}]}, "eval": {"interval": 0}},
+    }))  # fmt: skip
+    assert eval_main(["--config", str(cfg), "--dry-run"]) == 0  # the config itself is fine
+    capsys.readouterr()
+    for flag in ("--resume", "--ckpt.resume", "--resume=true"):
+        assert eval_main(["--config", str(cfg), "--dry-run", flag]) == 2, flag
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: --resume: continues a training run") and len(err.splitlines()) == 1, err
+        assert "nothing to resume" in err

@@ -193,3 +193,39 @@ def test_the_live_progress_line_keeps_step_count_and_eta_at_100_and_200_columns(
         assert len(lines) == 1 and len(lines[0]) <= width, lines
         assert re.match(r"step\s+3/40 .* \d:\d\d:\d\d [-\d]:[-\d]{2}:[-\d]{2} train/reward_mean=0\.59", lines[0]), lines[0]
     assert lines[0].endswith("…")  # 200 columns do not hold every metric: cut, not wrapped
+
+
+def test_the_rl_progress_line_shows_the_off_policy_corrections_at_work(tmp_path, capsys) -> None:
+    """The importance-ratio mask / clip / reject shares and the staleness, on the plain progress
+    line of an RL step where the loss's correction acted (nonzero); never on an SFT step's, and a
+    correction that did nothing (0, as every one but its objective's always is) stays off."""
+    import jax.numpy as jnp
+
+    from jaxrl.metrics import _OFF_POLICY_KEYS, MetricsLogger
+    from jaxrl.orchestrator.batch import build_batch
+    from jaxrl.trainer.loss.sums import LossSums
+    from jaxrl.trainer.loss.sums import metrics as loss_metrics
+
+    # the names are those an RL step logs: the loss's metrics and the batch's
+    zeros = {k: jnp.zeros(()) for k in LossSums.__annotations__}
+    step_metrics = {k: float(v) for k, v in loss_metrics(zeros).items()}
+    step_metrics |= build_batch([], {}, step=1).metrics
+    assert {k.removeprefix("train/") for k in _OFF_POLICY_KEYS} <= set(step_metrics)
+
+    logger = MetricsLogger(tmp_path, 3, progress=True, interval=1)
+    logger.log(1, {"ce_loss": 0.5})  # SFT: none of them
+    logger.log(2, step_metrics | {"reward_mean": 0.5})  # RL, every correction idle
+    acted = {"masked_high_frac": 0.031, "mis_rejected_frac": 0.0025, "policy_lag_max": 1.0}
+    logger.log(3, step_metrics | {"reward_mean": 0.5, "tokens_per_s": 1234.0} | acted)
+    logger.close()
+    clock = r"elapsed \d+:\d\d:\d\d eta \d+:\d\d:\d\d "
+    sft, idle, rl = (re.sub(clock, "", x).split(" ", 3)[3] for x in capsys.readouterr().out.splitlines())
+    assert sft == "train/ce_loss=0.5"
+    assert not any(k in idle for k in _OFF_POLICY_KEYS), idle
+    shown = {k: v for k, v in (f.split("=") for f in rl.split()) if k in _OFF_POLICY_KEYS}
+    assert shown == {
+        "train/masked_high_frac": "0.031", "train/mis_rejected_frac": "0.0025", "train/policy_lag_max": "1",
+    }  # fmt: skip
+    keys = ("rollouts_failed", "masked_high_frac", "policy_lag_max", "tokens_per_s")
+    order = [rl.index(f"train/{k}=") for k in keys]
+    assert order == sorted(order), rl  # after the failures, before the timings

@@ -34,7 +34,8 @@ def test_every_jaxrl_package_is_listed_and_kernels_install_as_jaxrl_kernels() ->
     }
     assert on_disk and on_disk <= set(setup["packages"]), f"add {sorted(on_disk - set(setup['packages']))}"
     assert set(setup["packages"]) - on_disk == {"jaxrl_kernels"}  # nothing listed that is not there
-    assert setup["package-dir"] == {"jaxrl_kernels": "kernels"}
+    # vf_envs/: the top-level jaxrl_<env> modules verifiers' CLI imports (tests/envs/test_verifiers_ids.py)
+    assert setup["package-dir"] == {"": "vf_envs", "jaxrl": "jaxrl", "jaxrl_kernels": "kernels"}
     assert not (ROOT / "kernels" / "__init__.py").exists()  # run from the repo root, never shadows HF's
     cc = sorted(p.name for p in (ROOT / "kernels").glob("*.cc"))
     assert cc and PYPROJECT["tool"]["setuptools"]["package-data"]["jaxrl_kernels"] == ["*.cc"]
@@ -81,7 +82,7 @@ def test_the_wheel_installs_beside_hugging_faces_kernels(tmp_path: Path) -> None
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for name in ("jaxrl", "kernels"):
+    for name in ("jaxrl", "kernels", "vf_envs"):
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     wheels = tmp_path / "wheels"
     try:
@@ -91,7 +92,9 @@ def test_the_wheel_installs_beside_hugging_faces_kernels(tmp_path: Path) -> None
         pytest.skip(f"pip could not fetch {HF_KERNELS} / setuptools from the registry: {e.stderr[-300:]}")
     jaxrl_whl = next(wheels.glob("jaxrl-*.whl"))
     names = zipfile.ZipFile(jaxrl_whl).namelist()
-    assert {n.split("/")[0] for n in names if not n.startswith("jaxrl-")} == {"jaxrl", "jaxrl_kernels"}
+    env_ids = {f"{m}.py" for m in PYPROJECT["tool"]["setuptools"]["py-modules"]}  # jaxrl_<env>.py
+    top_level = {n.split("/")[0] for n in names if not n.startswith("jaxrl-")}
+    assert top_level == {"jaxrl", "jaxrl_kernels"} | env_ids, top_level
     assert {Path(n).name for n in names if n.endswith(".cc")} == {p.name for p in (ROOT / "kernels").glob("*.cc")}
 
     env_dir = tmp_path / "env"

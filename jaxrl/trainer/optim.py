@@ -19,7 +19,13 @@ class OptimConfig(BaseModel):
     b2: float = 0.95
     eps: float = 1e-8
     max_grad_norm: float = Field(1.0, description="Global-norm clip; <= 0 disables clipping.")
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="Updates of linear warm-up from lr 0 (optax's linear_schedule, as transformers' "
+        "warm-up): update 1 runs at lr 0 and trains nothing, the peak comes at update warmup_steps + 1. "
+        "0: the peak lr from update 1.",
+    )
     schedule: Literal["cosine", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine floor as a fraction of lr.")
     schedule_steps: int | None = Field(

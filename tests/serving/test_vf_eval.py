@@ -1,6 +1,6 @@
 """verifiers' own CLI, ``vf-eval``, against jaxrl's server with no changes on either side: the
-command docs/serving.md gives, run as a real process on a built-in env (the two-line module that
-makes it an importable taskset, as a user's installed env package is)."""
+command docs/serving.md gives, run as a real process on a built-in env under the id jaxrl installs
+for verifiers' CLI (`jaxrl-reverse-text`: the top-level module vf_envs/jaxrl_reverse_text.py)."""
 
 from __future__ import annotations
 
@@ -16,22 +16,19 @@ from transformers import AutoTokenizer
 from jaxrl.engine.engine import Engine
 from jaxrl.serving.server import EngineServer
 
-SHIM = "from jaxrl.envs.reverse_text import *  # noqa: F403\nfrom jaxrl.envs.reverse_text import __all__  # noqa: F401\n"
-
 
 @pytest.mark.slow
 def test_vf_eval_runs_against_the_server(model_dir, tokenizer_dir, make_config, tmp_path) -> None:
-    (tmp_path / "my_reverse_text.py").write_text(SHIM)
     engine = Engine.from_pretrained(model_dir, make_config(max_model_len=512))
     server = EngineServer(engine, AutoTokenizer.from_pretrained(tokenizer_dir), model_name="tiny")
     server.start()
     try:
         cmd = [
-            str(Path(sys.executable).parent / "vf-eval"), "my_reverse_text", "-n", "2", "-r", "1",
+            str(Path(sys.executable).parent / "vf-eval"), "jaxrl-reverse-text", "-n", "2", "-r", "1",
             "--client.base-url", f"{server.url}/v1", "--no-push", "--env.agent.runtime.type", "subprocess",
             "-o", str(tmp_path / "out"),
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+        env = dict(os.environ)
         env.pop("PRIME_API_KEY", None)  # no key needed: the server is on loopback
         done = subprocess.run(cmd, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     finally:
