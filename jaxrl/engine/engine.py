@@ -121,6 +121,8 @@ class Engine:
         self.requests = RequestStats()
         """How requests ended and their latencies (``metrics()``: ``finished_requests``, histograms)."""
         self._step_s = 0.0  # engine steps (device calls inside them: ``runner.device_s``)
+        self._pull_failures = 0  # manifest pulls that failed (the weights served stayed)
+        self._last_pull_error: str | None = None
 
     @classmethod
     def from_pretrained(
@@ -216,6 +218,8 @@ class Engine:
             max_seqs=self.config.max_seqs,
             max_model_len=self.max_model_len,
             quantization=self.config.quantization,
+            weight_update_failures=self._pull_failures,
+            last_weight_update_error=self._last_pull_error,
             kv_cache_bytes=kv_bytes,
             kv_bytes_per_sequence=kv_bytes // self.config.max_seqs,
             kv_tokens_in_use=in_use,
@@ -315,8 +319,16 @@ class Engine:
         """Pull the version ``manifest`` describes from the trainer processes' publishers
         (``jaxrl.weight_transfer``) onto the engine's shardings in the calling thread, within
         ``timeout_s``, then swap it in as ``update_weights_from_state`` does. A failed pull raises
-        ``PullError`` naming the endpoint and the param; the engine keeps serving its weights."""
-        return self._enqueue_update(self.runner.pull(manifest, timeout_s=timeout_s), version, wait)
+        ``PullError`` naming the endpoint and the param; the engine keeps serving its weights and
+        counts it (``metrics()``: ``weight_update_failures``, ``last_weight_update_error``)."""
+        try:
+            state = self.runner.pull(manifest, timeout_s=timeout_s)
+        except Exception as e:
+            with self._lock:
+                self._pull_failures += 1
+                self._last_pull_error = f"version {manifest.version}: {type(e).__name__}: {e}"[:1000]
+            raise
+        return self._enqueue_update(state, version, wait)
 
     def _enqueue_update(self, state: Any, version: int | None, wait: bool) -> int:
         done = threading.Event()

@@ -121,6 +121,11 @@ class EngineMetrics(BaseModel):
     """How the projections are served (``inference.backend.quantization``): an external
     trainer's direct transfer sends them already in this form."""
     policy_version: int
+    weight_update_failures: int = 0
+    """Weight pulls by manifest that failed since start-up (the weights served stayed; the
+    trainer sends the next version whole, and the server catches up then)."""
+    last_weight_update_error: str | None = None
+    """... the last one's error, naming the trainer endpoint and the param."""
     generated_tokens: int
     """Completion tokens sampled since start-up."""
     tokens_per_s: float

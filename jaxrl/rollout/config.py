@@ -205,6 +205,14 @@ class ExternalConfig(BaseModel):
     version whole, deltas off in effect), bounding how long a server's weights rest on a chain
     of deltas."""
 
+    weight_transfer_max_behind: int = Field(3, ge=1, le=1000)
+    """With "direct": how many versions in a row a server may fail to pull (it answers 400: an
+    endpoint it cannot reach, a deadline, a format it does not serve) before the run stops naming
+    it. Until then the trainer logs each miss and goes on; the server keeps serving the weights
+    it has (its rollouts carry that version, and the orchestrator's bounds on off-policy lag
+    apply to them) and catches up with the next version, which it pulls whole. A server that does
+    not answer at all is dead at once (``request_timeout_s``), as before."""
+
     weight_transfer_host: str = "127.0.0.1"
     """Address each trainer process's weight publisher binds ("direct"; a free port is picked).
     The default reaches only servers on the trainer's own host; "0.0.0.0" (or the host's own

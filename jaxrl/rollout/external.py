@@ -40,8 +40,14 @@ an earlier attempt of this one), so the trainer's version ``v`` is sent as ``off
 the offset chosen at start above every server's current version; the trainer's weights are
 pushed at start, so every server serves exactly the trainer's policy from the first rollout.
 
-A server that stops answering - a rollout request or a weight update refused, reset, or not
-answered within ``request_timeout_s`` - is reported by its URL as ``RolloutServerDead``; the RL
+A server that answers but cannot pull a version (its 400: an endpoint it cannot reach, the
+pull's deadline, a format it does not serve) keeps serving the weights it has and counts the miss
+in its metrics; the trainer logs it (``weights/servers_behind``) and goes on, and the server
+catches up with the next version (pulled whole: its base is not the delta's). Only
+``weight_transfer_max_behind`` misses in a row stop the run, naming the server and the last
+reason; at start every server must take the trainer's weights. A server that stops answering -
+a rollout request or a weight update reset, or not answered within ``request_timeout_s`` - is
+reported by its URL as ``RolloutServerDead``; the RL
 loop then checkpoints and stops, and ``--resume`` continues once the server is back: the resumed
 run's start pushes the current version to every server before the balancer sends it a rollout,
 so a restarted server never serves its base weights to the run. A direct
@@ -78,6 +84,14 @@ from jaxrl.rollout.weight_files import WeightFiles, reload_vllm_weights, vllm_we
 from jaxrl.weight_transfer import Publisher, manifest_for
 
 logger = logging.getLogger(__name__)
+
+
+class ServerRefused(RuntimeError):
+    """A rollout server answered an error status (``status``); the message names it and why."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
 
 
 class ExternalBackend:
@@ -121,6 +135,7 @@ class ExternalBackend:
         self._model: Decoder | None = model
         self._version = -1  # nothing pushed yet
         self._weight_metrics: dict[str, float] = {}
+        self._behind: dict[str, int] = {}  # direct: versions in a row each server failed to pull
         self._offset = self._offset_base = 0
         self._dead: RolloutServerDead | None = None
         self._endpoint: ModelEndpoint | None = None
@@ -324,7 +339,32 @@ class ExternalBackend:
             # trainer endpoint and param that failed) arrives rather than a timeout of its own.
             "timeout_s": max(1.0, 0.9 * self.ecfg.request_timeout_s - 1.0),
         }
-        self._each(lambda url: self._call(url, "POST", "/update_weights", json=body))
+        missed = {url: why for url, why in self._each(lambda url: self._offer(url, body)).items() if why}
+        for url in self.urls:
+            self._behind[url] = self._behind.get(url, 0) + 1 if url in missed else 0
+        self._weight_metrics["weights/servers_behind"] = float(len(missed))
+        for url, why in missed.items():
+            n, limit = self._behind[url], self.ecfg.weight_transfer_max_behind
+            if n >= limit:
+                raise RuntimeError(
+                    f"rollout server {url} failed to pull {n} versions in a row "
+                    f"(inference.backend.weight_transfer_max_behind = {limit}); the last: {why}"
+                )
+            logger.warning(
+                "rollout server %s keeps serving its previous weights: it could not pull version %d (%d in a "
+                "row of at most %d): %s", url, version, n, limit, why,
+            )  # fmt: skip
+
+    def _offer(self, url: str, body: dict[str, Any]) -> str | None:
+        """POST a manifest to ``url``: None once it serves it, else why it could not pull it (its
+        400; it keeps serving what it had). Unreachable -> ``RolloutServerDead``, as every call."""
+        try:
+            self._call(url, "POST", "/update_weights", json=body)
+        except ServerRefused as e:
+            if e.status != 400 or self._version < 0:  # the start's push: every server serves the trainer's weights
+                raise
+            return str(e)
+        return None
 
     def _prepare(self, path: str, x: jax.Array) -> jax.Array | dict[str, jax.Array]:
         """One param as the servers serve it (the publisher's ``prepare``)."""
@@ -371,7 +411,8 @@ class ExternalBackend:
             self._unreachable(url, f"{method} {route}: {type(e).__name__}: {e}")
             raise self._dead from e  # type: ignore[misc]
         if resp.status_code >= 400:
-            raise RuntimeError(
+            raise ServerRefused(
+                resp.status_code,
                 f"rollout server {url} refused {method} {route} ({resp.status_code}): {resp.text[:800]}"
                 + (" - set inference.backend.api_key (or JAXRL_INFERENCE_API_KEY) to the server's key"
                    if resp.status_code == 401 else "")

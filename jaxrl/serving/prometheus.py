@@ -25,6 +25,7 @@ vllm:e2e_request_latency_seconds       histogram submit -> request ended
 jaxrl:request_errors_total             counter   requests failed with an engine step
 jaxrl:http_requests_total              counter   HTTP answers, labels ``route``, ``status``
 jaxrl:policy_version                   gauge     the weights version served
+jaxrl:weight_update_failures_total     counter   weight pulls that failed (the served weights stayed)
 jaxrl:kv_cache_tokens_in_use           gauge     positions the running sequences wrote
 jaxrl:kv_cache_bytes                   gauge     the KV cache's size (allocated at start-up)
 jaxrl:compiled_programs                gauge     device programs compiled so far
@@ -106,6 +107,10 @@ class EngineCollector(Collector):
             "vllm:e2e_request_latency_seconds", "Seconds from submit to the request's end.", m.e2e_latency
         )
         yield gauge("jaxrl:policy_version", "The weights version served.", m.policy_version)
+        yield counter(
+            "jaxrl:weight_update_failures", "Weight pulls that failed (the served weights stayed).",
+            m.weight_update_failures,
+        )  # fmt: skip
         yield gauge("jaxrl:kv_cache_tokens_in_use", "Positions the running sequences wrote.", m.kv_tokens_in_use)
         yield gauge("jaxrl:kv_cache_bytes", "The KV cache's size, allocated at start-up.", m.kv_cache_bytes)
         yield gauge("jaxrl:compiled_programs", "Device programs compiled so far.", m.compiles)

@@ -9,6 +9,7 @@ leaves the server serving its previous version."""
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -201,6 +202,47 @@ def test_bad_manifests_get_400_and_the_server_keeps_its_weights(server, model_di
 class UpdateWeightsRequest(BaseModel):
     path: str
     version: int | None = None
+
+
+def test_a_server_that_cannot_pull_keeps_its_weights_the_run_goes_on_and_it_catches_up(
+    server, model_dir, tokenizer_dir, tmp_path, caplog
+) -> None:
+    """A pull that fails on one server (here: the trainer sends int8 weights, as if the server had
+    restarted without quantization) is a warning and a metric, not the end of the run: the server
+    keeps its weights and says so in its metrics, takes the next version whole, and only
+    ``weight_transfer_max_behind`` misses in a row stop the run, naming it."""
+    model = trainer_model(model_dir)
+    other = nnx.state(trainer_model(make_qwen3(tmp_path / "seed3", seed=3)))
+    cfg = external(server.url, weight_transfer_max_behind=2)
+    backend = ExternalBackend(model, hf_config(model_dir), cfg, output_dir=tmp_path, tokenizer_dir=tokenizer_dir)
+    try:
+        backend.start(nnx.state(model), version=0)
+        before = generate(server.url)
+        failures = server.metrics()["weight_update_failures"]
+        backend._quantization = "int8"  # what a server serving int8 would be sent; this one serves "none"
+        with caplog.at_level(logging.WARNING, logger="jaxrl.rollout.external"):
+            assert backend.update_weights(other, version=1) == 1
+        assert f"rollout server {server.url} keeps serving its previous weights" in caplog.text
+        assert "trainer sent int8 weights but this server serves quantization" in caplog.text
+        assert backend.weight_metrics()["weights/servers_behind"] == 1.0
+        metrics = server.metrics()
+        assert metrics["weight_update_failures"] == failures + 1 and "int8" in metrics["last_weight_update_error"]
+        assert generate(server.url) == before  # the same weights and version as before the miss
+        backend._quantization = "none"
+        backend.update_weights(other, version=2)  # caught up
+        after = generate(server.url)
+        assert after["version"] == before["version"] + 2 and served(after) != served(before)
+        assert backend.weight_metrics()["weights/servers_behind"] == 0.0
+        backend._quantization = "int8"
+        backend.update_weights(other, version=3)
+        with pytest.raises(RuntimeError, match=rf"rollout server {server.url} failed to pull 2 versions in a row "
+                                               r"\(inference\.backend\.weight_transfer_max_behind = 2\)"):  # fmt: skip
+            backend.update_weights(other, version=4)
+        backend._quantization = "none"
+        backend.update_weights(nnx.state(model), version=5)  # the module's server serves the start's weights again
+        assert served(generate(server.url)) == served(before)
+    finally:
+        backend.stop()
 
 
 def old_server_app() -> FastAPI:
