@@ -284,7 +284,7 @@ def measure_direct(label: str, name: str, layers: int | None, full_layers: int, 
         if path == "direct_int8":  # the bytes that travelled: int8 projections + their scales
             row |= {"bytes": runs[0]["bytes_sent"], "GBps": round(runs[0]["bytes_sent"] / step_s / 1e9, 3),
                     "pull_GBps_per_server": round(runs[0]["bytes_sent"] / pull_s / 1e9, 3)}  # fmt: skip
-        if path == "direct":  # both servers pull at once: their sum against one socket stream
+        if path in ("direct", "direct_int8"):  # both servers pull at once: their sum against one socket stream
             row |= {"socket_GBps_adjacent": round(socket_now, 3),
                     "vs_socket": round(2 * row["pull_GBps_per_server"] / socket_now, 3)}  # fmt: skip
         else:

@@ -162,3 +162,23 @@ def test_the_pulled_state_is_what_the_engine_swaps_in(state: nnx.State) -> None:
         pulled = pull_weights(pub.publish(1, state), like, timeout_s=20)
     placed = weights.place_state(pulled, like, jax.tree.map(lambda x: x.sharding, like))
     assert same_bits(placed, state)
+
+
+def test_a_strided_destination_is_pulled_as_contiguous_parts_bit_for_bit() -> None:
+    """A weight the trainer splits along its second axis (fsdp over embed) lands on one device as
+    one contiguous run per layer, straight from the socket (``_contiguous_parts``), bitwise."""
+    from jaxrl.weight_transfer.puller import MIN_PART_BYTES, _contiguous_parts
+
+    within = ((0, 4), (0, 512), (0, 8), (0, 128))
+    region = ((0, 4), (128, 256), (0, 8), (0, 128))  # one fsdp-4 shard: 128 x 8 x 128 bf16 = 256 KiB a layer
+    assert _contiguous_parts(region, within, 2) == [((i, i + 1), (128, 256), (0, 8), (0, 128)) for i in range(4)]
+    assert _contiguous_parts(region, within, 1) == [region]  # 128 KiB parts < MIN_PART_BYTES: one strided copy
+    assert _contiguous_parts(within, within, 2) == [within]  # contiguous already
+    assert 128 * 8 * 128 * 2 >= MIN_PART_BYTES
+    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=1), jax.devices()[:4])
+    x = jax.random.normal(jax.random.key(0), (4, 512, 8, 128), jnp.float32)
+    w = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "fsdp")))
+    with Publisher() as pub:
+        manifest = pub.publish(1, {"wq": w})
+        pulled = pull_weights(manifest, {"wq": one_device({"wq": w})["wq"]}, timeout_s=30)
+    assert same_bits(pulled, {"wq": w})
