@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,7 @@ def evaluate(cfg: RunConfig, out: Path) -> dict[str, Any]:
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
     renderer = model_renderer(cfg.model, hf_config, AutoTokenizer.from_pretrained(tokenizer_dir))
     print("[jaxrl] eval: starting the engine (compiling its programs) ...", flush=True)
+    t0 = time.perf_counter()
     server = build_server(cfg)
     server.start()
     orch = None
@@ -90,7 +92,12 @@ def evaluate(cfg: RunConfig, out: Path) -> dict[str, Any]:
         endpoint = ModelEndpoint.at(server.url, server.model_name, tokenizer_dir, renderer)
         orch = Orchestrator(ocfg, endpoint, output_dir=out, seed=cfg.seed, policy_version=lambda: 0)
         orch.start_eval_only()
+        envs = ", ".join(e.name or e.id for e in ocfg.eval.env) if ocfg.eval.env else "the train envs"
+        print(f"[jaxrl] eval: engine ready in {time.perf_counter() - t0:.0f} s; sampling {ocfg.eval.num_tasks} tasks "
+              f"x {ocfg.eval.k} of {envs} ...", flush=True)  # fmt: skip
+        t0 = time.perf_counter()
         metrics, rollouts = orch.evaluate()
+        print(f"[jaxrl] eval: {len(rollouts)} rollouts in {time.perf_counter() - t0:.0f} s", flush=True)
     finally:
         if orch is not None:
             orch.close()

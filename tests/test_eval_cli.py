@@ -38,6 +38,9 @@ def test_eval_a_trained_model_on_the_eval_split(tmp_path, capsys) -> None:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval/reverse-text/avg@2 = " in proc.stdout
+    # Progress between the engine's start and the results (issue 42 item 9).
+    assert "[jaxrl] eval: engine ready in " in proc.stdout and "sampling 3 tasks x 2 of the train envs" in proc.stdout
+    assert "[jaxrl] eval: 6 rollouts in " in proc.stdout
     out = tmp_path / "run" / "eval"
     results = json.loads((out / "results.json").read_text())
     assert results["model"] == str(tmp_path / "sft" / "hf")
