@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from functools import cache, partial
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.models.kv_cache import KVCache
-from jaxrl.models.quantize import abstract_quantized, quantization_of, quantize_state
+from jaxrl.models.quantize import abstract_quantized, cast_to, quantization_of, quantize_state
 from jaxrl.weight_transfer import Manifest, pull_weights
 from jaxrl.weight_transfer.manifest import param_path
 
@@ -175,7 +175,7 @@ class ModelRunner:
                 self._pulled = (manifest.lineage, manifest.version, pulled)
         if kind != "none":  # the served form already; a leaf in another dtype than served is cast
             return jax.tree.map(
-                lambda x, t: x if x.dtype == t.dtype else _cast_fn(t.dtype, x.sharding)(x), pulled, template
+                lambda x, t: x if x.dtype == t.dtype else cast_to(x, t.dtype), pulled, template
             )
         if all(p.dtype == x.dtype for p, x in zip(jax.tree.leaves(pulled), jax.tree.leaves(self._stacked))):
             return self._served(pulled)  # already fresh buffers on the runner's shardings
@@ -298,8 +298,3 @@ class ModelRunner:
 def _arrays_only(plan: PrefillPlan | DecodePlan) -> PrefillPlan | DecodePlan:
     """``plan`` without its sequences (requests, callbacks): what another process needs to repeat it."""
     return dataclasses.replace(plan, seqs=[])
-
-
-@cache
-def _cast_fn(dtype: Any, sharding: jax.sharding.Sharding) -> Any:
-    return jax.jit(lambda x: x.astype(dtype), out_shardings=sharding)

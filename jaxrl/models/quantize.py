@@ -132,7 +132,7 @@ def quantize_param(path: str, x: jax.Array, dtype: Any, kind: Quantization) -> j
     (the fields of ``QArray``). Exactly what the server's own ``quantize_state`` makes of the
     cast weights: the external backend's direct transfer sends this form
     (``weight_transfer.Publisher(prepare=...)``) so half the bytes travel."""
-    cast = x if x.dtype == jnp.dtype(dtype) else _cast(x, jnp.dtype(dtype))
+    cast = x if x.dtype == jnp.dtype(dtype) else cast_to(x, jnp.dtype(dtype))
     name = path.rsplit("/", 1)[-1]
     axes = PARAM_LOGICAL_AXES.get(name, ())
     if kind == "none" or name not in CONTRACTING or x.ndim != len(axes):
@@ -153,7 +153,8 @@ def quantization_of(dtypes: dict[str, Any]) -> Quantization:
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _cast(x: jax.Array, dtype: Any) -> jax.Array:
+def cast_to(x: jax.Array, dtype: Any) -> jax.Array:
+    """``x`` in ``dtype`` on device, in its own sharding (an elementwise program keeps it)."""
     return x.astype(dtype)
 
 
