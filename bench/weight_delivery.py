@@ -205,15 +205,16 @@ class Procs:
             p.stdin.flush()  # type: ignore[union-attr]
         return [self.read(p) for p in procs]
 
-    def step(self, version: int, fraction: float | None) -> dict[str, Any]:
-        """Publish ``version`` on every trainer, then pull it on every server at once."""
+    def step(self, version: int, fraction: float | None, fresh: bool = False) -> dict[str, Any]:
+        """Publish ``version`` on every trainer, then pull it on every server at once (into fresh
+        host buffers with ``fresh``, else the servers' pools)."""
         from jaxrl.weight_transfer.manifest import Manifest
 
         pub = self.ask(self.trainers, {"op": "publish", "version": version, "fraction": fraction})
         publish_s = max(p["publish_s"] for p in pub)  # the processes publish at once (after a barrier)
         manifest = pub[0]["manifest"]
         t0 = time.perf_counter()
-        pulls = self.ask(self.servers, {"op": "pull", "manifest": manifest})
+        pulls = self.ask(self.servers, {"op": "pull", "manifest": manifest, "fresh": fresh})
         pull_s = time.perf_counter() - t0
         changed = sum(p.get("changed_bytes", 0) for p in pub)
         total = sum(p.get("bytes", 0) for p in pub)
@@ -256,17 +257,24 @@ def measure_direct(label: str, name: str, layers: int | None, full_layers: int, 
     size = sum(int(x.size) * 2 for _, x in abstract_params(name, layers))
     procs = Procs(name, layers, trainers=2, servers=2)
     sockets = [socket_GBps(256 << 20)]  # this host's socket right before and after: its load drifts
+    # Each path's first WARM versions are not counted: a server's host buffer pool reuses a
+    # version's memory once it no longer serves it, so from its third pull on (steady state).
+    warm = 2
     try:
-        steps = [procs.step(v, None) for v in range(1, args.repeats + 1)]
-        rows = [("direct", None, steps)]
+        steps = [procs.step(v, None, fresh=True) for v in range(1, args.repeats + 1)]
+        rows = [("direct_fresh_buffers", None, steps)]
+        procs.ask(procs.servers, {"op": "forget"})
+        steps = [procs.step(v, None) for v in range(args.repeats + 1, 2 * args.repeats + warm + 1)]
+        rows.append(("direct", None, steps[warm:]))
         procs.ask(procs.trainers, {"op": "reset", "delta": False, "quantization": "int8"})
         procs.ask(procs.servers, {"op": "forget"})
-        rows.append(("direct_int8", None, [procs.step(v, None) for v in range(1, args.repeats + 1)]))
+        rows.append(("direct_int8", None, [procs.step(v, None) for v in range(1, args.repeats + warm + 1)][warm:]))
         for kind, fraction in fractions:
             procs.ask(procs.trainers, {"op": "reset", "delta": True})
             procs.ask(procs.servers, {"op": "forget"})
             procs.step(1, None)  # the base every server then holds
-            rows.append(("direct_delta", (kind, fraction), [procs.step(v, fraction) for v in range(2, args.repeats + 2)]))
+            runs = [procs.step(v, fraction) for v in range(2, args.repeats + warm + 2)]
+            rows.append(("direct_delta", (kind, fraction), runs[warm:]))
         sockets.append(socket_GBps(256 << 20))
     finally:
         procs.stop()
@@ -284,7 +292,7 @@ def measure_direct(label: str, name: str, layers: int | None, full_layers: int, 
         if path == "direct_int8":  # the bytes that travelled: int8 projections + their scales
             row |= {"bytes": runs[0]["bytes_sent"], "GBps": round(runs[0]["bytes_sent"] / step_s / 1e9, 3),
                     "pull_GBps_per_server": round(runs[0]["bytes_sent"] / pull_s / 1e9, 3)}  # fmt: skip
-        if path in ("direct", "direct_int8"):  # both servers pull at once: their sum against one socket stream
+        if path in ("direct", "direct_fresh_buffers", "direct_int8"):  # both servers pull at once: their sum against one socket stream
             row |= {"socket_GBps_adjacent": round(socket_now, 3),
                     "vs_socket": round(2 * row["pull_GBps_per_server"] / socket_now, 3)}  # fmt: skip
         else:

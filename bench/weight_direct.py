@@ -15,8 +15,9 @@ Both are driven over stdin, one JSON command a line, and answer one JSON line ea
   process 0, the manifest (``manifest_for``). ``{"op": "reset", "delta": bool, "quantization":
   "none" | "int8" | "fp8"}`` starts a new publisher (new lineage), quantizing the projections as
   the external backend does for 8-bit servers unless "none".
-- server (one CPU device): ``{"op": "pull", "manifest": ...}`` pulls it (in the manifest's dtypes) onto its device over the
-  last version it pulled (a delta when that is the manifest's base) and answers ``pull_s``;
+- server (one CPU device): ``{"op": "pull", "manifest": ..., "fresh": bool}`` pulls it (in the manifest's dtypes) onto
+  its device over the last version it pulled (a delta when that is the manifest's base) into host buffers
+  of its ``HostBufferPool`` (as the engine's runner does), or fresh ones with ``"fresh": true``, and answers ``pull_s``;
   ``{"op": "forget"}`` drops the held version.
 """
 
@@ -266,10 +267,11 @@ def server(args: argparse.Namespace) -> None:
     import jax
     from jax.sharding import SingleDeviceSharding
 
-    from jaxrl.weight_transfer import Manifest, applies_as_delta, pull_weights
+    from jaxrl.weight_transfer import HostBufferPool, Manifest, applies_as_delta, pull_weights
 
     sh = SingleDeviceSharding(jax.devices()[0])
     held: tuple[str, int, Any] | None = None
+    pool = HostBufferPool()  # as the engine's runner keeps one
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -286,7 +288,7 @@ def server(args: argparse.Namespace) -> None:
         delta = applies_as_delta(manifest, lineage, have) and previous is not None
         t0 = time.perf_counter()
         pulled = pull_weights(manifest, target, previous=previous, have_version=have, have_lineage=lineage,
-                              timeout_s=600)  # fmt: skip
+                              timeout_s=600, buffers=None if cmd.get("fresh") else pool)  # fmt: skip
         jax.block_until_ready(pulled)
         pull_s = time.perf_counter() - t0
         held = None  # let the previous version go before keeping the new one

@@ -45,7 +45,7 @@ from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.models.kv_cache import KVCache
 from jaxrl.models.quantize import abstract_quantized, cast_to, quantization_of, quantize_state
-from jaxrl.weight_transfer import Manifest, pull_weights
+from jaxrl.weight_transfer import HostBufferPool, Manifest, pull_weights
 from jaxrl.weight_transfer.manifest import param_path
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class ModelRunner:
         # delta manifest is applied over. Any other source of weights (place, load) forgets it.
         self._pulled: tuple[str, int, Any] | None = None
         self._pulled_lock = threading.Lock()
+        self._host_buffers = HostBufferPool()  # pulls reuse the host memory of versions no longer served
         self.layout = EngineLayout.create(self.arch, config, model.dtype, mesh)
         self.cache = KVCache(*(self._zero_cache() for _ in range(2)))
         self.counts = self.layout.zero_counts()
@@ -168,8 +169,9 @@ class ModelRunner:
             template,
         )
         pulled = pull_weights(
-            manifest, target, timeout_s=timeout_s, previous=previous, have_version=have, have_lineage=lineage
-        )
+            manifest, target, timeout_s=timeout_s, previous=previous, have_version=have, have_lineage=lineage,
+            buffers=self._host_buffers,
+        )  # fmt: skip
         with self._pulled_lock:
             if self._pulled is None or self._pulled[0] != manifest.lineage or self._pulled[1] < manifest.version:
                 self._pulled = (manifest.lineage, manifest.version, pulled)

@@ -19,6 +19,7 @@ engine each use it without knowing the other.
 """
 
 from jaxrl.weight_transfer.base import VersionUnavailable, WeightTransferError
+from jaxrl.weight_transfer.host_buffers import HostBufferPool
 from jaxrl.weight_transfer.manifest import Manifest, ParamEntry, Shard, manifest_for, merge_manifests
 from jaxrl.weight_transfer.plan import Plan, Pull, TargetPiece, plan_pulls
 from jaxrl.weight_transfer.publisher import Changes, Publisher
@@ -27,6 +28,7 @@ from jaxrl.weight_transfer.transport import get_transport
 
 __all__ = [
     "Changes",
+    "HostBufferPool",
     "Manifest",
     "ParamEntry",
     "Plan",

@@ -7,7 +7,9 @@ dimension, which for the decoder's stacked weights is the layer axis, so a group
 layers of one or more weights. For each group it pulls every piece from every endpoint at once
 (``connections`` per endpoint), assembles each target shard in host memory and ``device_put``s
 it to the devices that hold it (a shard cut in rows is written into a device buffer in place,
-by a donated ``dynamic_update_slice``); the host buffers are let go before the next group.
+by a donated ``dynamic_update_slice``); the host buffers are let go before the next group. A
+server passes a ``HostBufferPool`` (``buffers=``) so that versions reuse the host memory of the
+ones it no longer serves (``host_buffers`` says why and when a buffer is free).
 
 A delta manifest (``Manifest.base_version``) is applied as a delta only on top of exactly its
 base: ``previous`` must be the state pulled as ``(have_lineage, have_version) == (manifest.lineage,
@@ -40,7 +42,8 @@ import numpy as np
 from jax import lax
 
 from jaxrl.weight_transfer.base import Connection, FetchFailed, Transport, WeightTransferError
-from jaxrl.weight_transfer.bits import contiguous, copy_into
+from jaxrl.weight_transfer.bits import copy_into
+from jaxrl.weight_transfer.host_buffers import HostBufferPool, aligned_empty
 from jaxrl.weight_transfer.manifest import (
     Box,
     Manifest,
@@ -115,6 +118,7 @@ def pull_weights(
     previous: Any = None,
     have_version: int | None = None,
     have_lineage: str | None = None,
+    buffers: HostBufferPool | None = None,
 ) -> Any:
     """``manifest``'s version pulled onto ``target``'s shardings; see the module docstring.
 
@@ -141,11 +145,13 @@ def pull_weights(
     base = None
     if previous is not None and applies_as_delta(manifest, have_lineage, have_version):
         base = dict(param_leaves(previous))
-    with _Fetcher(manifest, get_transport(manifest.transport), connections, deadline, base) as fetcher:
+    with _Fetcher(manifest, get_transport(manifest.transport), connections, deadline, base, buffers) as fetcher:
         for group in chunk_groups(plan, host_bytes):
-            buffers = fetcher.fetch_group(group)
-            _place(group, buffers, devices, placed)
-            del buffers
+            host = fetcher.fetch_group(group)
+            _place(group, host, devices, placed)
+            del host
+    if buffers is not None:
+        buffers.settle()
     for path, per_device in placed.items():
         x = leaves[path]
         arrays[path] = jax.make_array_from_single_device_arrays(
@@ -212,21 +218,6 @@ def _place(
         per_device[d] = _write_rows(per_device[d], x, np.int32(row))
 
 
-ALIGN = 64
-"""Byte alignment of host buffers: XLA:CPU adopts a buffer aligned so without a copy (measured,
-jaxlib 0.10.2: ``device_put`` of 1 GB aligned to 16 bytes copies at ~0.6 GB/s, aligned to 64 it
-takes no time)."""
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """``np.empty(shape, dtype)`` starting on an ``ALIGN``-byte boundary."""
-    dtype = np.dtype(dtype)
-    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(n + ALIGN, np.uint8)
-    start = -raw.ctypes.data % ALIGN
-    return raw[start : start + n].view(dtype).reshape(shape)
-
-
 def _zeros(shape: tuple[int, ...], dtype: Any, device: Any) -> jax.Array:
     return jax.numpy.zeros(shape, dtype, device=device)
 
@@ -247,8 +238,10 @@ class _Fetcher:
         connections: int,
         deadline: float,
         base: dict[str, jax.Array] | None = None,
+        buffers: HostBufferPool | None = None,
     ):
         self.manifest, self.transport, self.deadline = manifest, transport, deadline
+        self.empty = aligned_empty if buffers is None else buffers.empty
         self.connections = connections
         self.base = base  # a delta's base arrays by param path; None: a full pull
         self.delta = None if base is None else (manifest.base_version, manifest.block_bytes)
@@ -268,7 +261,7 @@ class _Fetcher:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def fetch_group(self, group: list[Chunk]) -> list[np.ndarray]:
-        buffers = [aligned_empty(box_shape(c.box), _dtype(self.manifest, c.piece.param)) for c in group]
+        buffers = [self.empty(box_shape(c.box), _dtype(self.manifest, c.piece.param)) for c in group]
         if self.base is not None:
             for chunk, buf in zip(group, buffers, strict=True):
                 copy_into(buf, self._base_bytes(chunk))
@@ -285,7 +278,9 @@ class _Fetcher:
                         sub = Pull(pull.endpoint, pull.param, pull.shard, piece, pull.itemsize)
                         dst = buf[local_slices(piece, chunk.box)]
                         if not dst.flags.c_contiguous:
-                            tmp = contiguous(dst) if self.delta else np.empty(dst.shape, dst.dtype)
+                            tmp = self.empty(dst.shape, dst.dtype)
+                            if self.delta:
+                                copy_into(tmp, dst)
                             copies.append((tmp, dst))
                             dst = tmp
                         items.setdefault(pull.endpoint, []).append((sub, dst))

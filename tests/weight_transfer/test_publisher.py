@@ -182,3 +182,55 @@ def test_a_strided_destination_is_pulled_as_contiguous_parts_bit_for_bit() -> No
         manifest = pub.publish(1, {"wq": w})
         pulled = pull_weights(manifest, {"wq": one_device({"wq": w})["wq"]}, timeout_s=30)
     assert same_bits(pulled, {"wq": w})
+
+
+def test_the_host_buffer_pool_hands_out_only_blocks_nothing_else_holds() -> None:
+    from jaxrl.weight_transfer import HostBufferPool
+
+    pool, nbytes = HostBufferPool(), 256 * 64 * 4
+    # (Addresses are read outside the asserts: pytest keeps an assert's operands alive.)
+    a = pool.empty((256, 64), np.float32)  # pull 1: a CPU device adopts its buffer as the array
+    address, shape = a.ctypes.data, a.shape
+    assert address % 64 == 0 and shape == (256, 64)
+    served = jax.device_put(a, jax.devices()[0])
+    del a
+    pool.settle()
+    b = pool.empty((256, 64), np.float32)  # pull 2: the served array's block is not handed out
+    apart = not np.shares_memory(b, np.asarray(served))
+    del b
+    assert apart
+    pool.settle()
+    assert pool.fresh_bytes == 2 * nbytes and pool.held_bytes == 2 * nbytes
+    del served  # the swap lets version 1 go
+    c = pool.empty((256, 64), jnp.bfloat16)  # pull 3: a free block at most twice its size
+    assert pool.fresh_bytes == 2 * nbytes and pool.reused_bytes == nbytes // 2
+    tiny = pool.empty((16, 64), jnp.bfloat16)  # not a block 16x its size: a fresh one
+    assert pool.fresh_bytes == 2 * nbytes + tiny.nbytes
+    pool.settle()  # the free block pull 3 did not use is let go
+    assert pool.held_bytes == nbytes + tiny.nbytes
+    del c, tiny
+    pool.settle()
+    assert pool.held_bytes == 0
+
+
+def test_versions_pulled_through_a_pool_reuse_memory_the_server_let_go_never_what_it_serves(
+    state: nnx.State,
+) -> None:
+    from jaxrl.weight_transfer import HostBufferPool
+
+    pool, like = HostBufferPool(), one_device(state)
+    fresh = []  # fresh host bytes after each version
+    with Publisher() as pub:
+        served = pull_weights(pub.publish(1, state), like, timeout_s=20, buffers=pool)
+        fresh.append(pool.fresh_bytes)
+        for v in (2, 3, 4):
+            new = pull_weights(pub.publish(v, plus(state, v)), like, timeout_s=20, buffers=pool)
+            fresh.append(pool.fresh_bytes)
+            assert same_bits(served, plus(state, v - 1) if v > 2 else state)  # what is served was not written
+            served = new  # the swap: the version before is let go
+            assert same_bits(served, plus(state, v))
+    size = sum(x.size * 2 for x in jax.tree.leaves(state))  # bfloat16
+    # Versions 1 and 2 come into fresh memory (version 1 is served during 2's pull); 3 and 4
+    # reuse the memory of the version before the last, and need none of their own.
+    assert fresh[0] >= size and fresh[1] >= 2 * size
+    assert fresh[3] == fresh[2] == fresh[1] and pool.reused_bytes >= 2 * size
