@@ -42,10 +42,11 @@ class ShardSource(Protocol):
         """The host copy of ``param``'s shard ``box`` in ``version``; raises ``VersionUnavailable``."""
         ...
 
-    def delta_bitmap(
+    def delta_of(
         self, version: int, base: int, param: str, shard: Box, region: Box, block_bytes: int
-    ) -> np.ndarray:
-        """bool per ``block_bytes`` block of ``region``'s bytes: changed between ``base`` and ``version``."""
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``region``'s delta from ``base`` to ``version``: the packed bitmap of its changed
+        ``block_bytes`` blocks and their bytes in ``version``, one after another (``delta.py``)."""
         ...
 
 

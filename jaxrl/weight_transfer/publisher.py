@@ -10,9 +10,11 @@ With ``delta=True`` each publish also compares the new version's host copies wit
 version's, block by block (``delta.changed_blocks``; a block is one element of the serving dtype
 unless ``block_bytes`` says otherwise), and the fragment names that version as its
 base (``Manifest.base_version``) unless ``full=True``: servers holding the base then pull only the
-changed blocks (``delta_bitmap``). This costs no memory beyond ``keep = 2`` (the previous version
-is held anyway: one host copy of this process's shards in the serving dtype) and one compare pass
-over them per publish; ``changes(version)`` reports what changed (``Changes``). A delta pull of
+changed blocks (``delta_of``). The bitmap and the changed blocks' bytes of each shard are made once,
+at publish, for every server that asks (making them is most of a delta's CPU: every server asking
+for its own was twice the pull time with two servers). This costs the previous version (held
+anyway: ``keep = 2``), the bitmaps (1/8 bit per block) and the changed bytes, and one compare and
+one gather pass per publish; ``changes(version)`` reports what changed (``Changes``). A delta pull of
 version n needs n - 1 too, so it must finish before n + 1 is published (the external backend
 waits for every server's answer before its next step); a full pull only before n + 2.
 
@@ -40,15 +42,21 @@ import jax
 import numpy as np
 
 from jaxrl.weight_transfer.base import Transport, TransportServer, VersionUnavailable, WeightTransferError
-from jaxrl.weight_transfer.bits import copy
-from jaxrl.weight_transfer.delta import changed_blocks, delta_payload_bytes, num_blocks
+from jaxrl.weight_transfer.bits import contiguous, copy
+from jaxrl.weight_transfer.delta import (
+    all_changed,
+    changed_blocks,
+    count_changed,
+    delta_payload_bytes,
+    gather_blocks,
+    num_blocks,
+)
 from jaxrl.weight_transfer.manifest import (
     Box,
     Manifest,
     ParamEntry,
     Shard,
     box_of,
-    box_size,
     local_slices,
     param_leaves,
 )
@@ -121,9 +129,9 @@ class Publisher:
             )
         self._lock = threading.Lock()
         self._versions: dict[int, dict[str, dict[Box, np.ndarray]]] = {}
-        # version -> (base, packed bitmaps): packed, as they go on the wire, so an element-level
-        # bitmap holds 1/16 of a bfloat16 version's bytes, not 1/2 as a bool array would.
-        self._bitmaps: dict[int, tuple[int, dict[str, dict[Box, np.ndarray]]]] = {}
+        # version -> (base, {param: {shard: (packed bitmap, changed bytes)}}), as they go on the
+        # wire: an element-level bitmap holds 1/16 of a bfloat16 version's bytes.
+        self._deltas: dict[int, tuple[int, dict[str, dict[Box, tuple[np.ndarray, np.ndarray]]]]] = {}
         self._changes: dict[int, Changes] = {}
         self._layout: dict[str, jax.ShapeDtypeStruct] = {}
         self._server: TransportServer | None = self._transport.serve(self, host, port, advertise)
@@ -166,18 +174,17 @@ class Publisher:
         bitmaps = self._compare(previous, shards) if previous is not None else None
         full = full or bitmaps is None or self._since_full + 1 >= self.full_every
         self._since_full = 0 if full else self._since_full + 1
+        changes = self._count(base, shards, bitmaps) if bitmaps is not None and base is not None else None
+        deltas = self._gather(shards, bitmaps) if bitmaps is not None and not full else None
         with self._lock:
             self._versions[version] = shards
-            if bitmaps is not None and base is not None:
-                self._changes[version] = self._count(base, shards, bitmaps)
-                packed = {
-                    p: {b: np.packbits(bits, bitorder="little") for b, bits in boxes.items()}
-                    for p, boxes in bitmaps.items()
-                }
-                self._bitmaps[version] = (base, packed)
+            if changes is not None:
+                self._changes[version] = changes
+            if deltas is not None and base is not None:
+                self._deltas[version] = (base, deltas)
             for old in sorted(self._versions)[: -self.keep]:
                 del self._versions[old]  # pulls in flight keep their arrays alive
-                self._bitmaps.pop(old, None)
+                self._deltas.pop(old, None)
                 self._changes.pop(old, None)
         unchanged_since = unchanged_since or {}
         params = tuple(
@@ -221,14 +228,15 @@ class Publisher:
     def _compare(
         self, previous: dict[str, dict[Box, np.ndarray]], shards: dict[str, dict[Box, np.ndarray]]
     ) -> dict[str, dict[Box, np.ndarray]]:
-        """Each shard's changed-block bitmap against ``previous`` (all blocks of a new param or box)."""
+        """Each shard's packed changed-block bitmap against ``previous`` (all blocks of a new param
+        or box)."""
         out: dict[str, dict[Box, np.ndarray]] = {}
         for path, boxes in shards.items():
             out[path] = {}
             for box, new in boxes.items():
                 old = previous.get(path, {}).get(box)
                 if old is None or old.shape != new.shape or old.dtype != new.dtype:
-                    out[path][box] = np.ones(num_blocks(new.nbytes, self.block_bytes), bool)
+                    out[path][box] = all_changed(num_blocks(new.nbytes, self.block_bytes))
                 else:
                     out[path][box] = changed_blocks(old, new, self.block_bytes)
         return out
@@ -241,8 +249,8 @@ class Publisher:
             for box, array in boxes.items():
                 bits = bitmaps[path][box]
                 total += array.nbytes
-                blocks += bits.size
-                changed_n += int(bits.sum())
+                blocks += num_blocks(array.nbytes, self.block_bytes)
+                changed_n += count_changed(bits)
                 changed += delta_payload_bytes(bits, array.nbytes, self.block_bytes)
         return Changes(base, total, changed, blocks, changed_n)
 
@@ -252,22 +260,30 @@ class Publisher:
         with self._lock:
             return self._changes.get(version)
 
-    def delta_bitmap(
+    def delta_of(
         self, version: int, base: int, param: str, shard: Box, region: Box, block_bytes: int
-    ) -> np.ndarray:
-        """``ShardSource``: which ``block_bytes`` blocks of ``region`` (its row-major bytes) differ
-        between ``base`` and ``version``; raises ``VersionUnavailable`` unless both are held. The
-        bitmap computed at publish is reused when the region is the whole shard."""
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``ShardSource``: ``region``'s delta from ``base`` to ``version`` (packed bitmap, changed
+        bytes); raises ``VersionUnavailable`` unless both are held. The ones made at publish are
+        served when the region is the whole shard."""
         with self._lock:
-            cached = self._bitmaps.get(version)
-        if cached is not None and cached[0] == base and region == shard and block_bytes == self.block_bytes:
-            packed = cached[1].get(param, {}).get(shard)
-            if packed is not None:
-                count = num_blocks(box_size(shard) * self.shard(version, param, shard).itemsize, block_bytes)
-                return np.unpackbits(packed, count=count, bitorder="little").view(bool)  # 0/1 bytes: no copy
+            made = self._deltas.get(version)
+        if made is not None and made[0] == base and region == shard and block_bytes == self.block_bytes:
+            cached = made[1].get(param, {}).get(shard)
+            if cached is not None:
+                return cached
         new, old = self.shard(version, param, shard), self.shard(base, param, shard)
         where = local_slices(region, shard)
-        return changed_blocks(old[where], new[where], block_bytes)
+        packed = changed_blocks(old[where], new[where], block_bytes)
+        return packed, gather_blocks(_flat_bytes(new[where]), packed, block_bytes)
+
+    def _gather(
+        self, shards: dict[str, dict[Box, np.ndarray]], bitmaps: dict[str, dict[Box, np.ndarray]]
+    ) -> dict[str, dict[Box, tuple[np.ndarray, np.ndarray]]]:
+        return {
+            p: {b: (bits, gather_blocks(_flat_bytes(shards[p][b]), bits, self.block_bytes)) for b, bits in boxes.items()}
+            for p, boxes in bitmaps.items()
+        }
 
     def _host_shards(self, x: jax.Array, is_param: bool) -> dict[Box, np.ndarray]:
         """The distinct shards of ``x`` (a served leaf; ``is_param``: the trainer's own array,
@@ -303,7 +319,7 @@ class Publisher:
         with self._lock:
             server, self._server = self._server, None
             self._versions.clear()
-            self._bitmaps.clear()
+            self._deltas.clear()
             self._changes.clear()
         if server is not None:
             server.stop()
@@ -313,6 +329,11 @@ class Publisher:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _flat_bytes(x: np.ndarray) -> np.ndarray:
+    """``x``'s row-major bytes (a copy only when ``x`` is strided)."""
+    return contiguous(x).reshape(-1).view(np.uint8)
 
 
 @functools.cache

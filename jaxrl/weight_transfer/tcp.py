@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxrl.weight_transfer.base import FetchFailed, RemoteError, ShardSource, WeightTransferError
 from jaxrl.weight_transfer.bits import contiguous
-from jaxrl.weight_transfer.delta import delta_payload_bytes, gather_blocks, num_blocks, scatter_blocks
+from jaxrl.weight_transfer.delta import delta_payload_bytes, num_blocks, packed_size, scatter_blocks
 from jaxrl.weight_transfer.manifest import local_slices
 from jaxrl.weight_transfer.plan import Pull
 
@@ -234,9 +234,10 @@ def serve_get(sock: socket.socket, source: ShardSource, request: dict[str, Any])
         return
     for item in request["items"]:
         try:
-            data = region_bytes(source, request["version"], item)
-            if op == "delta":
-                parts = delta_parts(source, request, item, data)
+            if op == "get":
+                data = region_bytes(source, request["version"], item)
+            else:
+                parts = delta_parts(source, request, item)
         except (WeightTransferError, KeyError, ValueError) as e:
             send_error(sock, str(e))
             return
@@ -249,17 +250,14 @@ def serve_get(sock: socket.socket, source: ShardSource, request: dict[str, Any])
             sock.sendall(part)
 
 
-def delta_parts(
-    source: ShardSource, request: dict[str, Any], item: Sequence[Any], data: np.ndarray
-) -> list[memoryview]:
+def delta_parts(source: ShardSource, request: dict[str, Any], item: Sequence[Any]) -> list[memoryview]:
     """A delta reply's payload: the packed bitmap, then the changed blocks' bytes, packed."""
     k = int(request["block_bytes"])
     if k < 1:
         raise ValueError(f"block_bytes {k}")
     shard, region = tuple(map(tuple, item[1])), tuple(map(tuple, item[2]))
-    bits = source.delta_bitmap(request["version"], request["base"], item[0], shard, region, k)
-    packed = np.packbits(bits, bitorder="little")
-    return [memoryview(packed), memoryview(gather_blocks(data.reshape(-1).view(np.uint8), bits, k))]
+    packed, payload = source.delta_of(request["version"], request["base"], item[0], shard, region, k)
+    return [memoryview(packed), memoryview(payload)]
 
 
 class TcpConnection:
@@ -295,18 +293,16 @@ class TcpConnection:
 
     def _read_delta(self, out: np.ndarray, n: int, k: int, deadline: float) -> None:
         """One delta payload of ``n`` bytes written over ``out`` (which holds the base's bytes)."""
-        blocks = num_blocks(out.nbytes, k)
-        head = -(-blocks // 8)
+        head = packed_size(num_blocks(out.nbytes, k))
         packed = np.frombuffer(recv_exact(self._sock, head), np.uint8) if head else np.zeros(0, np.uint8)
-        bits = np.unpackbits(packed, count=blocks, bitorder="little").view(bool)  # 0/1 bytes: no copy
-        if head + delta_payload_bytes(bits, out.nbytes, k) != n:
+        if head + delta_payload_bytes(packed, out.nbytes, k) != n:
             raise WeightTransferError(
                 f"the endpoint sent a delta of {n} bytes that its bitmap does not describe"
             )
         payload = np.empty(n - head, np.uint8)
         if payload.size and not recv_into(self._sock, memoryview(payload), deadline):
             raise ConnectionError("connection closed by the peer")
-        scatter_blocks(out.reshape(-1).view(np.uint8), bits, k, payload)
+        scatter_blocks(out.reshape(-1).view(np.uint8), packed, k, payload)
 
     def close(self) -> None:
         shutdown(self._sock)
