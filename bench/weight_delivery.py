@@ -28,7 +28,13 @@ bfloat16 serving bytes that changed per step, by element (and what an element de
   every shard's elements, scattered (the measured fraction of a real step at each of ``--lrs``,
   then each of ``--fractions``) and the servers, holding the version before, pull only the
   changed elements (a bitmap and their bytes);
-  ``publish_s`` includes the block compare. ``socket_GBps_adjacent``: one loopback socket stream
+  ``publish_s`` includes the block compare and the gather; ``delta_bytes``: what a delta sends;
+- ``direct_int8_delta``: ``direct_delta`` to int8 servers at the first fraction (a real step's):
+  a bf16 element's one-ulp change moves its int8 value only when it crosses a rounding step, so
+  a small share of the int8 values change (real steps: 0.14-0.29%, ``int8_values``);
+- ``direct_fresh_buffers``: ``direct`` with every server pulling into fresh host memory (no
+  ``HostBufferPool``), for comparison; every other direct line counts versions from the third
+  (the pool's steady state). ``socket_GBps_adjacent``: one loopback socket stream
   measured right before and after these paths (the host's load drifts), ``vs_socket``: both
   servers' pull rate together against it.
 
@@ -219,7 +225,7 @@ class Procs:
         changed = sum(p.get("changed_bytes", 0) for p in pub)
         total = sum(p.get("bytes", 0) for p in pub)
         return {"publish_s": publish_s, "pull_s": pull_s, "delta": all(p["delta"] for p in pulls),
-                "changed_fraction": changed / total if total else None,
+                "changed_fraction": changed / total if total else None, "block_bytes": pub[0].get("block_bytes", 2),
                 "bytes_sent": Manifest.from_json(manifest).nbytes}  # fmt: skip
 
     def stop(self) -> None:
@@ -275,6 +281,13 @@ def measure_direct(label: str, name: str, layers: int | None, full_layers: int, 
             procs.step(1, None)  # the base every server then holds
             runs = [procs.step(v, fraction) for v in range(2, args.repeats + warm + 2)]
             rows.append(("direct_delta", (kind, fraction), runs[warm:]))
+        if fractions:  # deltas to int8 servers at a real step's fraction: few int8 values move a step
+            kind, fraction = fractions[0]
+            procs.ask(procs.trainers, {"op": "reset", "delta": True, "quantization": "int8"})
+            procs.ask(procs.servers, {"op": "forget"})
+            procs.step(1, None)
+            runs = [procs.step(v, fraction) for v in range(2, args.repeats + warm + 2)]
+            rows.append(("direct_int8_delta", (kind, fraction), runs[warm:]))
         sockets.append(socket_GBps(256 << 20))
     finally:
         procs.stop()
@@ -289,16 +302,18 @@ def measure_direct(label: str, name: str, layers: int | None, full_layers: int, 
             "step_s": round(step_s, 3), "GBps": round(size / step_s / 1e9, 3),
             "pull_GBps_per_server": round(size / pull_s / 1e9, 3), "repeats": len(runs),
         }  # fmt: skip
-        if path == "direct_int8":  # the bytes that travelled: int8 projections + their scales
+        if path in ("direct_int8", "direct_int8_delta"):  # a version's bytes: int8 projections + their scales
             row |= {"bytes": runs[0]["bytes_sent"], "GBps": round(runs[0]["bytes_sent"] / step_s / 1e9, 3),
                     "pull_GBps_per_server": round(runs[0]["bytes_sent"] / pull_s / 1e9, 3)}  # fmt: skip
         if path in ("direct", "direct_fresh_buffers", "direct_int8"):  # both servers pull at once: their sum against one socket stream
             row |= {"socket_GBps_adjacent": round(socket_now, 3),
                     "vs_socket": round(2 * row["pull_GBps_per_server"] / socket_now, 3)}  # fmt: skip
         else:
+            changed = statistics.median(r["changed_fraction"] for r in runs)
             row |= {"fraction_source": fraction[0], "fraction_asked": fraction[1],
-                    "changed_fraction": round(statistics.median(r["changed_fraction"] for r in runs), 4),
-                    "applied_as_delta": all(r["delta"] for r in runs)}  # fmt: skip
+                    "changed_fraction": round(changed, 4), "applied_as_delta": all(r["delta"] for r in runs),
+                    # what a delta sends: the changed blocks' bytes and a bitmap bit per block
+                    "delta_bytes": round(row["bytes"] * (changed + 1 / (8 * runs[0]["block_bytes"])))}  # fmt: skip
         if layers is not None:
             per_layer = (size - bytes_outside_layers(preset(name))) / layers
             full = size + per_layer * (full_layers - layers)

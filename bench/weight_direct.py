@@ -248,7 +248,7 @@ def trainer(args: argparse.Namespace) -> None:
         answer: dict[str, Any] = {"publish_s": publish_s}
         changes = pub.changes(cmd["version"])
         if changes is not None:
-            answer |= {"changed_bytes": changes.changed_bytes, "bytes": changes.bytes}
+            answer |= {"changed_bytes": changes.changed_bytes, "bytes": changes.bytes, "block_bytes": pub.block_bytes}
         if jax.process_index() == 0:
             manifest = manifest_for(cmd["version"], pub.layout(), endpoints, None, lineage=pub.lineage,
                                     base_version=fragment.base_version, block_bytes=pub.block_bytes)  # fmt: skip
