@@ -115,7 +115,7 @@ def changed_fraction(steps: int, block_sizes: tuple[int, ...], lr: float) -> lis
     from jaxrl.models.decoder import Decoder
     from jaxrl.models.quantize import quantize_param
     from jaxrl.models.tiny import qwen3_config
-    from jaxrl.weight_transfer.delta import changed_blocks, count_changed, delta_payload_bytes, num_blocks
+    from jaxrl.weight_transfer.delta import Changed, changed_blocks, count_changed, delta_payload_bytes, num_blocks
     from jaxrl.weight_transfer.manifest import param_leaves
 
     hf = qwen3_config(vocab_size=151936, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -160,7 +160,9 @@ def changed_fraction(steps: int, block_sizes: tuple[int, ...], lr: float) -> lis
         for bs in block_sizes:  # the fraction of blocks, and of bytes in changed blocks (what a delta sends)
             bits = {k: changed_blocks(before[k], after[k], bs) for k in after}
             row[f"blocks_{bs >> 10}k"] = sum(count_changed(b) for b in bits.values()) / sum(num_blocks(after[k].nbytes, bs) for k in bits)
-            row[f"bytes_{bs >> 10}k"] = sum(delta_payload_bytes(b, after[k].nbytes, bs) for k, b in bits.items()) / total
+            row[f"bytes_{bs >> 10}k"] = sum(
+                delta_payload_bytes(Changed(num_blocks(after[k].nbytes, bs), packed=b), after[k].nbytes, bs) for k, b in bits.items()
+            ) / total
         after_q = int8_values(params)  # the share of int8 projection values that moved a step
         row["int8_values"] = sum(int((before_q[k] != a).sum()) for k, a in after_q.items()) / sum(a.size for a in after_q.values())
         rows.append({k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()})

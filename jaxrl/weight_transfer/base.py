@@ -44,9 +44,9 @@ class ShardSource(Protocol):
 
     def delta_of(
         self, version: int, base: int, param: str, shard: Box, region: Box, block_bytes: int
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """``region``'s delta from ``base`` to ``version``: the packed bitmap of its changed
-        ``block_bytes`` blocks and their bytes in ``version``, one after another (``delta.py``)."""
+    ) -> list[np.ndarray]:
+        """``region``'s delta from ``base`` to ``version`` as it goes on the wire: which of its
+        ``block_bytes`` blocks changed (``delta.Changed.encode``), then their bytes in ``version``."""
         ...
 
 

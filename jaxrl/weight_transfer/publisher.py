@@ -46,7 +46,7 @@ from jaxrl.weight_transfer.bits import contiguous, copy
 from jaxrl.weight_transfer.delta import (
     all_changed,
     changed_blocks,
-    count_changed,
+    Changed,
     delta_payload_bytes,
     gather_blocks,
     num_blocks,
@@ -129,9 +129,8 @@ class Publisher:
             )
         self._lock = threading.Lock()
         self._versions: dict[int, dict[str, dict[Box, np.ndarray]]] = {}
-        # version -> (base, {param: {shard: (packed bitmap, changed bytes)}}), as they go on the
-        # wire: an element-level bitmap holds 1/16 of a bfloat16 version's bytes.
-        self._deltas: dict[int, tuple[int, dict[str, dict[Box, tuple[np.ndarray, np.ndarray]]]]] = {}
+        # version -> (base, {param: {shard: the delta's parts as they go on the wire}})
+        self._deltas: dict[int, tuple[int, dict[str, dict[Box, list[np.ndarray]]]]] = {}
         self._changes: dict[int, Changes] = {}
         self._layout: dict[str, jax.ShapeDtypeStruct] = {}
         self._server: TransportServer | None = self._transport.serve(self, host, port, advertise)
@@ -171,11 +170,11 @@ class Publisher:
         for path, x in self._served(state):  # one leaf on device at a time beyond the params
             shards[path] = self._host_shards(x, id(x) in params_own)
             layout[path] = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        bitmaps = self._compare(previous, shards) if previous is not None else None
-        full = full or bitmaps is None or self._since_full + 1 >= self.full_every
+        changed = self._compare(previous, shards) if previous is not None else None
+        full = full or changed is None or self._since_full + 1 >= self.full_every
         self._since_full = 0 if full else self._since_full + 1
-        changes = self._count(base, shards, bitmaps) if bitmaps is not None and base is not None else None
-        deltas = self._gather(shards, bitmaps) if bitmaps is not None and not full else None
+        changes = self._count(base, shards, changed) if changed is not None and base is not None else None
+        deltas = self._gather(shards, changed) if changed is not None and not full else None
         with self._lock:
             self._versions[version] = shards
             if changes is not None:
@@ -227,32 +226,30 @@ class Publisher:
 
     def _compare(
         self, previous: dict[str, dict[Box, np.ndarray]], shards: dict[str, dict[Box, np.ndarray]]
-    ) -> dict[str, dict[Box, np.ndarray]]:
-        """Each shard's packed changed-block bitmap against ``previous`` (all blocks of a new param
-        or box)."""
-        out: dict[str, dict[Box, np.ndarray]] = {}
+    ) -> dict[str, dict[Box, Changed]]:
+        """Each shard's changed blocks against ``previous`` (all blocks of a new param or box)."""
+        out: dict[str, dict[Box, Changed]] = {}
         for path, boxes in shards.items():
             out[path] = {}
             for box, new in boxes.items():
                 old = previous.get(path, {}).get(box)
+                blocks = num_blocks(new.nbytes, self.block_bytes)
                 if old is None or old.shape != new.shape or old.dtype != new.dtype:
-                    out[path][box] = all_changed(num_blocks(new.nbytes, self.block_bytes))
+                    out[path][box] = Changed(blocks, packed=all_changed(blocks))
                 else:
-                    out[path][box] = changed_blocks(old, new, self.block_bytes)
+                    out[path][box] = Changed.of(changed_blocks(old, new, self.block_bytes), blocks)
         return out
 
-    def _count(
-        self, base: int, shards: dict[str, dict[Box, np.ndarray]], bitmaps: dict[str, dict[Box, np.ndarray]]
-    ) -> Changes:
-        total = changed = blocks = changed_n = 0
+    def _count(self, base: int, shards: dict[str, dict[Box, np.ndarray]], changed: dict[str, dict[Box, Changed]]) -> Changes:
+        total = changed_bytes = blocks = changed_n = 0
         for path, boxes in shards.items():
             for box, array in boxes.items():
-                bits = bitmaps[path][box]
+                c = changed[path][box]
                 total += array.nbytes
-                blocks += num_blocks(array.nbytes, self.block_bytes)
-                changed_n += count_changed(bits)
-                changed += delta_payload_bytes(bits, array.nbytes, self.block_bytes)
-        return Changes(base, total, changed, blocks, changed_n)
+                blocks += c.blocks
+                changed_n += c.count
+                changed_bytes += delta_payload_bytes(c, array.nbytes, self.block_bytes)
+        return Changes(base, total, changed_bytes, blocks, changed_n)
 
     def changes(self, version: int) -> Changes | None:
         """What changed in ``version`` against the version before it (``delta`` publishers; None
@@ -262,10 +259,11 @@ class Publisher:
 
     def delta_of(
         self, version: int, base: int, param: str, shard: Box, region: Box, block_bytes: int
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """``ShardSource``: ``region``'s delta from ``base`` to ``version`` (packed bitmap, changed
-        bytes); raises ``VersionUnavailable`` unless both are held. The ones made at publish are
-        served when the region is the whole shard."""
+    ) -> list[np.ndarray]:
+        """``ShardSource``: ``region``'s delta from ``base`` to ``version`` as it goes on the wire
+        (``delta.Changed.encode``, then the changed blocks' bytes); raises
+        ``VersionUnavailable`` unless both are held. The ones made at publish are served when the
+        region is the whole shard."""
         with self._lock:
             made = self._deltas.get(version)
         if made is not None and made[0] == base and region == shard and block_bytes == self.block_bytes:
@@ -274,15 +272,15 @@ class Publisher:
                 return cached
         new, old = self.shard(version, param, shard), self.shard(base, param, shard)
         where = local_slices(region, shard)
-        packed = changed_blocks(old[where], new[where], block_bytes)
-        return packed, gather_blocks(_flat_bytes(new[where]), packed, block_bytes)
+        blocks = num_blocks(new[where].nbytes, block_bytes)
+        return _delta_parts(new[where], Changed.of(changed_blocks(old[where], new[where], block_bytes), blocks), block_bytes)
 
     def _gather(
-        self, shards: dict[str, dict[Box, np.ndarray]], bitmaps: dict[str, dict[Box, np.ndarray]]
-    ) -> dict[str, dict[Box, tuple[np.ndarray, np.ndarray]]]:
+        self, shards: dict[str, dict[Box, np.ndarray]], changed: dict[str, dict[Box, Changed]]
+    ) -> dict[str, dict[Box, list[np.ndarray]]]:
         return {
-            p: {b: (bits, gather_blocks(_flat_bytes(shards[p][b]), bits, self.block_bytes)) for b, bits in boxes.items()}
-            for p, boxes in bitmaps.items()
+            p: {b: _delta_parts(shards[p][b], c, self.block_bytes) for b, c in boxes.items()}
+            for p, boxes in changed.items()
         }
 
     def _host_shards(self, x: jax.Array, is_param: bool) -> dict[Box, np.ndarray]:
@@ -329,6 +327,11 @@ class Publisher:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _delta_parts(new: np.ndarray, changed: Changed, block_bytes: int) -> list[np.ndarray]:
+    """A region's delta as it goes on the wire: which blocks changed, then their bytes in ``new``."""
+    return [*changed.encode(), gather_blocks(_flat_bytes(new), changed, block_bytes)]
 
 
 def _flat_bytes(x: np.ndarray) -> np.ndarray:

@@ -13,9 +13,10 @@ Wire format (little-endian). A request is ``u32 length`` + a JSON object
 per item, ``u8 status, u64 length`` + payload: status 0, the region's bytes in row-major order;
 status 1, a UTF-8 error message, after which the rest of the request's items are not sent (the
 connection stays usable). A delta request, ``{"op": "delta", "version": v, "base": b,
-"block_bytes": k, "items": [...]}``, is answered the same way, each payload being the region's
-changed-block bitmap (``np.packbits``, little bit order, one bit per ``k`` bytes of the region)
-and then the bytes of its changed blocks, one after another in order (``delta.py``).
+"block_bytes": k, "items": [...]}``, is answered the same way, each payload being which of the region's
+``k``-byte blocks changed (``delta.Changed``: ``u8`` kind, then a packed bitmap, little bit order,
+or ``u64`` count and ``u32`` block indices) and then the bytes of its changed blocks, one after
+another in order (``delta.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 
 from jaxrl.weight_transfer.base import FetchFailed, RemoteError, ShardSource, WeightTransferError
 from jaxrl.weight_transfer.bits import contiguous
-from jaxrl.weight_transfer.delta import delta_payload_bytes, num_blocks, packed_size, scatter_blocks
+from jaxrl.weight_transfer.delta import Changed, delta_payload_bytes, num_blocks, scatter_blocks
 from jaxrl.weight_transfer.manifest import local_slices
 from jaxrl.weight_transfer.plan import Pull
 
@@ -256,8 +257,7 @@ def delta_parts(source: ShardSource, request: dict[str, Any], item: Sequence[Any
     if k < 1:
         raise ValueError(f"block_bytes {k}")
     shard, region = tuple(map(tuple, item[1])), tuple(map(tuple, item[2]))
-    packed, payload = source.delta_of(request["version"], request["base"], item[0], shard, region, k)
-    return [memoryview(packed), memoryview(payload)]
+    return [memoryview(p) for p in source.delta_of(request["version"], request["base"], item[0], shard, region, k)]
 
 
 class TcpConnection:
@@ -293,16 +293,27 @@ class TcpConnection:
 
     def _read_delta(self, out: np.ndarray, n: int, k: int, deadline: float) -> None:
         """One delta payload of ``n`` bytes written over ``out`` (which holds the base's bytes)."""
-        head = packed_size(num_blocks(out.nbytes, k))
-        packed = np.frombuffer(recv_exact(self._sock, head), np.uint8) if head else np.zeros(0, np.uint8)
-        if head + delta_payload_bytes(packed, out.nbytes, k) != n:
+        head = 0
+
+        def read(size: int) -> bytes:
+            nonlocal head
+            if head + size > n:
+                raise WeightTransferError(f"the endpoint sent a delta of {n} bytes that its head does not fit")
+            head += size
+            return recv_exact(self._sock, size)
+
+        try:
+            changed = Changed.decode(read, num_blocks(out.nbytes, k))
+        except ValueError as e:
+            raise WeightTransferError(f"the endpoint sent a delta that does not describe its region: {e}") from e
+        if head + delta_payload_bytes(changed, out.nbytes, k) != n:
             raise WeightTransferError(
-                f"the endpoint sent a delta of {n} bytes that its bitmap does not describe"
+                f"the endpoint sent a delta of {n} bytes that its changed blocks do not describe"
             )
         payload = np.empty(n - head, np.uint8)
         if payload.size and not recv_into(self._sock, memoryview(payload), deadline):
             raise ConnectionError("connection closed by the peer")
-        scatter_blocks(out.reshape(-1).view(np.uint8), packed, k, payload)
+        scatter_blocks(out.reshape(-1).view(np.uint8), changed, k, payload)
 
     def close(self) -> None:
         shutdown(self._sock)

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxrl.models.sharding import shard_params
 from jaxrl.parallel.mesh import MeshConfig, make_mesh
 from jaxrl.weight_transfer import Publisher, applies_as_delta, pull_weights
-from jaxrl.weight_transfer.delta import changed_blocks, delta_payload_bytes, gather_blocks, scatter_blocks
+from jaxrl.weight_transfer.delta import Changed, changed_blocks, delta_payload_bytes, gather_blocks, scatter_blocks
 from jaxrl.weight_transfer.manifest import Manifest, param_leaves
 
 BLOCK = 64  # bytes: the tiny model's weights span many blocks
@@ -76,11 +76,12 @@ def test_changed_blocks_and_their_runs_are_exact() -> None:
     new = old.copy()
     new[[0, 130, 131, 999]] = 1  # blocks of 64: 0, 2, 15 (the short last one)
     bits = changed_blocks(old, new, 64)  # packed: 16 blocks in 2 bytes
-    assert bits.size == 2 and np.flatnonzero(np.unpackbits(bits, bitorder="little")).tolist() == [0, 2, 15]
-    payload = gather_blocks(new, bits, 64)  # blocks 0 and 2 whole, then the 40-byte last one
-    assert payload.size == delta_payload_bytes(bits, new.size, 64) == 2 * 64 + 40
+    rows = Changed(16, packed=bits)
+    assert bits.size == 2 and [int(i) for w in rows.windows() for i in w] == [0, 2, 15]
+    payload = gather_blocks(new, rows, 64)  # blocks 0 and 2 whole, then the 40-byte last one
+    assert payload.size == delta_payload_bytes(rows, new.size, 64) == 2 * 64 + 40
     back = old.copy()
-    scatter_blocks(back, bits, 64, payload)
+    scatter_blocks(back, rows, 64, payload)
     assert np.array_equal(back, new)
     nan = np.array([np.nan], np.float32)  # equal bits count as unchanged, whatever they mean
     assert not changed_blocks(nan, nan.copy(), 64).any()
@@ -202,9 +203,56 @@ def test_windowed_passes_equal_one_pass_over_the_whole_shard(monkeypatch, block_
     bits = changed_blocks(old, new, block_bytes)
     per_block = np.r_[[np.any(old[i : i + block_bytes] != new[i : i + block_bytes]) for i in range(0, old.size, block_bytes)]]
     assert np.array_equal(np.unpackbits(bits, count=per_block.size, bitorder="little").astype(bool), per_block)
-    payload = gather_blocks(new, bits, block_bytes)
+    rows = Changed.of(bits, per_block.size)  # 40 of 51 blocks at most: the bitmap
+    assert np.array_equal(np.concatenate(list(rows.windows())), np.flatnonzero(per_block))
+    payload = gather_blocks(new, rows, block_bytes)
     want = np.concatenate([new[i : i + block_bytes] for i in np.flatnonzero(per_block) * block_bytes])
-    assert np.array_equal(payload, want) and payload.size == delta_payload_bytes(bits, new.size, block_bytes)
+    assert np.array_equal(payload, want) and payload.size == delta_payload_bytes(rows, new.size, block_bytes)
     back = old.copy()
-    scatter_blocks(back, bits, block_bytes, payload)
+    scatter_blocks(back, rows, block_bytes, payload)
     assert np.array_equal(back, new)
+
+
+def test_a_delta_names_its_blocks_by_bitmap_or_indices_whichever_is_shorter_and_bad_ones_are_refused(
+    monkeypatch,
+) -> None:
+    from jaxrl.weight_transfer import delta
+
+    monkeypatch.setattr(delta, "WINDOW_BLOCKS", 1024)  # windows of indices too
+
+    def read_from(parts: list[np.ndarray]):
+        data = memoryview(b"".join(p.tobytes() for p in parts))
+        at = 0
+
+        def read(n: int) -> bytes:
+            nonlocal at
+            at += n
+            return bytes(data[at - n : at])
+
+        return read
+
+    blocks, block_bytes = 4096, 2
+    rng = np.random.default_rng(1)
+    old = rng.integers(0, 255, blocks * block_bytes - 1, dtype=np.uint8)  # the last block short
+    for changed in ([3, 700, 4095], list(range(0, 4096, 2))):  # sparse: indices; half: the bitmap
+        new = old.copy()
+        new[np.array(changed) * block_bytes] ^= 1
+        sent = Changed.of(changed_blocks(old, new, block_bytes), blocks)
+        parts = sent.encode()
+        assert parts[0][0] == (delta.INDICES if len(changed) == 3 else delta.BITMAP)
+        assert sum(p.nbytes for p in parts) <= 1 + blocks // 8
+        got = Changed.decode(read_from(parts), blocks)
+        assert [int(i) for w in got.windows() for i in w] == changed and got.count == len(changed)
+        back = old.copy()
+        scatter_blocks(back, got, block_bytes, gather_blocks(new, sent, block_bytes))
+        assert np.array_equal(back, new)
+    bad = {
+        "out of range or not ascending": [delta.INDICES, 2, [5, 5]],
+        "out of range": [delta.INDICES, 1, [blocks]],
+    }
+    for message, (kind, count, rows) in bad.items():
+        parts = [np.array([kind], np.uint8), np.array([count], "<u8").view(np.uint8), np.array(rows, "<u4").view(np.uint8)]
+        with pytest.raises(ValueError, match=message):
+            Changed.decode(read_from(parts), blocks)
+    with pytest.raises(ValueError, match="unknown delta kind 7"):
+        Changed.decode(read_from([np.array([7], np.uint8)]), blocks)
