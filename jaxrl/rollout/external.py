@@ -81,7 +81,7 @@ from jaxrl.rollout.base import RolloutServerDead
 from jaxrl.rollout.config import ExternalConfig, InferenceConfig
 from jaxrl.rollout.proxy import ProxyServer
 from jaxrl.rollout.weight_files import WeightFiles, reload_vllm_weights, vllm_weight_version
-from jaxrl.weight_transfer import Publisher, manifest_for
+from jaxrl.weight_transfer import Manifest, Publisher, manifest_for
 
 logger = logging.getLogger(__name__)
 
@@ -318,14 +318,26 @@ class ExternalBackend:
         return version
 
     def _publish(self, state: nnx.State, version: int) -> None:
-        """Direct: this process's shards held by its publisher; process 0 sends the manifest."""
+        """Direct: this process's shards held by its publisher; process 0 sends the manifest, and
+        every process waits until the servers have answered it."""
         assert self.publisher is not None
         # All processes at once: a jitted cast per param. They publish the same versions with the
         # same settings, so every fragment names the same base; process 0's says which.
         fragment = self.publisher.publish(version, state)
         self._weight_metrics = self._changes(version, fragment.base_version)
-        if not self.main:
-            return
+        try:
+            if self.main:
+                self._announce(version, fragment)
+        finally:
+            # The servers pull from every process's publisher: no process may go on (and at the
+            # run's end stop its publisher) before they have. Seen in the rendered GKE run: a
+            # run resumed with every step done, process 1 stopped its publisher while the start's
+            # push was being pulled, and the push failed at every restart.
+            broadcast_from_main(None)
+
+    def _announce(self, version: int, fragment: Manifest) -> None:
+        """Process 0: the manifest of ``version`` to every server; a server that cannot pull it
+        keeps serving what it had (``weight_transfer_max_behind`` misses in a row stop the run)."""
         self.check()
         manifest = manifest_for(
             version, self.publisher.layout(), self._endpoints, None, transport="tcp",
