@@ -10,11 +10,12 @@ With ``delta=True`` each publish also compares the new version's host copies wit
 version's, block by block (``delta.changed_blocks``; a block is one element of the serving dtype
 unless ``block_bytes`` says otherwise), and the fragment names that version as its
 base (``Manifest.base_version``) unless ``full=True``: servers holding the base then pull only the
-changed blocks (``delta_of``). The bitmap and the changed blocks' bytes of each shard are made once,
-at publish, for every server that asks (making them is most of a delta's CPU: every server asking
-for its own was twice the pull time with two servers). This costs the previous version (held
-anyway: ``keep = 2``), the bitmaps (1/8 bit per block) and the changed bytes, and one compare and
-one gather pass per publish; ``changes(version)`` reports what changed (``Changes``). A delta pull of
+changed blocks (``delta_of``). Each shard's delta (which blocks changed: ``delta.Changed``, and
+their bytes) is made once, at publish, for every server that asks (making it is most of a delta's
+CPU: every server asking for its own was twice the pull time with two servers). This costs the
+previous version (held anyway: ``keep = 2``), the deltas (a bit per block, or 4 bytes per changed
+block when fewer than 1/32 changed, plus the changed bytes), and one compare and one gather pass
+per publish; ``changes(version)`` reports what changed (``Changes``). A delta pull of
 version n needs n - 1 too, so it must finish before n + 1 is published (the external backend
 waits for every server's answer before its next step); a full pull only before n + 2.
 
