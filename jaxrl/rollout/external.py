@@ -107,8 +107,10 @@ class ExternalBackend:
         output_dir: str | Path,
         tokenizer_dir: str | Path,
         renderer: Mapping[str, Any] | None = None,
+        replay_routing: bool = False,
     ):
         self.config = config
+        self.replay_routing = replay_routing  # the trainer replays the servers' routing: they must return it
         if not isinstance(config.backend, ExternalConfig):
             raise TypeError(f'ExternalBackend: inference.backend.type is "{config.backend.type}", not "external"')
         self.ecfg = config.backend
@@ -212,6 +214,8 @@ class ExternalBackend:
                 )
             time.sleep(0.5)
         model = self._get(url, "/v1/models")["data"][0]["id"]
+        if self.replay_routing:
+            self._check_returns_routing(url)
         if self.ecfg.server == "vllm":
             return model, vllm_weight_version(lambda method, route, **kw: self._call(url, method, route, **kw)), "none"
         metrics = self._engine_metrics(url)
@@ -230,6 +234,22 @@ class ExternalBackend:
         if quantization not in ("none", "int8", "fp8"):
             raise ValueError(f"rollout server {url}: GET /metrics.json names quantization {quantization!r}")
         return model, int(metrics["policy_version"]), quantization
+
+    def _check_returns_routing(self, url: str) -> None:
+        """Under routing replay, ``url`` must return each token's experts to the requests verifiers
+        sends (no per-request switch): a one-token generate says so now, before any step, rather
+        than the first rollout after the model is loaded and the run started."""
+        body = {"token_ids": [0], "sampling_params": {"max_tokens": 1, "temperature": 0.0}}
+        choice = self._call(url, "POST", "/inference/v1/generate", json=body).json()["choices"][0]
+        if choice.get("routed_experts") is None:
+            flag = (
+                "vllm serve --enable-return-routed-experts" if self.ecfg.server == "vllm"
+                else "jaxrl.serve --inference.server.return_routed_experts true"
+            )
+            raise ValueError(
+                f'rollout server {url} returns no routed_experts, which trainer.moe_routing = "replay" needs: '
+                f'start it as {flag}, or set trainer.moe_routing = "recompute"'
+            )
 
     def _engine_metrics(self, url: str) -> Any:
         """``url``'s engine snapshot as JSON: ``GET /metrics.json``; a jaxrl.serve from before

@@ -46,9 +46,12 @@ def start_rollout_backend(
     where the server is built, from the model's architecture (an MoE model) and ``moe_routing``
     (not "recompute"), as the model's architecture is known for certain only once it is loaded
     (a warm start writes it after the config loads). ``[inference.server]
-    return_routed_experts = true`` turns it on whatever the trainer does."""
+    return_routed_experts = true`` turns it on whatever the trainer does. External servers must
+    already return them when the trainer asks for replay by name (``moe_routing = "replay"``;
+    unset, it replays what comes back): their backend checks each at start."""
     backend: RolloutBackend
     served_name = model_config.name or "jaxrl"
+    replay = model.arch.is_moe and moe_routing != "recompute"  # verifiers puts the experts on the trace
     if inference.backend.type == "vllm":
         from jaxrl.rollout.vllm import VLLMBackend
 
@@ -61,7 +64,8 @@ def start_rollout_backend(
         from jaxrl.rollout.external import ExternalBackend
 
         backend = ExternalBackend(
-            model, hf_config, inference, output_dir=output_dir, tokenizer_dir=tokenizer_dir, renderer=renderer
+            model, hf_config, inference, output_dir=output_dir, tokenizer_dir=tokenizer_dir, renderer=renderer,
+            replay_routing=model.arch.is_moe and moe_routing == "replay",
         )
     else:
         from jaxrl.engine.engine import Engine
@@ -70,7 +74,6 @@ def start_rollout_backend(
         from jaxrl.serving.server import build_engine_server
 
         model_dir = resolve_model_dir(model_config.name, model_config.revision) if model_config.name else None
-        replay = model.arch.is_moe and moe_routing != "recompute"  # verifiers puts the experts on the trace
         routed = inference.server.return_routed_experts or replay
         if jax.process_count() > 1:  # a multi-host trainer: one engine over every process
             backend = colocated_backend(

@@ -173,3 +173,36 @@ def test_replay_config_errors_are_one_line(model_dir, moe_dir, completions) -> N
     samples[1].routed_experts = samples[1].routed_experts + EXPERTS
     with pytest.raises(ValueError, match=r"routed_experts holds ids outside \[0, 8\)"):
         trainer.pack(samples)
+
+
+def test_external_servers_must_return_routing_under_replay(engine, moe_dir, tokenizer_dir, tmp_path) -> None:
+    """``trainer.moe_routing = "replay"`` with external servers: a server started without
+    ``return_routed_experts`` is refused when the backend starts (one line naming both fixes),
+    not at the first rollout; one started with it is taken and pushed the trainer's weights."""
+    from transformers import AutoTokenizer
+
+    from jaxrl.rollout.config import InferenceConfig
+    from jaxrl.rollout.external import ExternalBackend
+
+    model = load_decoder(moe_dir)
+    hf_config = json.loads((moe_dir / "config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    for returns_routing in (False, True):
+        srv = EngineServer(engine, tok, return_routed_experts=returns_routing)
+        srv.start()
+        cfg = InferenceConfig(
+            backend="external", base_url=[srv.url + "/v1"], server={"port": 0},
+            external={"request_timeout_s": 60, "startup_timeout_s": 30, "weight_transfer": "files"},
+        )  # fmt: skip
+        backend = ExternalBackend(model, hf_config, cfg, output_dir=tmp_path / str(returns_routing),
+                                  tokenizer_dir=tokenizer_dir, replay_routing=True)  # fmt: skip
+        try:
+            if returns_routing:
+                backend.start(version=0)
+                assert backend.policy_version == 0  # the trainer's version 0, now served
+            else:
+                with pytest.raises(ValueError, match=r"returns no routed_experts.*return_routed_experts true.*recompute"):
+                    backend.start(version=0)
+        finally:
+            backend.stop()
+            srv.stop()
