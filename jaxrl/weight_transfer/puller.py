@@ -277,7 +277,9 @@ class _Fetcher:
                     for piece in pieces:
                         sub = Pull(pull.endpoint, pull.param, pull.shard, piece, pull.itemsize)
                         dst = buf[local_slices(piece, chunk.box)]
-                        if not dst.flags.c_contiguous:
+                        # A delta of whole elements is written through a strided view (scatter_blocks).
+                        through = self.delta is not None and self.delta[1] == dst.itemsize
+                        if not dst.flags.c_contiguous and not through:
                             tmp = self.empty(dst.shape, dst.dtype)
                             if self.delta:
                                 copy_into(tmp, dst)

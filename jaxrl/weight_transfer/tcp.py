@@ -313,7 +313,7 @@ class TcpConnection:
         payload = np.empty(n - head, np.uint8)
         if payload.size and not recv_into(self._sock, memoryview(payload), deadline):
             raise ConnectionError("connection closed by the peer")
-        scatter_blocks(out.reshape(-1).view(np.uint8), changed, k, payload)
+        scatter_blocks(out, changed, k, payload)
 
     def close(self) -> None:
         shutdown(self._sock)

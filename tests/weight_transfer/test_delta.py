@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -86,6 +87,25 @@ def test_changed_blocks_and_their_runs_are_exact() -> None:
     nan = np.array([np.nan], np.float32)  # equal bits count as unchanged, whatever they mean
     assert not changed_blocks(nan, nan.copy(), 64).any()
     assert changed_blocks(np.float32([0.0]), np.float32([-0.0]), 64).tolist() == [1]  # -0.0 == 0.0, not the same bits
+
+
+def test_a_delta_of_elements_is_written_through_a_strided_region() -> None:
+    """A trainer shard's region inside a server's buffer (an fsdp split along the second axis):
+    the changed elements land through the view, the rest of the buffer untouched; blocks of
+    several elements are refused there (they would straddle the view's rows)."""
+    rng = np.random.default_rng(0)
+    server = rng.integers(0, 1 << 16, (6, 10), dtype=np.uint16).view(ml_dtypes.bfloat16)
+    before = server.copy()
+    region = server[:, 5:]  # strided: 6 rows of 5
+    new = region.copy()
+    new.view(np.uint16)[[0, 2, 5], [4, 0, 3]] ^= 1
+    changed = Changed.of(changed_blocks(region, new, 2), region.size)
+    payload = gather_blocks(new.reshape(-1).view(np.uint8), changed, 2)
+    scatter_blocks(region, changed, 2, payload)
+    assert np.array_equal(server[:, 5:].view(np.uint16), new.view(np.uint16))
+    assert np.array_equal(server[:, :5].view(np.uint16), before[:, :5].view(np.uint16))
+    with pytest.raises(ValueError, match="strided destination takes blocks of one element"):
+        scatter_blocks(region, Changed.of(changed_blocks(region, new, 4), 15), 4, payload)
 
 
 @pytest.mark.parametrize("block", [BLOCK, None], ids=["64-byte-blocks", "elements"])
