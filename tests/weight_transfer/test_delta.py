@@ -104,6 +104,12 @@ def test_a_delta_of_elements_is_written_through_a_strided_region() -> None:
     scatter_blocks(region, changed, 2, payload)
     assert np.array_equal(server[:, 5:].view(np.uint16), new.view(np.uint16))
     assert np.array_equal(server[:, :5].view(np.uint16), before[:, :5].view(np.uint16))
+    cube = rng.integers(0, 1 << 16, (3, 4, 6), dtype=np.uint16)  # a view whose rows do not merge
+    view, want = cube[:, 1:3, ::2], cube[:, 1:3, ::2].copy()
+    want[[0, 2], [1, 0], [2, 1]] += 1
+    changed = Changed.of(changed_blocks(view, want, 2), view.size)
+    scatter_blocks(view, changed, 2, gather_blocks(want.reshape(-1).view(np.uint8), changed, 2))
+    assert np.array_equal(cube[:, 1:3, ::2], want)
     with pytest.raises(ValueError, match="strided destination takes blocks of one element"):
         scatter_blocks(region, Changed.of(changed_blocks(region, new, 4), 15), 4, payload)
 
