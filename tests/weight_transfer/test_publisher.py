@@ -234,3 +234,32 @@ def test_versions_pulled_through_a_pool_reuse_memory_the_server_let_go_never_wha
     # reuse the memory of the version before the last, and need none of their own.
     assert fresh[0] >= size and fresh[1] >= 2 * size
     assert fresh[3] == fresh[2] == fresh[1] and pool.reused_bytes >= 2 * size
+
+
+def test_host_copies_reuse_memory_of_dropped_versions_never_what_a_pull_still_reads(state: nnx.State) -> None:
+    """Params already in the serving dtype on CPU devices are copied to host (the trainer may
+    donate its arrays) into the publisher's pool: a version dropped beyond ``keep`` lends its
+    memory to a later one, except what a pull in flight still reads (here: a view of version
+    1's embed, held across three more publishes)."""
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), state)
+    versions = {1: bf16} | {v: plus(bf16, v) for v in range(2, 8)}
+    fresh = []
+    with Publisher(keep=2) as pub:
+        pub.publish(1, versions[1])
+        reading = pub.shard(1, "embed", ((0, 64), (0, 8)))  # a pull of version 1 in flight
+        want = reading.copy()
+        for v in range(2, 8):
+            pub.publish(v, versions[v])
+            fresh.append(pub._buffers.fresh_bytes)
+            for held in (v - 1, v):  # both held versions are exactly what was published
+                for path, x in param_leaves(versions[held]):
+                    for box in x.sharding.addressable_devices_indices_map(x.shape).values():
+                        box = tuple((s.start or 0, s.stop if s.stop is not None else n) for s, n in zip(box, x.shape))
+                        got = pub.shard(held, path, box).view(np.uint16)
+                        assert np.array_equal(got, np.asarray(x)[tuple(slice(a, b) for a, b in box)].view(np.uint16))
+            if v == 4:
+                assert np.array_equal(reading.view(np.uint16), want.view(np.uint16))  # never written
+                del reading
+    size = sum(x.size * 2 for x in jax.tree.leaves(bf16))  # one version's shards (fsdp: each element once)
+    assert fresh[1] >= 3 * size  # versions 1-3 take fresh memory (two held while the next is made)
+    assert fresh[-1] == fresh[-2] == fresh[-3] and pub._buffers.reused_bytes >= 2 * size  # then it is reused
