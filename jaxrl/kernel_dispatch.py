@@ -177,13 +177,14 @@ class Kernels:
     impl: Impl = "reference"
     mesh: Mesh | None = None
     cpu: bool = False  # "auto" on CPU: the CPU serving backend where it builds
+    tpu: bool = False  # the engine serves its projections in the compute dtype (``serving_weights``)
     serving: Serving | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def create(cls, choice: KernelChoice, *, field: str, mesh: Mesh | None = None) -> Kernels:
         """Resolve ``choice`` for ``mesh``'s platform (JAX's default backend without a mesh)."""
         platform = mesh.devices.flat[0].platform if mesh is not None else select.current_platform()
-        return cls(resolve(choice, platform, field=field), mesh, cpu=choice == "auto" and platform == "cpu")
+        return cls(resolve(choice, platform, field=field), mesh, cpu=choice == "auto" and platform == "cpu", tpu=platform == "tpu")
 
     # -- the engine's weights ------------------------------------------------------------------
 
@@ -193,7 +194,16 @@ class Kernels:
     def serving_weights(self, state: nnx.State, compute_dtype: Any) -> Any:
         """The layout the engine serves ``state`` in (its programs' ``bind`` takes it back): the
         CPU backend's packed projections on a one-device float32 CPU engine where the C++ matmul
-        builds (under a mesh XLA partitions the dots instead), else ``state`` itself."""
+        builds (under a mesh XLA partitions the dots instead); on TPU the projections in the
+        compute dtype (``quantize.cast_projections``: XLA:TPU otherwise converts every layer's
+        weights once per program call, outside the layer loop, a full copy as temporaries);
+        else ``state`` itself. Not on CPU / GPU: there XLA drops a float32 -> bfloat16 -> float32
+        round trip (excess precision) and the dots read the float32 weights, as the trainer's
+        do; stored in bfloat16, the engine's log-probs would move off the trainer's."""
+        if self.tpu:
+            from jaxrl.models.quantize import cast_projections  # quantize imports the decoder, which imports this module
+
+            return cast_projections(state, compute_dtype)
         backend = self._cpu_backend()
         f32 = jnp.dtype(compute_dtype) == jnp.float32 and all(x.dtype == jnp.float32 for x in jax.tree.leaves(state))
         if backend is None or self.mesh is not None or not f32 or not backend.matmul_available():

@@ -253,7 +253,11 @@ def _engine_shapes(
     weights = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings)
     layout = EngineLayout.create(arch, icfg, trainer_model.dtype, mesh)
     kernels = Kernels.create(icfg.kernels, field="inference.backend.kernels", mesh=mesh)
-    weights = abstract_quantized(weights, icfg.quantization)  # the engine serves 8-bit projections when set
+    # The engine serves 8-bit projections when set, else the kernels' serving layout (ModelRunner._served).
+    if icfg.quantization != "none":
+        weights = abstract_quantized(weights, icfg.quantization)
+    else:
+        weights = kernels.serving_weights(weights, trainer_model.dtype)
     return EngineShapes(icfg, mesh, graphdef, weights, layout, kernels)
 
 

@@ -141,3 +141,24 @@ def test_quantized_on_the_trainer_pulls_bit_for_bit_what_the_server_would_quanti
         assert engine.policy_version == 3
     finally:
         engine.stop()
+
+
+def test_projections_are_cast_to_the_compute_dtype_for_tpu_engines_only(model_dir) -> None:
+    """``cast_projections``: exactly the ``CONTRACTING`` weights, only where stored wider, arrays
+    and abstract shapes alike; a TPU engine's ``serving_weights`` applies it, a CPU one keeps the
+    float32 weights (XLA:CPU's dots read them at float32, as the trainer's do)."""
+    from jaxrl.kernel_dispatch import Kernels
+    from jaxrl.models.quantize import cast_projections
+
+    state = nnx.state(load_decoder(model_dir))  # float32
+    for tree in (state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)):
+        cast = cast_projections(tree, jnp.bfloat16)
+        for (p, a), b in zip(jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(cast), strict=True):
+            assert b.dtype == (jnp.bfloat16 if param_name(p) in CONTRACTING else a.dtype), param_name(p)
+        assert jax.tree.leaves(cast_projections(tree, jnp.float32))[0].dtype == jnp.float32
+    bf16 = cast_projections(state, jnp.bfloat16)
+    wq = next(x for p, x in jax.tree_util.tree_flatten_with_path(bf16)[0] if param_name(p) == "wq")
+    wq32 = next(x for p, x in jax.tree_util.tree_flatten_with_path(state)[0] if param_name(p) == "wq")
+    assert np.array_equal(np.asarray(wq), np.asarray(wq32.astype(jnp.bfloat16)))  # the model's own cast
+    assert Kernels(tpu=True).serving_weights(state, jnp.bfloat16) is not state
+    assert Kernels().serving_weights(state, jnp.bfloat16) is state
