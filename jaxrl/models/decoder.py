@@ -283,7 +283,9 @@ class Decoder(nnx.Module):
         if with_moe_aux:
             valid = jnp.ones((b, t), bool) if segment_ids is None else segment_ids > 0
         lookup = kernels.embedding() if kernels is not None else None
-        x = lookup(tokens).astype(self.dtype) if lookup is not None else self.embed[...].astype(self.dtype)[tokens]
+        # Rows first, then the cast: cast first, the whole table was converted (and, loop-invariant
+        # over an engine program's decode steps, materialized once per call on TPU).
+        x = lookup(tokens).astype(self.dtype) if lookup is not None else self.embed[...][tokens].astype(self.dtype)
         cos, sin = rope_tables(positions, jnp.asarray(arch.inv_freq()), arch.rope_attention_scale())
         weights = self._layer_weights()
         mlp = partial(self._mlp, kernels=kernels, valid=valid, with_aux=with_moe_aux)
