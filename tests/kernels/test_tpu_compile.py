@@ -121,22 +121,23 @@ def test_decode_attention_reads_the_cache_in_place(chip, size) -> None:
     assert mem.temp_size_in_bytes < 0.1 * cache_bytes
 
 
-def _small_engine(topology):
+def _small_engine(topology, *, layers: int = 2, hidden: int = 512, param_dtype=BF16, cache_len: int = 4096):
     """A small TPU-aligned model's abstract engine state, tensor-parallel over the chips' kv
-    heads: (graphdef, weights, cache of 32 rows x 4096 positions, replicated sharding, cache bytes per chip)."""
+    heads: (graphdef, weights, cache of 32 rows x ``cache_len`` positions, token counts, mesh,
+    cache bytes per chip)."""
     arch = ModelArch(
-        model_type="qwen3", vocab_size=4096, hidden_size=512, intermediate_size=1024, num_layers=2,
+        model_type="qwen3", vocab_size=4096, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers,
         num_heads=8, num_kv_heads=4, head_dim=HEAD_DIM, rms_norm_eps=1e-6, rope_theta=1e6,
         rope_scaling=None, qk_norm=True, qkv_bias=False, tie_word_embeddings=False,
         max_position_embeddings=4096,
     )  # fmt: skip
     mesh = Mesh(np.array(topology), ("tensor",))
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(arch, rngs=nnx.Rngs(0), param_dtype=BF16, dtype=BF16)))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(arch, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=BF16)))
     shard = weights.param_sharding_fn(mesh)
     state = jax.tree_util.tree_map_with_path(
         lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shard(weights.param_name(p), x.shape)), state
     )
-    shape = KVCache.shape(arch, ROWS, 4096)
+    shape = KVCache.shape(arch, ROWS, cache_len)
     cache_sh = weights.cache_sharding(mesh, shape)
     cache = KVCache(*(jax.ShapeDtypeStruct(shape, BF16, sharding=cache_sh) for _ in range(2)))
     rep = weights.replicated(mesh)
@@ -187,28 +188,13 @@ def test_engine_decode_serves_float32_params_without_a_per_call_weight_copy() ->
     layer's stacked weights once per call outside the layer loop (this model: 43 MB of
     temporaries per chip against 3.5; Qwen3-8B on v5p-32 2.10 GiB against 0.62)."""
     topology = list(topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices)
-    arch = ModelArch(
-        model_type="qwen3", vocab_size=4096, hidden_size=2048, intermediate_size=4096, num_layers=4,
-        num_heads=8, num_kv_heads=4, head_dim=HEAD_DIM, rms_norm_eps=1e-6, rope_theta=1e6,
-        rope_scaling=None, qk_norm=True, qkv_bias=False, tie_word_embeddings=False,
-        max_position_embeddings=4096,
-    )  # fmt: skip
-    mesh = Mesh(np.array(topology), ("tensor",))
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(arch, rngs=nnx.Rngs(0), param_dtype=jnp.float32, dtype=BF16)))
-    shard = weights.param_sharding_fn(mesh)
-    state = jax.tree_util.tree_map_with_path(
-        lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shard(weights.param_name(p), x.shape)), state
-    )
+    graphdef, state, cache, counts, mesh, _ = _small_engine(topology, layers=4, hidden=2048, param_dtype=jnp.float32, cache_len=1024)
     kernels = Kernels.create("auto", field="inference.backend.kernels", mesh=mesh)
     served = kernels.serving_weights(state, BF16)
     projections = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
     bf16_copy = sum(np.prod(x.shape) * 2 for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
                     if weights.param_name(p) in projections) / mesh.size  # fmt: skip
-    shape = KVCache.shape(arch, ROWS, 1024)
-    cache = KVCache(*(jax.ShapeDtypeStruct(shape, BF16, sharding=weights.cache_sharding(mesh, shape)) for _ in range(2)))
     rep = weights.replicated(mesh)
-    vocab = (ROWS, arch.vocab_size)
-    counts = TokenCounts(jax.ShapeDtypeStruct(vocab, jnp.int32, sharding=rep), jax.ShapeDtypeStruct(vocab, jnp.bool_, sharding=rep))
     ids = jax.ShapeDtypeStruct((ROWS,), jnp.int32, sharding=rep)
     decode = jax.jit(partial(_decode, graphdef, 4, kernels=kernels, top=20), donate_argnums=(1, 2))
     mem = decode.lower(served, cache, counts, ids, ids, ids, _sampling(ROWS, rep), (ids, ids)).compile().memory_analysis()
