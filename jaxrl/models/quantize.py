@@ -1,8 +1,9 @@
 """8-bit serving weights: the engine's projections stored as int8 or fp8 with one scale per
 output channel, dequantized inside each engine program (``[inference.backend] quantization``).
 
-Decode reads every weight every step, so storing them in 8 bits halves the bytes a bf16 decode
-step reads from HBM and the weights' share of it (more KV cache fits). The trainer keeps its own
+Decode reads every weight every step; stored in 8 bits, the weights take half a bf16 copy's memory
+(more KV cache fits) and, once the dequantize runs per layer inside the layer loop, half the bytes a
+decode step reads. The trainer keeps its own
 precision: quantization happens on device each time weights are placed or swapped in
 (``Kernels.serving_weights``), and the mismatch it adds to the sampled tokens' log-probs is what
 the off-policy corrections (TIS / MIS / IcePop, ``[trainer.loss]``) are for.
@@ -16,9 +17,10 @@ router stay in the model's dtype: the LM head sets every log-prob directly, and 
 small.
 
 The engine's runner serves this form (``ModelRunner._served``) and its programs dequantize at
-their start (``values * scale`` in the model's parameter dtype: the pure-JAX reference), where XLA
-fuses the conversion into the dots that read each weight: the compiled Qwen3-8B decode program
-keeps the same temporaries as unquantized (docs/quantization.md), no full-precision copy. Not qwix (Google's JAX quantization library):
+their start (``values * scale`` in the model's parameter dtype: the pure-JAX reference). XLA:TPU
+materializes that copy (in the compute dtype) once per program call, outside the decode-steps
+loop, so today a decode step reads the copy (docs/quantization.md: 1.8 GiB of temporaries per
+chip for Qwen3-8B at tensor 8); dequantizing per layer inside the layer loop is the next step. Not qwix (Google's JAX quantization library):
 its post-training mode swaps a model's parameters for its own array types inside the nnx graph,
 which every path that moves our serving weights by parameter path and dtype (resharding, direct
 transfer, deltas, the CPU packed layout) would have to learn; one pytree leaf type in the served
