@@ -177,7 +177,7 @@ class Kernels:
     impl: Impl = "reference"
     mesh: Mesh | None = None
     cpu: bool = False  # "auto" on CPU: the CPU serving backend where it builds
-    tpu: bool = False  # the engine serves its projections in the compute dtype (``serving_weights``)
+    tpu: bool = False  # the engine stores its projections in the compute dtype (``projection_storage``)
     serving: Serving | None = field(default=None, compare=False, repr=False)
 
     @classmethod
@@ -191,19 +191,19 @@ class Kernels:
     def _cpu_backend(self) -> ModuleType | None:
         return cpu_serving() if self.cpu else None
 
+    def projection_storage(self, compute_dtype: Any) -> Any:
+        """The dtype the engine stores its projections in (``quantize.cast_projections``), None
+        to keep them in the parameters' dtype. On TPU the compute dtype: XLA:TPU otherwise
+        converts every layer's weights once per program call, outside the layer loop, a full
+        copy as temporaries. Not on CPU / GPU: there XLA drops a float32 -> bfloat16 -> float32
+        round trip (excess precision) and the dots read the float32 weights, as the trainer's
+        do; stored in bfloat16, the engine's log-probs would move off the trainer's."""
+        return compute_dtype if self.tpu else None
+
     def serving_weights(self, state: nnx.State, compute_dtype: Any) -> Any:
         """The layout the engine serves ``state`` in (its programs' ``bind`` takes it back): the
         CPU backend's packed projections on a one-device float32 CPU engine where the C++ matmul
-        builds (under a mesh XLA partitions the dots instead); on TPU the projections in the
-        compute dtype (``quantize.cast_projections``: XLA:TPU otherwise converts every layer's
-        weights once per program call, outside the layer loop, a full copy as temporaries);
-        else ``state`` itself. Not on CPU / GPU: there XLA drops a float32 -> bfloat16 -> float32
-        round trip (excess precision) and the dots read the float32 weights, as the trainer's
-        do; stored in bfloat16, the engine's log-probs would move off the trainer's."""
-        if self.tpu:
-            from jaxrl.models.quantize import cast_projections  # quantize imports the decoder, which imports this module
-
-            return cast_projections(state, compute_dtype)
+        builds (under a mesh XLA partitions the dots instead), else ``state`` itself."""
         backend = self._cpu_backend()
         f32 = jnp.dtype(compute_dtype) == jnp.float32 and all(x.dtype == jnp.float32 for x in jax.tree.leaves(state))
         if backend is None or self.mesh is not None or not f32 or not backend.matmul_available():

@@ -228,7 +228,7 @@ def _engine_shapes(
     from jaxrl.engine import weights
     from jaxrl.engine.programs import EngineLayout
     from jaxrl.kernel_dispatch import Kernels
-    from jaxrl.models.quantize import abstract_quantized
+    from jaxrl.models.quantize import abstract_quantized, cast_projections
 
     icfg = cfg.inference.engine_config().with_model_len(arch.max_position_embeddings)  # unset: the model's own context
     if icfg.max_model_len > arch.max_position_embeddings:
@@ -253,11 +253,12 @@ def _engine_shapes(
     weights = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings)
     layout = EngineLayout.create(arch, icfg, trainer_model.dtype, mesh)
     kernels = Kernels.create(icfg.kernels, field="inference.backend.kernels", mesh=mesh)
-    # The engine serves 8-bit projections when set, else the kernels' serving layout (ModelRunner._served).
+    # The engine serves 8-bit projections when set, else its projections as the kernels store them
+    # (ModelRunner._served).
     if icfg.quantization != "none":
         weights = abstract_quantized(weights, icfg.quantization)
-    else:
-        weights = kernels.serving_weights(weights, trainer_model.dtype)
+    elif (storage := kernels.projection_storage(trainer_model.dtype)) is not None:
+        weights = cast_projections(weights, storage)
     return EngineShapes(icfg, mesh, graphdef, weights, layout, kernels)
 
 

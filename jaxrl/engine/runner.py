@@ -44,7 +44,7 @@ from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.hf_io import load_decoder
 from jaxrl.models.kv_cache import KVCache
-from jaxrl.models.quantize import abstract_quantized, cast_to, quantization_of, quantize_state
+from jaxrl.models.quantize import abstract_quantized, cast_projections, cast_to, quantization_of, quantize_state
 from jaxrl.weight_transfer import HostBufferPool, Manifest, pull_weights
 from jaxrl.weight_transfer.manifest import param_path
 
@@ -114,9 +114,12 @@ class ModelRunner:
 
     def _served(self, placed: nnx.State) -> Any:
         """The layout the programs take: 8-bit projections (``inference.backend.quantization``),
-        else the kernels' (``Kernels.serving_weights``)."""
+        else the kernels' (``Kernels.serving_weights``), projections in
+        ``Kernels.projection_storage``'s dtype."""
         if self.config.quantization != "none":
             return quantize_state(placed, self.config.quantization)
+        if (storage := self.kernels.projection_storage(self._compute_dtype)) is not None:
+            placed = cast_projections(placed, storage)
         return self.kernels.serving_weights(placed, self._compute_dtype)
 
     def place(self, state: nnx.State | Decoder) -> Any:

@@ -90,7 +90,7 @@ def cast_projections(state: Any, dtype: Any) -> Any:
     where it is stored wider; every other leaf unchanged. Arrays are cast on device in their own
     sharding; ``jax.ShapeDtypeStruct`` leaves (ahead-of-time compiles) get the new dtype.
 
-    Why (TPU, ``Kernels.serving_weights``): the model multiplies by ``w.astype(compute dtype)``,
+    Why (TPU, ``Kernels.projection_storage``): the model multiplies by ``w.astype(compute dtype)``,
     so the values are the same, but a float32 weight inside an engine program made XLA:TPU
     convert every layer's stacked weights to bfloat16 once per call, outside the layer loop: a
     full bfloat16 copy of the projections as temporaries and one more read-and-write of them per

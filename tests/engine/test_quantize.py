@@ -145,8 +145,8 @@ def test_quantized_on_the_trainer_pulls_bit_for_bit_what_the_server_would_quanti
 
 def test_projections_are_cast_to_the_compute_dtype_for_tpu_engines_only(model_dir) -> None:
     """``cast_projections``: exactly the ``CONTRACTING`` weights, only where stored wider, arrays
-    and abstract shapes alike; a TPU engine's ``serving_weights`` applies it, a CPU one keeps the
-    float32 weights (XLA:CPU's dots read them at float32, as the trainer's do)."""
+    and abstract shapes alike; a TPU engine stores its projections so (``projection_storage``), a
+    CPU one keeps the float32 weights (XLA:CPU's dots read them at float32, as the trainer's do)."""
     from jaxrl.kernel_dispatch import Kernels
     from jaxrl.models.quantize import cast_projections
 
@@ -160,5 +160,5 @@ def test_projections_are_cast_to_the_compute_dtype_for_tpu_engines_only(model_di
     wq = next(x for p, x in jax.tree_util.tree_flatten_with_path(bf16)[0] if param_name(p) == "wq")
     wq32 = next(x for p, x in jax.tree_util.tree_flatten_with_path(state)[0] if param_name(p) == "wq")
     assert np.array_equal(np.asarray(wq), np.asarray(wq32.astype(jnp.bfloat16)))  # the model's own cast
-    assert Kernels(tpu=True).serving_weights(state, jnp.bfloat16) is not state
-    assert Kernels().serving_weights(state, jnp.bfloat16) is state
+    assert Kernels(tpu=True).projection_storage(jnp.bfloat16) == jnp.bfloat16
+    assert Kernels().projection_storage(jnp.bfloat16) is None

@@ -41,6 +41,7 @@ from jaxrl.kernel_dispatch import Kernels
 from jaxrl.models.arch import ModelArch
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.kv_cache import KVCache
+from jaxrl.models.quantize import cast_projections
 
 GENERATIONS = ["v5e:2x2", "v6e:2x2"]
 VOCAB = 151936
@@ -183,14 +184,14 @@ def test_engine_prefill_program_copies_no_cache(topology) -> None:
 
 def test_engine_decode_serves_float32_params_without_a_per_call_weight_copy() -> None:
     """float32 parameters, bfloat16 compute (the trainer's precision): through
-    ``Kernels.serving_weights`` a TPU engine stores its projections in bfloat16, and the decode
+    ``Kernels.projection_storage`` a TPU engine stores its projections in bfloat16, and the decode
     program's temporaries hold no copy of them. Served as float32, XLA:TPU converted every
     layer's stacked weights once per call outside the layer loop (this model: 43 MB of
     temporaries per chip against 3.5; Qwen3-8B on v5p-32 2.10 GiB against 0.62)."""
     topology = list(topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices)
     graphdef, state, cache, counts, mesh, _ = _small_engine(topology, layers=4, hidden=2048, param_dtype=jnp.float32, cache_len=1024)
     kernels = Kernels.create("auto", field="inference.backend.kernels", mesh=mesh)
-    served = kernels.serving_weights(state, BF16)
+    served = cast_projections(state, kernels.projection_storage(BF16))  # as ModelRunner._served
     projections = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
     bf16_copy = sum(np.prod(x.shape) * 2 for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
                     if weights.param_name(p) in projections) / mesh.size  # fmt: skip
