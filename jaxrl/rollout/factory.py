@@ -51,7 +51,6 @@ def start_rollout_backend(
     unset, it replays what comes back): their backend checks each at start."""
     backend: RolloutBackend
     served_name = model_config.name or "jaxrl"
-    replay = model.arch.is_moe and moe_routing != "recompute"  # verifiers puts the experts on the trace
     if inference.backend.type == "vllm":
         from jaxrl.rollout.vllm import VLLMBackend
 
@@ -74,6 +73,7 @@ def start_rollout_backend(
         from jaxrl.serving.server import build_engine_server
 
         model_dir = resolve_model_dir(model_config.name, model_config.revision) if model_config.name else None
+        replay = model.arch.is_moe and moe_routing != "recompute"  # verifiers puts the experts on the trace
         routed = inference.server.return_routed_experts or replay
         if jax.process_count() > 1:  # a multi-host trainer: one engine over every process
             backend = colocated_backend(

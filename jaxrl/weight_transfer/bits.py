@@ -31,8 +31,3 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
 def contiguous(x: np.ndarray) -> np.ndarray:
     """A C-contiguous copy of ``x`` (``x`` itself when it is one), by its bits."""
     return np.ascontiguousarray(as_bits(x)).view(x.dtype)
-
-
-def copy(x: np.ndarray) -> np.ndarray:
-    """A C-contiguous copy of ``x`` that never shares its memory, by its bits."""
-    return np.array(as_bits(x), order="C").view(x.dtype)

@@ -4,7 +4,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxrl.weight_transfer.bits import contiguous, copy, copy_into
+from jaxrl.weight_transfer.bits import contiguous, copy_into
 
 
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, np.float32])
@@ -19,8 +19,6 @@ def test_bit_copies_equal_numpy_copies(dtype) -> None:
     expected = np.zeros_like(dst)
     expected[:, :, 5:15] = src
     assert np.array_equal(dst.view(np.uint8), expected.view(np.uint8))
-    dup = copy(src)
-    assert np.array_equal(dup, src) and not np.shares_memory(dup, src)
     assert contiguous(src) is src or np.shares_memory(contiguous(src), src)  # no copy when there is nothing to do
 
 
