@@ -101,8 +101,8 @@ def cast_projections(state: Any, dtype: Any) -> Any:
 
     def one(path: tuple[Any, ...], x: Any) -> Any:
         name = param_name(path)
-        if (name not in CONTRACTING or not hasattr(x, "dtype") or isinstance(x, QArray)
-                or not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype).itemsize <= dtype.itemsize):  # fmt: skip
+        if (name not in CONTRACTING or not jnp.issubdtype(x.dtype, jnp.floating)
+                or jnp.dtype(x.dtype).itemsize <= dtype.itemsize):  # fmt: skip
             return x
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
