@@ -237,3 +237,17 @@ def test_deadline_that_does_not_fire_leaves_no_exception_behind() -> None:
         pass
     time.sleep(0.05)
     assert not guard.fired
+
+
+def test_cut_preset_configs_load_in_transformers() -> None:
+    """The full run's 2-layer parity model is the released Qwen3-0.6B cut to 2 layers: its per-layer
+    lists are cut with it (the first H200 run failed logits_vs_transformers on transformers 5.17,
+    which refuses 28 ``layer_types`` for 2 layers)."""
+    import transformers
+
+    from jaxrl.devicecheck.common import full_shapes, qwen3_0_6b
+
+    cut = full_shapes().parity
+    config = transformers.Qwen3Config(**{k: v for k, v in cut.items() if k not in ("architectures", "model_type")})
+    assert config.num_hidden_layers == 2 and len(config.layer_types) == 2
+    assert len(qwen3_0_6b()["layer_types"]) == 28  # the whole model keeps its own

@@ -34,6 +34,7 @@ from jaxrl.models.arch import ModelArch
 from jaxrl.models.kv_cache import KVCache
 from jaxrl.models.layers import (
     CAUSAL_BLOCK,
+    ROW_BLOCK,
     apply_rope,
     attention,
     cached_attention,
@@ -318,6 +319,7 @@ class Decoder(nnx.Module):
             assert lora is None, "the cached (serving) forward runs merged weights"
             rows = jnp.arange(tokens.shape[0]) if cache_rows is None else cache_rows
             kernel = kernels.cached_attention(positions, rows) if kernels is not None else None
+            row_block = None if kernels is not None and kernels.loops_sync_host else ROW_BLOCK
 
             def body(carry, xs, *, sparse: bool, mlp_offset: int):  # type: ignore[no-untyped-def]
                 h, kc, vc, layer = carry
@@ -335,7 +337,7 @@ class Decoder(nnx.Module):
                     vc = vc.at[idx].set(v.astype(vc.dtype), mode="drop")
                     if kernel is not None:  # reads the whole cache in place
                         return kernel(q, kc, vc, layer)
-                    return cached_attention(q, kc, vc, layer, rows, positions)
+                    return cached_attention(q, kc, vc, layer, rows, positions, row_block=row_block)
 
                 project = self._projector(w, kernels, layer, layer + mlp_offset if mlp_offset else layer)
                 h, aux = mlp(self._block(h, w, cos, sin, attend, project), w, project, sparse=sparse, forced=forced)

@@ -127,16 +127,17 @@ ROW_BLOCK = 4
 
 
 def cached_attention(
-    q: jax.Array, kc: jax.Array, vc: jax.Array, layer: jax.Array, rows: jax.Array, positions: jax.Array
+    q: jax.Array, kc: jax.Array, vc: jax.Array, layer: jax.Array, rows: jax.Array, positions: jax.Array,
+    *, row_block: int | None = ROW_BLOCK,
 ) -> jax.Array:
     """Attention of queries q [B, T, H, D] at ``positions`` [B, T] over cache row ``rows[b]`` of
     ``layer`` in the caches [layers, rows, K, S, D]: each query sees the positions <= its own.
-    Rows go in blocks of ``ROW_BLOCK``, each walking the cache as far as it needs
-    (``_cached_attention_block``)."""
+    Rows go in blocks of ``row_block`` (None: one block), each walking the cache as far as it
+    needs (``_cached_attention_block``); ``Kernels.loops_sync_host`` says where one block is best."""
     b = q.shape[0]
-    if b <= ROW_BLOCK or b % ROW_BLOCK:
+    if row_block is None or b <= row_block or b % row_block:
         return _cached_attention_block(q, kc, vc, layer, rows, positions)
-    blocks = [slice(i, i + ROW_BLOCK) for i in range(0, b, ROW_BLOCK)]
+    blocks = [slice(i, i + row_block) for i in range(0, b, row_block)]
     return jnp.concatenate([_cached_attention_block(q[s], kc, vc, layer, rows[s], positions[s]) for s in blocks])
 
 

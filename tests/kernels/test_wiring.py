@@ -114,6 +114,30 @@ def test_decoder_takes_the_decode_kernel_for_one_token_steps_only() -> None:
     assert "pallas_call" not in trace(4)  # prefill chunks keep the decoder's attention
 
 
+def test_gpu_reference_decode_walks_the_cache_as_one_block_of_rows() -> None:
+    """On GPU (each while-loop trip a host round trip) the reference cached attention runs one
+    dynamic-trip loop per layer for the whole batch, not one per ``ROW_BLOCK`` rows; same values.
+    Checked on the CPU with the platform flag set: what Kernels.create sets for a GPU mesh."""
+    from jaxrl.models.layers import ROW_BLOCK
+
+    rows = 4 * ROW_BLOCK
+    model = tiny_model(vocab=64)
+    cache = KVCache.zeros(model.arch, rows=rows, max_len=300)
+    cache = KVCache(jax.random.normal(jax.random.key(0), cache.k.shape), jax.random.normal(jax.random.key(1), cache.v.shape))
+    tokens = jnp.arange(rows, dtype=jnp.int32)[:, None] % 64
+    positions = jnp.arange(rows, dtype=jnp.int32)[:, None] * 17 + 3  # ragged: 3 to 258, up to three chunks
+
+    def step(kernels: Kernels):
+        return lambda: model(tokens, positions, cache=cache, kernels=kernels)[0]
+
+    gpu, cpu = Kernels("cudnn", gpu=True), Kernels("reference")
+    assert gpu.loops_sync_host and not cpu.loops_sync_host and gpu.reference
+    # One cache walk in the scanned layer body vs one walk per block of rows.
+    assert str(jax.make_jaxpr(step(gpu))()).count("while[") == 1
+    assert str(jax.make_jaxpr(step(cpu))()).count("while[") == rows // ROW_BLOCK
+    np.testing.assert_allclose(jax.jit(step(gpu))(), jax.jit(step(cpu))(), atol=2e-5, rtol=2e-5)
+
+
 def test_pallas_paths_lower_for_tpu(reference) -> None:
     """``kernels = "pallas"`` (what "auto" picks on TPU): the train step's loss + grads and a decode
     step lower for TPU with each kernel a Mosaic call (``jax.export``; no TPU needed, nothing runs)."""
