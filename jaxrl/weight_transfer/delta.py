@@ -73,6 +73,70 @@ def changed_blocks(old: np.ndarray, new: np.ndarray, block_bytes: int) -> np.nda
     return out
 
 
+def diff(old: np.ndarray, new: np.ndarray, block_bytes: int) -> tuple[Changed, np.ndarray]:
+    """A region's delta from ``old`` to ``new`` (same shape and dtype): which blocks changed and
+    their bytes in ``new`` (``gather_blocks``'s payload), as a publisher serves it.
+
+    Blocks of 1, 2 or 4 bytes (an element of the serving dtype) are found a word at a time
+    (``_sparse_diff``) while few change; otherwise, and for larger blocks, a bitmap pass then a
+    gather."""
+    if old.shape != new.shape or old.dtype != new.dtype:
+        raise ValueError(f"diff: {old.dtype}{list(old.shape)} vs {new.dtype}{list(new.shape)}")
+    a, b = _flat_bytes(old), _flat_bytes(new)
+    blocks = num_blocks(a.size, block_bytes)
+    if block_bytes in (1, 2, 4) and a.size % block_bytes == 0 and (sparse := _sparse_diff(a, b, block_bytes)):
+        return sparse
+    changed = Changed.of(changed_blocks(old, new, block_bytes), blocks)
+    return changed, gather_blocks(b, changed, block_bytes)
+
+
+def _sparse_diff(a: np.ndarray, b: np.ndarray, block_bytes: int) -> tuple[Changed, np.ndarray] | None:
+    """``diff`` of small blocks by their indices, or None as soon as more change than an index
+    list describes in fewer bytes than a bitmap (1/32 of the blocks).
+
+    Two levels, a window at a time: which 8-byte words differ (one compare and one nonzero pass
+    over a quarter as many bools as elements, for bfloat16), then which blocks within those
+    words. At an RL learning rate 3-10% of bfloat16 words hold a changed element, so the second
+    level reads a tenth of the data; the values come from the words already gathered. Measured
+    (300M bfloat16 elements, 2.8% changed, in 3M-element shards): 0.27 s for the bitmap pass +
+    indices + gather, 0.18 s here."""
+    unit = _word(block_bytes)
+    lanes, blocks = 8 // block_bytes, a.size // block_bytes
+    if blocks > np.iinfo(INDEX).max:
+        return None
+
+    def bitmap_shorter(count: int) -> bool:  # Changed.of's choice
+        return count * INDEX.itemsize + _COUNT.itemsize >= packed_size(blocks)
+
+    words = a.size // 8
+    wa, wb = a[: words * 8].view(np.uint64), b[: words * 8].view(np.uint64)
+    indices, values, count = [], [], 0
+    step = WINDOW_BLOCKS // lanes
+    for lo in range(0, words, step):
+        hi = min(lo + step, words)
+        hit = np.flatnonzero(wa[lo:hi] != wb[lo:hi])
+        if not hit.size:
+            continue
+        fresh = wb[lo:hi].take(hit)
+        lane = np.flatnonzero((fresh ^ wa[lo:hi].take(hit)).view(unit))  # nonzero lanes: the changed blocks
+        count += lane.size
+        if bitmap_shorter(count):
+            return None
+        indices.append(((hit[lane // lanes] + lo) * lanes + lane % lanes).astype(INDEX))
+        values.append(fresh.view(unit)[lane])
+    first = words * lanes  # blocks past the last whole word
+    if first < blocks:
+        tail = np.flatnonzero(a[words * 8 :].view(unit) != b[words * 8 :].view(unit))
+        count += tail.size
+        if bitmap_shorter(count):
+            return None
+        indices.append((tail + first).astype(INDEX))
+        values.append(b[words * 8 :].view(unit)[tail])
+    changed = Changed(blocks, indices=np.concatenate(indices) if indices else np.zeros(0, INDEX))
+    payload = np.concatenate(values).view(np.uint8) if values else np.zeros(0, np.uint8)
+    return changed, payload
+
+
 def count_changed(packed: np.ndarray) -> int:
     """How many blocks a packed bitmap marks."""
     return int(np.bitwise_count(packed).sum(dtype=np.int64))
@@ -194,9 +258,9 @@ def gather_blocks(flat: np.ndarray, changed: Changed, block_bytes: int) -> np.nd
 def scatter_blocks(dst: np.ndarray, changed: Changed, block_bytes: int, payload: np.ndarray) -> None:
     """Write ``gather_blocks``'s ``payload`` back over the changed blocks of ``dst``'s row-major
     bytes. ``dst`` may be a strided view (a trainer shard's region inside a server's buffer) when
-    a block is one element: the changed elements are written through it by their N-d indices, so
-    the region is never copied out and back (two strided copies of the whole region, most of a
-    delta pull's time before: Qwen3-0.6B from two fsdp trainer processes)."""
+    a block is one element: the changed elements are written through it by their memory offsets
+    (``_runs``), so the region is never copied out and back (two strided copies of the
+    whole region, most of a delta pull's time before: Qwen3-0.6B from two fsdp trainer processes)."""
     if dst.flags.c_contiguous:
         _scatter_flat(dst.reshape(-1).view(np.uint8), changed, block_bytes, payload)
         return
@@ -204,32 +268,51 @@ def scatter_blocks(dst: np.ndarray, changed: Changed, block_bytes: int, payload:
         raise ValueError(f"scatter_blocks: a strided destination takes blocks of one element ({dst.itemsize} bytes), not {block_bytes}")
     bits, at = as_bits(dst), 0
     values = payload.view(bits.dtype)
-    span, skip = _row_span(bits)
+    runs = _runs(bits)
     for rows in changed.windows():
         part = values[at : at + rows.size]
-        if span is not None:  # element i of the region sits i + (i // cols) * gap elements from its start
-            span[rows + rows // bits.shape[-1] * skip] = part
+        if runs is not None:
+            span, starts, inner = runs
+            span[_offsets(rows, starts, inner)] = part
         else:
             bits[np.unravel_index(rows, bits.shape)] = part
         at += rows.size
 
 
-def _row_span(x: np.ndarray) -> tuple[np.ndarray | None, int]:
-    """For a view whose elements are rows of contiguous elements at a fixed stride (a trainer
-    shard's columns of a server buffer): a 1-D view of the memory from its first element to its
-    last, and the elements skipped between rows. Indexing it with one offset per element is 3x
-    faster than ``np.unravel_index`` and N-d indexing (2.2M elements: 0.075 -> 0.024 s).
-    ``(None, 0)`` for any other view (its leading axes do not merge into one row axis)."""
+def _runs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """A strided view as runs of contiguous memory (a trainer shard's region of a server buffer:
+    e.g. stacked layers [L, rows, cols] split on rows make L runs of rows x cols): a 1-D view of
+    the memory from its first element to its last, each run's start in it (elements) and the
+    run length. Writing the changed elements through the span by offset is ~3x faster than
+    ``np.unravel_index`` and N-d indexing. None unless the last axis is contiguous."""
     item = x.itemsize
-    if x.ndim == 0 or x.size == 0 or x.strides[-1] != item:
-        return None, 0
-    lead = [(n, st) for n, st in zip(x.shape[:-1], x.strides[:-1]) if n > 1]  # axes of length 1 do not move
-    stride = lead[-1][1] if lead else x.shape[-1] * item
-    if stride % item or any(st != lead[k + 1][1] * lead[k + 1][0] for k, (_, st) in enumerate(lead[:-1])):
-        return None, 0
-    rows = x.size // x.shape[-1]
-    length = (rows - 1) * (stride // item) + x.shape[-1]
-    return np.lib.stride_tricks.as_strided(x, shape=(length,), strides=(item,)), stride // item - x.shape[-1]
+    if x.ndim == 0 or x.size == 0 or x.strides[-1] != item or any(st % item or st < 0 for st in x.strides):
+        return None
+    shape, strides = list(x.shape), [st // item for st in x.strides]
+    inner = shape.pop()
+    strides.pop()
+    while shape and strides[-1] == inner:  # the axis's steps are whole runs: merge it into the run
+        inner *= shape.pop()
+        strides.pop()
+    starts = np.zeros(1, np.int64)
+    for n, st in zip(shape, strides):  # row-major: the last outer axis varies fastest
+        starts = (starts[:, None] + np.arange(n, dtype=np.int64)[None, :] * st).reshape(-1)
+    length = int(starts[-1]) + inner
+    return np.lib.stride_tricks.as_strided(x, shape=(length,), strides=(item,)), starts, inner
+
+
+def _offsets(rows: np.ndarray, starts: np.ndarray, inner: int) -> np.ndarray:
+    """Span offsets of the region's elements ``rows`` (ascending): each one's run start plus its
+    place in the run. With fewer runs than elements, each run's shift is repeated over its
+    elements (found by ``searchsorted``), two passes instead of a division and a remainder per
+    element (Qwen3-0.6B's delta pull: the scatter 2x faster)."""
+    if starts.size == 1:
+        return rows + starts[0]
+    if starts.size > rows.size:
+        return starts.take(rows // inner) + rows % inner
+    shift = starts - np.arange(starts.size, dtype=np.int64) * inner
+    bounds = np.searchsorted(rows, np.arange(starts.size + 1, dtype=np.int64) * inner)
+    return rows + np.repeat(shift, np.diff(bounds))
 
 
 def _scatter_flat(flat: np.ndarray, changed: Changed, block_bytes: int, payload: np.ndarray) -> None:

@@ -7,7 +7,7 @@ default, so servers still pulling version n can finish while n + 1 is published)
 any other version fail with ``VersionUnavailable`` naming the versions held.
 
 With ``delta=True`` each publish also compares the new version's host copies with the previous
-version's, block by block (``delta.changed_blocks``; a block is one element of the serving dtype
+version's, block by block (``delta.diff``; a block is one element of the serving dtype
 unless ``block_bytes`` says otherwise), and the fragment names that version as its
 base (``Manifest.base_version``) unless ``full=True``: servers holding the base then pull only the
 changed blocks (``delta_of``). Each shard's delta (which blocks changed: ``delta.Changed``, and
@@ -45,10 +45,10 @@ import numpy as np
 from jaxrl.weight_transfer.base import Transport, TransportServer, VersionUnavailable, WeightTransferError
 from jaxrl.weight_transfer.bits import contiguous, copy_into
 from jaxrl.weight_transfer.delta import (
-    all_changed,
-    changed_blocks,
     Changed,
+    all_changed,
     delta_payload_bytes,
+    diff,
     gather_blocks,
     num_blocks,
 )
@@ -180,7 +180,9 @@ class Publisher:
         full = full or changed is None or self._since_full + 1 >= self.full_every
         self._since_full = 0 if full else self._since_full + 1
         changes = self._count(base, shards, changed) if changed is not None and base is not None else None
-        deltas = self._gather(shards, changed) if changed is not None and not full else None
+        deltas = None
+        if changed is not None and not full:
+            deltas = {p: {b: _delta_parts(*made) for b, made in boxes.items()} for p, boxes in changed.items()}
         with self._lock:
             self._versions[version] = shards
             if changes is not None:
@@ -232,25 +234,28 @@ class Publisher:
 
     def _compare(
         self, previous: dict[str, dict[Box, np.ndarray]], shards: dict[str, dict[Box, np.ndarray]]
-    ) -> dict[str, dict[Box, Changed]]:
-        """Each shard's changed blocks against ``previous`` (all blocks of a new param or box)."""
-        out: dict[str, dict[Box, Changed]] = {}
+    ) -> dict[str, dict[Box, tuple[Changed, np.ndarray]]]:
+        """Each shard's delta against ``previous`` (``delta.diff``: its changed blocks and their
+        bytes; every block of a new param or box)."""
+        out: dict[str, dict[Box, tuple[Changed, np.ndarray]]] = {}
         for path, boxes in shards.items():
             out[path] = {}
             for box, new in boxes.items():
                 old = previous.get(path, {}).get(box)
-                blocks = num_blocks(new.nbytes, self.block_bytes)
                 if old is None or old.shape != new.shape or old.dtype != new.dtype:
-                    out[path][box] = Changed(blocks, packed=all_changed(blocks))
+                    changed = Changed(blocks := num_blocks(new.nbytes, self.block_bytes), packed=all_changed(blocks))
+                    out[path][box] = (changed, gather_blocks(_flat_bytes(new), changed, self.block_bytes))
                 else:
-                    out[path][box] = Changed.of(changed_blocks(old, new, self.block_bytes), blocks)
+                    out[path][box] = diff(old, new, self.block_bytes)
         return out
 
-    def _count(self, base: int, shards: dict[str, dict[Box, np.ndarray]], changed: dict[str, dict[Box, Changed]]) -> Changes:
+    def _count(
+        self, base: int, shards: dict[str, dict[Box, np.ndarray]], changed: dict[str, dict[Box, tuple[Changed, np.ndarray]]]
+    ) -> Changes:
         total = changed_bytes = blocks = changed_n = 0
         for path, boxes in shards.items():
             for box, array in boxes.items():
-                c = changed[path][box]
+                c, _ = changed[path][box]
                 total += array.nbytes
                 blocks += c.blocks
                 changed_n += c.count
@@ -278,16 +283,7 @@ class Publisher:
                 return cached
         new, old = self.shard(version, param, shard), self.shard(base, param, shard)
         where = local_slices(region, shard)
-        blocks = num_blocks(new[where].nbytes, block_bytes)
-        return _delta_parts(new[where], Changed.of(changed_blocks(old[where], new[where], block_bytes), blocks), block_bytes)
-
-    def _gather(
-        self, shards: dict[str, dict[Box, np.ndarray]], changed: dict[str, dict[Box, Changed]]
-    ) -> dict[str, dict[Box, list[np.ndarray]]]:
-        return {
-            p: {b: _delta_parts(shards[p][b], c, self.block_bytes) for b, c in boxes.items()}
-            for p, boxes in changed.items()
-        }
+        return _delta_parts(*diff(old[where], new[where], block_bytes))
 
     def _host_shards(self, x: jax.Array, is_param: bool) -> dict[Box, np.ndarray]:
         """The distinct shards of ``x`` (a served leaf; ``is_param``: the trainer's own array,
@@ -340,9 +336,9 @@ class Publisher:
         self.stop()
 
 
-def _delta_parts(new: np.ndarray, changed: Changed, block_bytes: int) -> list[np.ndarray]:
-    """A region's delta as it goes on the wire: which blocks changed, then their bytes in ``new``."""
-    return [*changed.encode(), gather_blocks(_flat_bytes(new), changed, block_bytes)]
+def _delta_parts(changed: Changed, payload: np.ndarray) -> list[np.ndarray]:
+    """A region's delta as it goes on the wire: which blocks changed, then their bytes."""
+    return [*changed.encode(), payload]
 
 
 def _flat_bytes(x: np.ndarray) -> np.ndarray:

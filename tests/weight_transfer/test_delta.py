@@ -17,7 +17,15 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxrl.models.sharding import shard_params
 from jaxrl.parallel.mesh import MeshConfig, make_mesh
 from jaxrl.weight_transfer import Publisher, applies_as_delta, pull_weights
-from jaxrl.weight_transfer.delta import Changed, changed_blocks, delta_payload_bytes, gather_blocks, scatter_blocks
+from jaxrl.weight_transfer.delta import (
+    Changed,
+    _runs,
+    changed_blocks,
+    delta_payload_bytes,
+    diff,
+    gather_blocks,
+    scatter_blocks,
+)
 from jaxrl.weight_transfer.manifest import Manifest, param_leaves
 
 BLOCK = 64  # bytes: the tiny model's weights span many blocks
@@ -110,6 +118,21 @@ def test_a_delta_of_elements_is_written_through_a_strided_region() -> None:
     changed = Changed.of(changed_blocks(view, want, 2), view.size)
     scatter_blocks(view, changed, 2, gather_blocks(want.reshape(-1).view(np.uint8), changed, 2))
     assert np.array_equal(cube[:, 1:3, ::2], want)
+    # Stacked layers with the fsdp split on the middle axis (12 runs of 4 elements), or whole rows
+    # of it (3 runs of 4 x 6: the split axis merges into the run): written through the memory
+    # span by run offsets, few or many changed elements per run, the rest untouched.
+    for cut, runs, changes in ((np.s_[:, 2:6, 1:5], 12, 9), (np.s_[:, 2:6, :], 3, 9), (np.s_[:, 2:6, :], 3, 40)):
+        stack = rng.integers(0, 1 << 16, (3, 8, 6), dtype=np.uint16)
+        before = stack.copy()
+        view, want = stack[cut], stack[cut].copy()
+        assert _runs(view) is not None and _runs(view)[1].size == runs
+        want.reshape(-1)[rng.choice(want.size, changes, replace=False)] ^= 1
+        changed = Changed.of(changed_blocks(view, want, 2), view.size)
+        scatter_blocks(view, changed, 2, gather_blocks(want.reshape(-1).view(np.uint8), changed, 2))
+        assert np.array_equal(stack[cut], want)
+        outside = np.ones(stack.shape, bool)
+        outside[cut] = False
+        assert np.array_equal(stack[outside], before[outside])
     with pytest.raises(ValueError, match="strided destination takes blocks of one element"):
         scatter_blocks(region, Changed.of(changed_blocks(region, new, 4), 15), 4, payload)
 
@@ -282,3 +305,27 @@ def test_a_delta_names_its_blocks_by_bitmap_or_indices_whichever_is_shorter_and_
             Changed.decode(read_from(parts), blocks)
     with pytest.raises(ValueError, match="unknown delta kind 7"):
         Changed.decode(read_from([np.array([7], np.uint8)]), blocks)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
+@pytest.mark.parametrize("fraction", [0.0, 0.002, 0.02, 0.5])
+def test_diff_describes_the_same_blocks_and_bytes_as_the_bitmap_pass(dtype, fraction: float) -> None:
+    """``diff`` of element blocks (found a word at a time while few change) against the bitmap
+    pass + gather: the same changed blocks and payload, a region whose length is not a whole
+    number of 8-byte words included; indices while they are the shorter description, a bitmap
+    beyond (0.5 changed)."""
+    rng = np.random.default_rng(int(fraction * 1000) + np.dtype(dtype).itemsize)
+    old = rng.integers(0, np.iinfo(dtype).max, (37, 301), dtype=dtype)  # 11137 elements: a ragged last word
+    new = old.copy()
+    hit = rng.choice(new.size, round(fraction * new.size), replace=False)
+    new.reshape(-1)[hit] ^= 1
+    new.reshape(-1)[-1] ^= 2  # the tail past the last whole word changes too
+    k = np.dtype(dtype).itemsize
+    changed, payload = diff(old, new, k)
+    want = Changed.of(changed_blocks(old, new, k), old.size)
+    assert list(changed.windows().__next__()) == list(want.windows().__next__())
+    assert (changed.indices is None) == (want.indices is None) == (fraction == 0.5)
+    assert np.array_equal(payload, gather_blocks(new.reshape(-1).view(np.uint8), want, k))
+    back = old.copy()
+    scatter_blocks(back, changed, k, payload)
+    assert np.array_equal(back, new)
