@@ -191,14 +191,15 @@ class ExternalConfig(BaseModel):
     (``jaxrl.weight_transfer.delta``); a server that missed a version or restarted pulls the
     version whole. It costs no trainer memory (the publisher holds the previous version anyway),
     one compare pass over this process's host copy per step on the trainer, and a copy of the
-    base on each server. Measured (bench/weight_delivery.py, ``changed_fraction``): an AdamW step
+    base on each server (on a GPU or TPU server, a read of the base back from the device:
+    docs/benchmarks.md). Measured (bench/weight_delivery.py, ``changed_fraction``): an AdamW step
     at an LLM RL learning rate (1e-6 .. 3e-6) changes 2.7-10% of the bfloat16 elements, so a
     delta is ~9-16% of the bytes; at the reverse_text recipes' lr 5e-4 ~96% change and a delta
-    saves nothing, hence off by default. Fewer bytes cost CPU: the changed elements are gathered
-    and scattered by numpy on one core, so on this 2-core host's loopback a Qwen3-0.6B delta step
-    (2.8% of elements) took 6.7 s where a full direct pull took 5.8 s (bench/weight_delivery.py,
-    2026-11-29): turn it on where the link between trainer and servers, not the hosts' CPU, is
-    the bottleneck. Each step logs ``weights/changed_fraction``."""
+    saves nothing, hence off by default. Fewer bytes cost CPU (numpy's compare, index and
+    scatter passes), so on this 2-core host's loopback a Qwen3-0.6B delta step (2.8% of
+    elements) took 0.75 s where a full direct pull took 0.72 s and the files path 4.54 s
+    (bench/weight_delivery.py, 2026-11-30): turn it on where the link between trainer and
+    servers, not the hosts' CPU, is the bottleneck. Each step logs ``weights/changed_fraction``."""
 
     weight_transfer_full_every: int = Field(10, ge=1, le=100_000)
     """With ``weight_transfer_delta``: every this many versions one is published whole (1: every
