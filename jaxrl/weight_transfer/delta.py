@@ -118,7 +118,8 @@ def _sparse_diff(a: np.ndarray, b: np.ndarray, block_bytes: int) -> tuple[Change
         if not hit.size:
             continue
         fresh = wb[lo:hi].take(hit)
-        lane = np.flatnonzero((fresh ^ wa[lo:hi].take(hit)).view(unit))  # nonzero lanes: the changed blocks
+        # The changed blocks: nonzero lanes (as bools first: numpy's nonzero is ~4x faster over bools).
+        lane = np.flatnonzero((fresh ^ wa[lo:hi].take(hit)).view(unit) != 0)
         count += lane.size
         if bitmap_shorter(count):
             return None
@@ -311,7 +312,8 @@ def _offsets(rows: np.ndarray, starts: np.ndarray, inner: int) -> np.ndarray:
     if starts.size > rows.size:
         return starts.take(rows // inner) + rows % inner
     shift = starts - np.arange(starts.size, dtype=np.int64) * inner
-    bounds = np.searchsorted(rows, np.arange(starts.size + 1, dtype=np.int64) * inner)
+    # Run boundaries in the rows' own dtype: an int64 needle made numpy convert all of ``rows``.
+    bounds = np.searchsorted(rows, (np.arange(starts.size + 1, dtype=np.int64) * inner).astype(rows.dtype))
     return rows + np.repeat(shift, np.diff(bounds))
 
 
