@@ -26,6 +26,12 @@ follows each publish.
 
 The pool keeps only what the last pull used: ``settle()`` (called at a pull's end) drops free
 blocks it did not hand out, so a layout change or a one-off large pull does not pin memory.
+
+A block can carry a tag naming what it holds (``tag``: the puller's (lineage, version, param,
+chunk)), which ``take`` finds again once the block is free: a TPU / GPU server's delta pull then
+starts from the staging buffer its base was pulled into instead of reading the base back from
+the device (``puller``). Handing a block out (``empty``, ``take``) clears its tag: whoever
+writes it tags it again.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from __future__ import annotations
 import gc
 import sys
 import threading
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
@@ -60,18 +67,18 @@ class HostBufferPool:
         self._blocks: list[np.ndarray] = []  # raw uint8 blocks, each ALIGN bytes over its size
         self._used: set[int] = set()  # id() of the blocks handed out since the last settle()
         self._flushed = False  # whether this pull ran gc.collect(0) yet (module docstring)
+        self._tags: dict[int, Hashable] = {}  # id() of a block -> what it holds (``tag``)
         self._lock = threading.Lock()
         self.reused_bytes = 0  # bytes handed out from reused blocks (for tests and benches)
         self.fresh_bytes = 0  # bytes handed out from new blocks
+        self.taken_bytes = 0  # bytes handed out by ``take``: tagged contents reused
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         """An aligned, uninitialised ``shape`` x ``dtype`` buffer: a free block of the pool when
         one fits (the smallest at least as large, and at most twice as large), else a new one."""
         n = _nbytes(shape, dtype)
         with self._lock:
-            if not self._flushed:
-                gc.collect(0)
-                self._flushed = True
+            self._flush()
             best = None
             for i in range(len(self._blocks)):
                 size = self._blocks[i].size - ALIGN
@@ -88,7 +95,41 @@ class HostBufferPool:
                 block = self._blocks[best]
                 self.reused_bytes += n
             self._used.add(id(block))
+            self._tags.pop(id(block), None)
             return _view(block, shape, dtype)
+
+    def take(self, key: Hashable, shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
+        """The free block tagged ``key`` as a ``shape`` x ``dtype`` buffer, its bytes as they
+        were tagged; None when no such block is free (still served, dropped, or never tagged)."""
+        n = _nbytes(shape, dtype)
+        with self._lock:
+            self._flush()
+            for block in self._blocks:
+                if self._tags.get(id(block)) != key or id(block) in self._used:
+                    continue
+                if block.size - ALIGN < n or sys.getrefcount(block) != _OWNED_REFS + 1:  # + the loop's
+                    return None
+                self._used.add(id(block))
+                del self._tags[id(block)]
+                self.reused_bytes += n
+                self.taken_bytes += n
+                return _view(block, shape, dtype)
+            return None
+
+    def tag(self, buffer: np.ndarray, key: Hashable) -> None:
+        """Say that the block under ``buffer`` (from ``empty`` or ``take``) now holds ``key``;
+        no-op for a buffer not from this pool."""
+        at = buffer.ctypes.data
+        with self._lock:
+            for block in self._blocks:
+                if block.ctypes.data <= at < block.ctypes.data + block.size:
+                    self._tags[id(block)] = key
+                    return
+
+    def _flush(self) -> None:
+        if not self._flushed:
+            gc.collect(0)
+            self._flushed = True
 
     def settle(self) -> None:
         """A pull ended: drop the free blocks it did not use; what it used stays for the next."""
@@ -96,6 +137,8 @@ class HostBufferPool:
             self._blocks = [
                 b for b in self._blocks if id(b) in self._used or sys.getrefcount(b) > _OWNED_REFS + 1
             ]
+            kept = {id(b) for b in self._blocks}
+            self._tags = {k: v for k, v in self._tags.items() if k in kept}
             self._used.clear()
             self._flushed = False
 

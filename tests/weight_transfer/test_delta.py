@@ -166,6 +166,42 @@ def test_a_sequence_of_full_and_delta_pulls_is_bitwise_the_latest_version(state:
         assert kinds == ["full", "delta", "delta", "full", "delta", "delta", "full"]  # full_every = 3
 
 
+@pytest.mark.parametrize("target", [one_device, tensor_parallel], ids=["one-device", "tensor-parallel"])
+@pytest.mark.parametrize("staging", [False, True], ids=["serves-its-buffers", "staging-buffers"])
+def test_delta_pulls_through_a_pool_start_from_the_buffer_that_holds_the_base(
+    state: nnx.State, target, staging: bool
+) -> None:
+    """A server with a host buffer pool (as the engine's runner keeps one), swapping each version
+    in. Where its device arrays are not its host buffers (a TPU / GPU server: the host buffers
+    are staging copies; here the served arrays are copied off them), each delta pull starts from
+    the free buffer its base was pulled into, not from a read of the base back from the device;
+    a CPU server serves from those buffers, so it copies its base. Every version is bitwise the
+    trainer's either way, a full version (``full_every``) in the chain included."""
+    from jaxrl.weight_transfer import HostBufferPool
+
+    versions = [state]
+    for v in range(2, 8):
+        versions.append(step(versions[-1], v))
+    pool, size = HostBufferPool(), sum(x.size * 2 for x in jax.tree.leaves(state))
+    taken = []
+    with Publisher(delta=True, full_every=4, block_bytes=None) as pub:
+        served, have = None, None
+        for v, params in enumerate(versions, start=1):
+            manifest = pub.publish(v, params)
+            new = pull_weights(manifest, target(state), timeout_s=20, previous=served, have_version=have,
+                               have_lineage=pub.lineage, buffers=pool)  # fmt: skip
+            if staging:  # device memory of its own: the pulled host buffers are free again
+                new = jax.tree.map(lambda x: jnp.array(x, copy=True), new)
+            assert same_bits(new, params), f"version {v}"
+            served, have = new, v  # the swap: the version before is let go
+            taken.append(pool.taken_bytes)
+    gained = np.diff([0, *taken])  # per pull: full, delta, delta, delta, full, delta, delta
+    if staging:
+        assert [g >= size for g in gained] == [False, True, True, True, False, True, True], gained
+    else:
+        assert not gained.any(), gained
+
+
 def test_a_delta_is_written_over_exactly_the_base_it_is_given(state: nnx.State) -> None:
     """Only changed blocks travel: a block the server corrupted in its base stays corrupted after
     a delta (the delta was applied over it), and is mended by the next full pull."""
