@@ -20,13 +20,14 @@ import argparse
 import json
 import os
 import pickle
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from jaxrl.ports import free_port
 
 
 def _plan(batch: int):
@@ -170,9 +171,7 @@ def main() -> None:
         from jaxrl.models.tokenizer import build_tokenizer
 
         build_tokenizer(Path(f"{model}-tok"))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         def run(pid: int, nproc: int) -> subprocess.Popen:
             env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // nproc}")
             args = [sys.executable, __file__, "--batch", str(a.batch), "--calls", str(a.calls),

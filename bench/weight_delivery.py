@@ -66,6 +66,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jaxrl.ports import free_port
+
 SHAPES = {"qwen3-0.6b": ("Qwen3-0.6B", None), "qwen3-8b": ("Qwen3-8B", "layers_8b")}
 
 
@@ -182,8 +184,7 @@ class Procs:
     def __init__(self, name: str, layers: int | None, trainers: int, servers: int):
         script = str(Path(__file__).with_name("weight_direct.py"))
         common = ["--model", name] + ([] if layers is None else ["--layers", str(layers)])
-        with socket_port() as port:
-            coordinator = f"127.0.0.1:{port}"
+        coordinator = f"127.0.0.1:{free_port()}"
 
         def spawn(args: list[str], devices: int) -> subprocess.Popen:
             env = os.environ | {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
@@ -240,19 +241,6 @@ class Procs:
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
-
-
-def socket_port() -> Any:
-    import contextlib
-    import socket
-
-    @contextlib.contextmanager
-    def port() -> Any:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            yield s.getsockname()[1]
-
-    return port()
 
 
 def measure_direct(label: str, name: str, layers: int | None, full_layers: int, fractions: list[tuple[str, float]],

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,18 +16,13 @@ import httpx
 import pytest
 import tomli_w
 from xla_flags import cpu_devices
+from jaxrl.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 # One set of engine sizes for servers and runs: every shape is compiled at server start.
 SIZES = {"max_model_len": 256, "max_seqs": 8}  # [inference]: what every backend reads
 ENGINE = {"prefill_len_buckets": [128, 256], "prefill_batch_buckets": [4], "decode_batch_buckets": [8]}
 """[inference.backend] of the embedded engine (the servers'; the runs' external backend has none)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env_with_devices(devices: int) -> dict[str, str]:

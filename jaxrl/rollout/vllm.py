@@ -26,7 +26,6 @@ import atexit
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Mapping
@@ -39,18 +38,13 @@ from flax import nnx
 from transformers import AutoTokenizer
 
 from jaxrl.endpoint import ModelEndpoint
+from jaxrl.ports import free_port
 from jaxrl.models.decoder import Decoder
 from jaxrl.rollout.config import InferenceConfig, VLLMConfig
 from jaxrl.rollout.proxy import ProxyServer
 from jaxrl.rollout.weight_files import WeightFiles, reload_vllm_weights
 
 LOG_TAIL_CHARS = 4000
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def log_tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import orbax.checkpoint as ocp
 import pytest
 from safetensors.numpy import load_file
 from xla_flags import cpu_devices
+from jaxrl.ports import free_port
 
 STEPS = 3
 TOML = f"""
@@ -71,12 +71,6 @@ def assert_close_up_to_reduction_order(got: np.ndarray, want: np.ndarray, name: 
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=name)
     off = ~np.isclose(got, want, rtol=1e-5, atol=1e-5)
     assert off.mean() <= 1e-3, f"{name}: {off.sum()} of {off.size} elements differ by more than 1e-5"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(args: list[str], devices: int, log: Path) -> subprocess.Popen:

@@ -27,16 +27,11 @@ from xla_flags import cpu_devices
 from jaxrl.engine import weights
 from jaxrl.weight_transfer import Manifest, PullError, merge_manifests, pull_weights
 from jaxrl.weight_transfer.manifest import param_leaves
+from jaxrl.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 PROCESSES = 2
 START_S = 90  # a safety net: two processes start in ~10 s on a loaded 2-core host
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Trainers:
