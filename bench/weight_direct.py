@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import socket
 import statistics
 import sys
@@ -173,7 +174,17 @@ def changed_fraction(steps: int, block_sizes: tuple[int, ...], lr: float) -> lis
 # -- the trainer and server processes ------------------------------------------------------------
 
 
+def replies_alone_on_stdout() -> None:
+    """Keep stdout for this process's JSON replies: fd 1, where C++ code prints (gloo announces
+    its connections from its own threads), goes to stderr. Sharing the stream, such a line once
+    cut into a reply, which the driver then skipped, waiting for it forever."""
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    sys.stdout = replies
+
+
 def trainer(args: argparse.Namespace) -> None:
+    replies_alone_on_stdout()
     import jax
     import ml_dtypes
 

@@ -43,3 +43,23 @@ def _release_compiled_programs():
     if "jax" in sys.modules:
         sys.modules["jax"].clear_caches()
     gc.collect()
+
+
+@pytest.fixture(scope="module")
+def one_process_tree_at_a_time(tmp_path_factory: pytest.TempPathFactory):
+    """Modules that start process trees of their own (env servers, trainer processes, rollout
+    servers: 2.3-2.9 GB each with their xdist worker) run one at a time across the workers: two
+    of them side by side took the fast tier's sampled peak to 6.1 GB of its 6 GB budget in a CI
+    rehearsal (2026-11-30), where the rest of the suite peaks under 5. A module takes an
+    exclusive lock on a file the workers share for as long as it runs; a worker given another
+    such module meanwhile waits for it. ``fcntl.flock``: the lock goes with the process if it
+    dies."""
+    import fcntl
+
+    shared = tmp_path_factory.getbasetemp().parent  # one folder above each xdist worker's own
+    with open(shared / "process-trees.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -17,6 +17,9 @@ from jaxrl.orchestrator.batch import BatchFailed, collect_batch
 from jaxrl.orchestrator.config import OrchestratorConfig
 from jaxrl.orchestrator.orchestrator import Orchestrator
 
+# Starts process trees of its own: one such module at a time (conftest).
+pytestmark = pytest.mark.usefixtures("one_process_tree_at_a_time")
+
 
 class FlakyPolicy:
     """The first ``fail`` calls raise (a provider error); then, per prompt, every other reply is

@@ -10,6 +10,9 @@ from jaxrl.orchestrator.batch import build_batch
 from jaxrl.orchestrator.config import OrchestratorConfig
 from jaxrl.orchestrator.orchestrator import Orchestrator, rollout_seeds
 
+# Starts process trees of its own: one such module at a time (conftest).
+pytestmark = pytest.mark.usefixtures("one_process_tree_at_a_time")
+
 
 @pytest.mark.slow  # an env server per test: the slow tier
 def test_resample_while_the_producer_waits_ahead_does_not_deadlock(endpoint, output_dir) -> None:

@@ -34,6 +34,9 @@ from jaxrl.rollout.config import InferenceConfig
 from jaxrl.rollout.external import ExternalBackend
 from jaxrl.weight_transfer import Publisher, manifest_for
 
+# Starts process trees of its own: one such module at a time (conftest).
+pytestmark = pytest.mark.usefixtures("one_process_tree_at_a_time")
+
 # Small engine shapes: the server compiles every program at start.
 SIZES = {"max_model_len": 128, "max_seqs": 4, "max_batched_tokens": 64}
 ENGINE = {"decode_steps": 3, "decode_batch_buckets": [4], "prefill_len_buckets": [32], "prefill_batch_buckets": [2]}

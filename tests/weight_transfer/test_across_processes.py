@@ -29,6 +29,9 @@ from jaxrl.weight_transfer import Manifest, PullError, merge_manifests, pull_wei
 from jaxrl.weight_transfer.manifest import param_leaves
 from jaxrl.ports import free_port
 
+# Starts process trees of its own: one such module at a time (conftest).
+pytestmark = pytest.mark.usefixtures("one_process_tree_at_a_time")
+
 HERE = Path(__file__).resolve().parent
 PROCESSES = 2
 START_S = 90  # a safety net: two processes start in ~10 s on a loaded 2-core host
@@ -68,9 +71,7 @@ class Trainers:
             self._expect(p, "READY")
 
     def _expect(self, proc: subprocess.Popen, prefix: str) -> str:
-        line = proc.stdout.readline()
-        while line.startswith("[Gloo]"):  # gloo's collectives announce themselves on stdout
-            line = proc.stdout.readline()
+        line = proc.stdout.readline()  # the replies alone: the process's C++ prints go to its log
         if not line.startswith(prefix):
             self.kill()
             logs = "\n".join((self.out / f"p{i}.log").read_text()[-2000:] for i in range(PROCESSES))

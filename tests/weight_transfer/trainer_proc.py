@@ -9,13 +9,16 @@ all their devices, with a ``Publisher`` per transport. Driven over stdin, one co
                 to OUT/ref_V.npz (the reference)
     quit        stop the publishers and exit
 
-Prints "READY" once its publishers listen.
+Prints "READY" once its publishers listen. The replies have stdout to themselves: the C++
+libraries' own prints (gloo announces its connections from its threads) go to stderr, the log;
+sharing the stream, one such line once cut into "READY" and the test read neither.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -51,6 +54,9 @@ def main() -> None:
     ap.add_argument("--coordinator")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # fd 1, where C++ code prints, is the log now
+    sys.stdout = replies
     if args.num_processes > 1:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1))  # fsdp over every process's devices
