@@ -89,12 +89,12 @@ def build_model(name: str, layers: int | None) -> tuple[Any, dict[str, Any]]:
 
     from jaxrl.models.arch import arch_from_hf_config
     from jaxrl.models.decoder import Decoder
-    from jaxrl.models.presets import preset_hf_config
+    from jaxrl.models.presets import preset_hf_config, with_layers
 
     hf = preset_hf_config(name)
     assert hf is not None
     if layers is not None:
-        hf = {**hf, "num_hidden_layers": layers}
+        hf = with_layers(hf, layers)
     arch = arch_from_hf_config(hf)
     model = Decoder(arch, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
     return model, hf

@@ -47,13 +47,13 @@ def abstract_params(name: str, layers: int | None) -> list[tuple[str, Any]]:
 
     from jaxrl.models.arch import arch_from_hf_config
     from jaxrl.models.decoder import Decoder
-    from jaxrl.models.presets import preset_hf_config
+    from jaxrl.models.presets import preset_hf_config, with_layers
     from jaxrl.weight_transfer.manifest import param_leaves
 
     hf = preset_hf_config(name)
     assert hf is not None
     if layers is not None:
-        hf = {**hf, "num_hidden_layers": layers}
+        hf = with_layers(hf, layers)
     arch = arch_from_hf_config(hf)
     model = nnx.eval_shape(lambda: Decoder(arch, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16, dtype=jnp.bfloat16))
     return param_leaves(nnx.state(model, nnx.Param))

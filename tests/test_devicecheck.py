@@ -251,3 +251,8 @@ def test_cut_preset_configs_load_in_transformers() -> None:
     config = transformers.Qwen3Config(**{k: v for k, v in cut.items() if k not in ("architectures", "model_type")})
     assert config.num_hidden_layers == 2 and len(config.layer_types) == 2
     assert len(qwen3_0_6b()["layer_types"]) == 28  # the whole model keeps its own
+    from jaxrl.models.presets import with_layers
+
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match=f"with_layers: {bad} layers of 2"):
+            with_layers(cut, bad)

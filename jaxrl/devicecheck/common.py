@@ -192,15 +192,12 @@ def _tiny_qwen3(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
 
 def qwen3_0_6b(layers: int | None = None, max_len: int = 40960) -> dict[str, Any]:
     """The released Qwen3-0.6B architecture (``jaxrl.models.presets``), optionally cut to ``layers``."""
-    from jaxrl.models.presets import preset_hf_config
+    from jaxrl.models.presets import preset_hf_config, with_layers
 
     cfg = copy.deepcopy(preset_hf_config("Qwen3-0.6B"))
     assert cfg is not None
-    if layers is not None:  # per-layer lists are cut too: transformers >= 5.17 refuses a length mismatch
-        cfg["num_hidden_layers"] = layers
-        cfg["max_window_layers"] = min(cfg.get("max_window_layers", layers), layers)
-        if "layer_types" in cfg:
-            cfg["layer_types"] = cfg["layer_types"][:layers]
+    if layers is not None:
+        cfg = with_layers(cfg, layers)
     cfg["max_position_embeddings"] = max_len
     return cfg
 

@@ -40,6 +40,20 @@ def preset_heads(name: str) -> tuple[int, int] | None:
     return (_QWEN3[key][3], _QWEN3[key][4]) if key in _QWEN3 else None
 
 
+def with_layers(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    """``cfg`` (an HF config dict) cut to its first ``layers`` layers, its per-layer lists with
+    it: transformers >= 5.17 refuses a config whose ``layer_types`` outnumber its layers (the
+    first H200 device check failed on that)."""
+    if not 0 < layers <= cfg["num_hidden_layers"]:
+        raise ValueError(f"with_layers: {layers} layers of {cfg['num_hidden_layers']}")
+    out = {**cfg, "num_hidden_layers": layers}
+    if "max_window_layers" in out:
+        out["max_window_layers"] = min(out["max_window_layers"], layers)
+    if "layer_types" in out:
+        out["layer_types"] = list(out["layer_types"][:layers])
+    return out
+
+
 def preset_hf_config(name: str) -> dict[str, Any] | None:
     """config.json of the released checkpoint ``name`` ("Qwen3-8B", "Qwen/Qwen3-8B" or a path
     ending in it); None when it is not one of ``PRESETS``."""
