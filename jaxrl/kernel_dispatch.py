@@ -180,7 +180,13 @@ class Kernels:
     mesh: Mesh | None = None
     cpu: bool = False  # "auto" on CPU: the CPU serving backend where it builds
     tpu: bool = False  # the engine stores its projections in the compute dtype (``projection_storage``)
-    gpu: bool = False  # XLA:GPU: every while-loop trip waits on the host (``loops_sync_host``)
+    loops_sync_host: bool = False
+    """Each trip of a while loop costs a host round trip (XLA:GPU copies the loop's predicate back
+    per trip), so the reference cached attention walks the cache as one block of rows (one
+    dynamic-trip loop per layer) instead of blocks of ``ROW_BLOCK`` (a loop per block: a CPU
+    measure, where loops are free). The first H200 run (Qwen3-0.6B, 128 + 128 tokens) decoded 1349
+    tok/s at batch 32 and 1451 at 128, a step's time growing with its 8 and 32 blocks x 28 layers
+    of loops."""
     serving: Serving | None = field(default=None, compare=False, repr=False)
 
     @classmethod
@@ -188,7 +194,7 @@ class Kernels:
         """Resolve ``choice`` for ``mesh``'s platform (JAX's default backend without a mesh)."""
         platform = mesh.devices.flat[0].platform if mesh is not None else select.current_platform()
         return cls(resolve(choice, platform, field=field), mesh, cpu=choice == "auto" and platform == "cpu",
-                   tpu=platform == "tpu", gpu=platform.lower() in GPU_PLATFORMS)
+                   tpu=platform == "tpu", loops_sync_host=platform.lower() in GPU_PLATFORMS)
 
     # -- the engine's weights ------------------------------------------------------------------
 
@@ -230,16 +236,6 @@ class Kernels:
     def context_parallel(self) -> bool:
         """Sequences are split over a "context" mesh axis (the Ulysses path of the attention)."""
         return self.mesh is not None and self.mesh.shape.get(SEQ_AXIS, 1) > 1
-
-    @property
-    def loops_sync_host(self) -> bool:
-        """Each trip of a while loop costs a host round trip (XLA:GPU copies the loop's predicate
-        back per trip), so the reference cached attention walks the cache as one block of rows
-        (one dynamic-trip loop per layer) instead of blocks of ``ROW_BLOCK`` (a loop per block: a
-        CPU measure, where loops are free). The first H200 run (Qwen3-0.6B, 128 + 128 tokens)
-        decoded 1349 tok/s at batch 32 and 1451 at 128, a step's time growing with its 8 and 32
-        blocks x 28 layers of loops."""
-        return self.gpu
 
     @property
     def reference(self) -> bool:

@@ -68,6 +68,7 @@ class HostBufferPool:
         self._used: set[int] = set()  # id() of the blocks handed out since the last settle()
         self._flushed = False  # whether this pull ran gc.collect(0) yet (module docstring)
         self._tags: dict[int, Hashable] = {}  # id() of a block -> what it holds (``tag``)
+        self._handed: dict[int, int] = {}  # address of a buffer handed out -> id() of its block
         self._lock = threading.Lock()
         self.reused_bytes = 0  # bytes handed out from reused blocks (for tests and benches)
         self.fresh_bytes = 0  # bytes handed out from new blocks
@@ -94,9 +95,7 @@ class HostBufferPool:
             else:
                 block = self._blocks[best]
                 self.reused_bytes += n
-            self._used.add(id(block))
-            self._tags.pop(id(block), None)
-            return _view(block, shape, dtype)
+            return self._hand_out(block, shape, dtype)
 
     def take(self, key: Hashable, shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
         """The free block tagged ``key`` as a ``shape`` x ``dtype`` buffer, its bytes as they
@@ -109,22 +108,25 @@ class HostBufferPool:
                     continue
                 if block.size - ALIGN < n or sys.getrefcount(block) != _OWNED_REFS + 1:  # + the loop's
                     return None
-                self._used.add(id(block))
-                del self._tags[id(block)]
                 self.reused_bytes += n
                 self.taken_bytes += n
-                return _view(block, shape, dtype)
+                return self._hand_out(block, shape, dtype)
             return None
 
+    def _hand_out(self, block: np.ndarray, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """``block`` as a buffer, marked used until ``settle``; its tag cleared (it is written next)."""
+        self._used.add(id(block))
+        self._tags.pop(id(block), None)
+        buffer = _view(block, shape, dtype)
+        self._handed[buffer.ctypes.data] = id(block)
+        return buffer
+
     def tag(self, buffer: np.ndarray, key: Hashable) -> None:
-        """Say that the block under ``buffer`` (from ``empty`` or ``take``) now holds ``key``;
-        no-op for a buffer not from this pool."""
-        at = buffer.ctypes.data
+        """Say that the block under ``buffer`` (from ``empty`` or ``take`` since the last
+        ``settle``) now holds ``key``; no-op for any other buffer."""
         with self._lock:
-            for block in self._blocks:
-                if block.ctypes.data <= at < block.ctypes.data + block.size:
-                    self._tags[id(block)] = key
-                    return
+            if (block := self._handed.get(buffer.ctypes.data)) is not None:
+                self._tags[block] = key
 
     def _flush(self) -> None:
         if not self._flushed:
@@ -139,6 +141,7 @@ class HostBufferPool:
             ]
             kept = {id(b) for b in self._blocks}
             self._tags = {k: v for k, v in self._tags.items() if k in kept}
+            self._handed.clear()
             self._used.clear()
             self._flushed = False
 

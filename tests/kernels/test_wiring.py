@@ -130,7 +130,7 @@ def test_gpu_reference_decode_walks_the_cache_as_one_block_of_rows() -> None:
     def step(kernels: Kernels):
         return lambda: model(tokens, positions, cache=cache, kernels=kernels)[0]
 
-    gpu, cpu = Kernels("cudnn", gpu=True), Kernels("reference")
+    gpu, cpu = Kernels("cudnn", loops_sync_host=True), Kernels("reference")
     assert gpu.loops_sync_host and not cpu.loops_sync_host and gpu.reference
     # One cache walk in the scanned layer body vs one walk per block of rows.
     assert str(jax.make_jaxpr(step(gpu))()).count("while[") == 1
