@@ -13,6 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
+from jaxrl.weight_transfer.delta import Patch
 from jaxrl.weight_transfer.manifest import Box
 from jaxrl.weight_transfer.plan import Pull
 
@@ -60,15 +61,16 @@ class Connection(Protocol):
     def fetch(
         self,
         version: int,
-        items: Sequence[tuple[Pull, np.ndarray]],
+        items: Sequence[tuple[Pull, np.ndarray | Patch]],
         deadline: float,
         delta: tuple[int, int] | None = None,
     ) -> None:
         """Fill each C-contiguous ``out`` (the pull's region shape and dtype) with the pull's
         bytes by ``deadline`` (``time.monotonic()``); raises ``FetchFailed`` naming the pull it
         was on (the cause: ``RemoteError``, ``OSError``, ``TimeoutError``). ``delta = (base,
-        block_bytes)``: each ``out`` holds the base version's bytes and only the changed blocks
-        are sent and written over them (transports without deltas raise ``WeightTransferError``)."""
+        block_bytes)``: each item's second part is a ``delta.Patch`` (its ``out`` holds the base
+        version's bytes or is given them from ``base``), and only the changed blocks are sent and
+        written over the base (transports without deltas raise ``WeightTransferError``)."""
         ...
 
     def close(self) -> None: ...

@@ -35,13 +35,14 @@ import secrets
 import socket
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
 
 from jaxrl.weight_transfer.base import FetchFailed, ShardSource, WeightTransferError
 from jaxrl.weight_transfer.bits import copy_into
+from jaxrl.weight_transfer.delta import Patch
 from jaxrl.weight_transfer.plan import Pull
 from jaxrl.weight_transfer.tcp import (
     OK,
@@ -142,12 +143,13 @@ class JaxTransferConnection:
     def fetch(
         self,
         version: int,
-        items: Sequence[tuple[Pull, np.ndarray]],
+        items: Sequence[tuple[Pull, np.ndarray | Patch]],
         deadline: float,
         delta: tuple[int, int] | None = None,
     ) -> None:
         if delta is not None:
             raise FetchFailed(items[0][0], WeightTransferError("the jax transport sends whole versions, not deltas"))
+        outs = [cast(np.ndarray, out) for _, out in items]  # whole versions: plain buffers
         request = {
             "op": "stage",
             "version": version,
@@ -160,13 +162,13 @@ class JaxTransferConnection:
             if peer is None:
                 peer = self._peers[reply["address"]] = _transfer_server().connect(reply["address"])
             cpu = jax.sharding.SingleDeviceSharding(_cpu())
-            shapes = [jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=cpu) for _, out in items]
+            shapes = [jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=cpu) for out in outs]
             # No timeout here: pull's own is not honoured (module docstring); the puller's
             # deadline bounds the wait on this thread.
             arrays = peer.pull(reply["uuid"], shapes)
         except (OSError, WeightTransferError, jax.errors.JaxRuntimeError) as e:
             raise FetchFailed(items[0][0], e) from e
-        for (_, out), x in zip(items, arrays, strict=True):
+        for out, x in zip(outs, arrays, strict=True):
             copy_into(out, np.asarray(x))
 
     def close(self) -> None:

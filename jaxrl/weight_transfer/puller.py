@@ -44,6 +44,7 @@ from jax import lax
 
 from jaxrl.weight_transfer.base import Connection, FetchFailed, Transport, WeightTransferError
 from jaxrl.weight_transfer.bits import copy_into
+from jaxrl.weight_transfer.delta import Patch
 from jaxrl.weight_transfer.host_buffers import HostBufferPool, aligned_empty
 from jaxrl.weight_transfer.manifest import (
     Box,
@@ -263,10 +264,11 @@ class _Fetcher:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def fetch_group(self, group: list[Chunk]) -> list[np.ndarray]:
-        buffers = [self._start(c) for c in group]
-        items: dict[int, list[tuple[Pull, np.ndarray]]] = {}
+        started = [self._start(c) for c in group]
+        buffers = [buf for buf, _ in started]
+        items: dict[int, list[tuple[Pull, np.ndarray | Patch]]] = {}
         copies: list[tuple[np.ndarray, np.ndarray]] = []  # (temporary, destination) for strided destinations
-        for chunk, buf in zip(group, buffers, strict=True):
+        for chunk, (buf, base) in zip(group, started, strict=True):
             for pull in chunk.piece.pulls:
                 if (region := intersect(pull.region, chunk.box)) is None:
                     continue
@@ -275,16 +277,22 @@ class _Fetcher:
                     pieces = [part] if self.delta else _contiguous_parts(part, chunk.box, pull.itemsize)
                     for piece in pieces:
                         sub = Pull(pull.endpoint, pull.param, pull.shard, piece, pull.itemsize)
-                        dst = buf[local_slices(piece, chunk.box)]
+                        where = local_slices(piece, chunk.box)
+                        dst = buf[where]
+                        if self.delta is None:
+                            if not dst.flags.c_contiguous:
+                                tmp = self.empty(dst.shape, dst.dtype)
+                                copies.append((tmp, dst))
+                                dst = tmp
+                            items.setdefault(pull.endpoint, []).append((sub, dst))
+                            continue
+                        patch = Patch(dst, None if base is None else base[where])
                         # A delta of whole elements is written through a strided view (scatter_blocks).
-                        through = self.delta is not None and self.delta[1] == dst.itemsize
-                        if not dst.flags.c_contiguous and not through:
+                        if not dst.flags.c_contiguous and self.delta[1] != dst.itemsize:
                             tmp = self.empty(dst.shape, dst.dtype)
-                            if self.delta:
-                                copy_into(tmp, dst)
                             copies.append((tmp, dst))
-                            dst = tmp
-                        items.setdefault(pull.endpoint, []).append((sub, dst))
+                            patch = Patch(tmp, dst if base is None else patch.base)
+                        items.setdefault(pull.endpoint, []).append((sub, patch))
         futures: dict[Future[None], tuple[int, Pull]] = {}
         for endpoint, its in items.items():
             for batch in _split(its, self.connections):
@@ -311,23 +319,30 @@ class _Fetcher:
     def _key(self, version: int | None, chunk: Chunk) -> tuple[Any, ...]:
         return (self.manifest.lineage, version, chunk.piece.param, chunk.box)
 
-    def _start(self, chunk: Chunk) -> np.ndarray:
-        """A host buffer for ``chunk``; for a delta, holding the base's bytes: the pooled buffer
-        the base was pulled into when it is free again (a TPU / GPU server's staging buffer: no
-        read back of the whole base from the device, 1.7 GB/s on an H200), else a copy of the
-        base (a CPU server serves from its pulled buffers: they are not free). Replaying the
-        delta that made the base onto the buffer of the version before it, instead of that copy,
-        was measured on the CPU server too: no faster (a scatter of 17M elements takes what a
-        copy of 1.19 GB takes), so not kept."""
+    def _start(self, chunk: Chunk) -> tuple[np.ndarray, np.ndarray | None]:
+        """A host buffer for ``chunk`` and, for a delta, where its base's bytes come from: None
+        when the buffer holds them already (the pooled buffer the base was pulled into, free
+        again: a TPU / GPU server's staging buffer, so no read back of the whole base from the
+        device, 1.7 GB/s on an H200), else the base's rows of ``chunk`` on the device (a view on
+        CPU, which serves from its pulled buffers: they are not free), copied in as each region's
+        delta is written (``delta.Patch``: one pass over the memory instead of a copy and then a
+        scatter). When the pulls do not cover the chunk, the base is copied in first."""
         shape, dtype = box_shape(chunk.box), _dtype(self.manifest, chunk.piece.param)
         if self.base is None:
-            return self.empty(shape, dtype)
+            return self.empty(shape, dtype), None
         if self.buffers is not None:
             if (buf := self.buffers.take(self._key(self.manifest.base_version, chunk), shape, dtype)) is not None:
-                return buf
-        buf = self.empty(shape, dtype)
-        copy_into(buf, self._base_bytes(chunk))
-        return buf
+                return buf, None
+        buf, base = self.empty(shape, dtype), self._base_bytes(chunk)
+        regions = [r for p in chunk.piece.pulls if (r := intersect(p.region, chunk.box)) is not None]
+        # Copied in with the delta only when every element is written by a region's delta, in
+        # runs long enough: runs of a few hundred elements (a weight split along its last axis)
+        # cost more a run than a whole-chunk memcpy does (2-core host 2026-11-30: Qwen3-0.6B's
+        # embedding split in 4 along its columns, 0.031 s through runs, 0.005 s as one copy).
+        if sum(map(box_size, regions)) != box_size(chunk.box) or min(_run(r, chunk.box) for r in regions) < MIN_RUN:
+            copy_into(buf, base)
+            return buf, None
+        return buf, base
 
     def _base_bytes(self, chunk: Chunk) -> np.ndarray:
         """The delta's base bytes of ``chunk``: its rows of the previous state's shard on the
@@ -346,7 +361,7 @@ class _Fetcher:
             param=param,
         )
 
-    def _fetch(self, endpoint: int, batch: list[tuple[Pull, np.ndarray]]) -> None:
+    def _fetch(self, endpoint: int, batch: list[tuple[Pull, np.ndarray | Patch]]) -> None:
         try:
             conn = self._idle[endpoint].get_nowait()
         except queue.Empty:
@@ -385,6 +400,21 @@ def _cut(region: Box, itemsize: int, connections: int) -> list[Box]:
     return [(*region[:d], (int(a), int(b)), *region[d + 1 :]) for a, b in itertools.pairwise(bounds) if b > a]
 
 
+MIN_RUN = 1 << 16
+"""Elements a region's runs of contiguous memory hold at least for its delta to copy the base in
+the same pass (``_Fetcher._start``)."""
+
+
+def _run(region: Box, within: Box) -> int:
+    """Elements of ``region`` that lie one after another in a row-major array holding ``within``."""
+    run = 1
+    for (a, b), (c, d) in zip(reversed(region), reversed(within), strict=True):
+        run *= b - a
+        if (a, b) != (c, d):
+            break
+    return run
+
+
 MIN_PART_BYTES = 256 << 10
 """A strided destination is pulled as this many bytes or more per contiguous part, else whole
 into a temporary and copied into place once."""
@@ -411,9 +441,9 @@ def _contiguous_parts(region: Box, within: Box, itemsize: int) -> list[Box]:
     ]
 
 
-def _split(items: list[tuple[Pull, np.ndarray]], n: int) -> list[list[tuple[Pull, np.ndarray]]]:
+def _split(items: list[tuple[Pull, np.ndarray | Patch]], n: int) -> list[list[tuple[Pull, np.ndarray | Patch]]]:
     """``items`` in at most ``n`` batches of about equal bytes (largest first, each to the lightest batch)."""
-    batches: list[list[tuple[Pull, np.ndarray]]] = [[] for _ in range(min(n, len(items)))]
+    batches: list[list[tuple[Pull, np.ndarray | Patch]]] = [[] for _ in range(min(n, len(items)))]
     load = [0] * len(batches)
     for item in sorted(items, key=lambda it: -it[1].nbytes):
         i = load.index(min(load))

@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxrl.weight_transfer.base import FetchFailed, RemoteError, ShardSource, WeightTransferError
 from jaxrl.weight_transfer.bits import contiguous
-from jaxrl.weight_transfer.delta import Changed, delta_payload_bytes, num_blocks, scatter_blocks
+from jaxrl.weight_transfer.delta import Changed, Patch, delta_payload_bytes, num_blocks, scatter_blocks
 from jaxrl.weight_transfer.manifest import local_slices
 from jaxrl.weight_transfer.plan import Pull
 
@@ -267,7 +267,7 @@ class TcpConnection:
     def fetch(
         self,
         version: int,
-        items: Sequence[tuple[Pull, np.ndarray]],
+        items: Sequence[tuple[Pull, np.ndarray | Patch]],
         deadline: float,
         delta: tuple[int, int] | None = None,
     ) -> None:
@@ -282,17 +282,20 @@ class TcpConnection:
             for pull, out in items:
                 n = read_reply(self._sock, deadline)
                 if delta is None:
+                    assert isinstance(out, np.ndarray)
                     if n != out.nbytes:
                         raise WeightTransferError(f"the endpoint sent {n} bytes, {out.nbytes} expected")
                     if not recv_into(self._sock, as_bytes(out), deadline):
                         raise ConnectionError("connection closed by the peer")
                 else:
+                    assert isinstance(out, Patch)
                     self._read_delta(out, n, delta[1], deadline)
         except (OSError, WeightTransferError) as e:
             raise FetchFailed(pull, e) from e
 
-    def _read_delta(self, out: np.ndarray, n: int, k: int, deadline: float) -> None:
-        """One delta payload of ``n`` bytes written over ``out`` (which holds the base's bytes)."""
+    def _read_delta(self, patch: Patch, n: int, k: int, deadline: float) -> None:
+        """One delta payload of ``n`` bytes written over the base's bytes into ``patch.out``."""
+        out = patch.out
         head = 0
 
         def read(size: int) -> bytes:
@@ -313,7 +316,7 @@ class TcpConnection:
         payload = np.empty(n - head, np.uint8)
         if payload.size and not recv_into(self._sock, memoryview(payload), deadline):
             raise ConnectionError("connection closed by the peer")
-        scatter_blocks(out, changed, k, payload)
+        scatter_blocks(out, changed, k, payload, patch.base)
 
     def close(self) -> None:
         shutdown(self._sock)

@@ -137,6 +137,54 @@ def test_a_delta_of_elements_is_written_through_a_strided_region() -> None:
         scatter_blocks(region, Changed.of(changed_blocks(region, new, 4), 15), 4, payload)
 
 
+@pytest.mark.parametrize("form", ["gaps", "bitmap"])
+def test_a_delta_given_its_base_copies_every_element_in_the_same_pass(monkeypatch, form: str) -> None:
+    """``scatter_blocks(..., base=)`` (a CPU server's delta: the base is the array it serves,
+    copied in as the delta is written): every element of the region ends up the new version's,
+    none left from the buffer's old contents, the memory around a strided region untouched;
+    whole regions, runs of stacked layers, empty bitmap windows, and a base laid out otherwise
+    (copied first) alike."""
+    from jaxrl.weight_transfer import delta
+
+    monkeypatch.setattr(delta, "WINDOW_BLOCKS", 64)  # bitmap windows with no change in them
+    monkeypatch.setattr(delta, "patch_runs", counted := _Counted(delta.patch_runs))
+    rng = np.random.default_rng(5)
+    base_stack = rng.integers(0, 1 << 16, (3, 8, 96), dtype=np.uint16)
+    cases = {
+        "whole": (np.s_[...], False),
+        "runs": (np.s_[:, 2:6, :], False),  # 3 runs of 4 x 96
+        "short runs": (np.s_[:, :, 16:48], False),
+        "another layout": (np.s_[:, 2:6, :], True),  # the base a contiguous copy: copied first
+    }
+    for name, (cut, contiguous_base) in cases.items():
+        stack = np.full(base_stack.shape, 0xDEAD, np.uint16)  # what the buffer held before
+        base = base_stack[cut].copy() if contiguous_base else base_stack[cut]
+        want = base_stack[cut].copy()
+        n = want.size
+        hit = rng.choice(n, n // 40 if form == "gaps" else n // 2, replace=False)
+        want.reshape(-1)[np.sort(hit)[n // 10 < np.sort(hit)]] ^= 1  # no change in the first windows
+        changed = Changed.of(changed_blocks(base, want, 2), n)
+        assert (changed.indices is not None) == (form == "gaps"), name
+        calls = counted.calls
+        scatter_blocks(stack[cut], changed, 2, gather_blocks(want.reshape(-1).view(np.uint8), changed, 2), base=base)
+        assert np.array_equal(stack[cut], want), name
+        outside = np.ones(stack.shape, bool)
+        outside[cut] = False
+        assert (stack[outside] == 0xDEAD).all(), name
+        assert (counted.calls > calls) == (not contiguous_base), name  # one pass unless laid out otherwise
+    with pytest.raises(ValueError, match="base uint16\\[2\\] for uint16\\[3\\]"):
+        scatter_blocks(np.zeros(3, np.uint16), Changed(3, indices=np.zeros(0, "<u4")), 2, np.zeros(0, np.uint8), base=np.zeros(2, np.uint16))
+
+
+class _Counted:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.fn(*args)
+
+
 @pytest.mark.parametrize("block", [BLOCK, None], ids=["64-byte-blocks", "elements"])
 def test_a_sequence_of_full_and_delta_pulls_is_bitwise_the_latest_version(state: nnx.State, block: int | None) -> None:
     versions = [state]
@@ -167,17 +215,26 @@ def test_a_sequence_of_full_and_delta_pulls_is_bitwise_the_latest_version(state:
 
 
 @pytest.mark.parametrize("target", [one_device, tensor_parallel], ids=["one-device", "tensor-parallel"])
-@pytest.mark.parametrize("staging", [False, True], ids=["serves-its-buffers", "staging-buffers"])
+@pytest.mark.parametrize(
+    "staging,min_run", [(False, None), (False, 1), (True, None)], ids=["serves-its-buffers", "serves-patching-runs", "staging-buffers"]
+)
 def test_delta_pulls_through_a_pool_start_from_the_buffer_that_holds_the_base(
-    state: nnx.State, target, staging: bool
+    state: nnx.State, target, staging: bool, min_run: int | None, monkeypatch
 ) -> None:
     """A server with a host buffer pool (as the engine's runner keeps one), swapping each version
     in. Where its device arrays are not its host buffers (a TPU / GPU server: the host buffers
     are staging copies; here the served arrays are copied off them), each delta pull starts from
     the free buffer its base was pulled into, not from a read of the base back from the device;
     a CPU server serves from those buffers, so it copies its base. Every version is bitwise the
-    trainer's either way, a full version (``full_every``) in the chain included."""
-    from jaxrl.weight_transfer import HostBufferPool
+    trainer's either way, a full version (``full_every``) in the chain included. A CPU server
+    copies its base in with each region's delta where the runs are long (``min_run`` 1 here:
+    every region, the test's tensors being small), else up front."""
+    from jaxrl.weight_transfer import HostBufferPool, delta, puller
+
+    counted = _Counted(delta.patch_runs)
+    monkeypatch.setattr(delta, "patch_runs", counted)
+    if min_run is not None:
+        monkeypatch.setattr(puller, "MIN_RUN", min_run)
 
     versions = [state]
     for v in range(2, 8):
@@ -200,6 +257,7 @@ def test_delta_pulls_through_a_pool_start_from_the_buffer_that_holds_the_base(
         assert [g >= size for g in gained] == [False, True, True, True, False, True, True], gained
     else:
         assert not gained.any(), gained
+    assert (counted.calls > 0) == (min_run == 1)  # the tests' tensors have runs below MIN_RUN
 
 
 def test_a_delta_is_written_over_exactly_the_base_it_is_given(state: nnx.State) -> None:
@@ -298,7 +356,7 @@ def test_windowed_passes_equal_one_pass_over_the_whole_shard(monkeypatch, block_
     assert np.array_equal(back, new)
 
 
-def test_a_delta_names_its_blocks_by_bitmap_or_indices_whichever_is_shorter_and_bad_ones_are_refused(
+def test_a_delta_names_its_blocks_by_bitmap_or_gaps_whichever_is_shorter_and_bad_ones_are_refused(
     monkeypatch,
 ) -> None:
     from jaxrl.weight_transfer import delta
@@ -319,28 +377,59 @@ def test_a_delta_names_its_blocks_by_bitmap_or_indices_whichever_is_shorter_and_
     blocks, block_bytes = 4096, 2
     rng = np.random.default_rng(1)
     old = rng.integers(0, 255, blocks * block_bytes - 1, dtype=np.uint8)  # the last block short
-    for changed in ([3, 700, 4095], list(range(0, 4096, 2))):  # sparse: indices; half: the bitmap
+    cases = {  # changed blocks -> the description that is shorter
+        "sparse": ([3, 700, 4095], delta.GAPS),
+        "an RL step's 3%": (sorted(rng.choice(blocks, 123, replace=False).tolist()), delta.GAPS),
+        "a gap past one varint byte each": (list(range(0, 4096, 200)), delta.GAPS),
+        "half": (list(range(0, 4096, 2)), delta.BITMAP),
+        "every 3rd: more gaps than bitmap bytes": (list(range(0, 4096, 3)), delta.BITMAP),
+    }
+    for changed, kind in cases.values():
         new = old.copy()
         new[np.array(changed) * block_bytes] ^= 1
         sent = Changed.of(changed_blocks(old, new, block_bytes), blocks)
         parts = sent.encode()
-        assert parts[0][0] == (delta.INDICES if len(changed) == 3 else delta.BITMAP)
+        assert parts[0][0] == kind
         assert sum(p.nbytes for p in parts) <= 1 + blocks // 8
+        if kind == delta.GAPS:  # a byte a changed block while the gaps are under 128
+            assert parts[2].nbytes == len(changed) + sum(b - a > 128 for a, b in zip([-1, *changed], changed))
         got = Changed.decode(read_from(parts), blocks)
         assert [int(i) for w in got.windows() for i in w] == changed and got.count == len(changed)
         back = old.copy()
         scatter_blocks(back, got, block_bytes, gather_blocks(new, sent, block_bytes))
         assert np.array_equal(back, new)
+
+    def gaps(count: int, data: list[int]) -> list[np.ndarray]:
+        return [np.array([delta.GAPS], np.uint8), np.array([count, len(data)], "<u8").view(np.uint8), np.array(data, np.uint8)]
+
     bad = {
-        "out of range or not ascending": [delta.INDICES, 2, [5, 5]],
-        "out of range": [delta.INDICES, 1, [blocks]],
+        "gaps do not describe": gaps(2, [4000 & 127 | 128, 4000 >> 7, 100]),  # 4000, then 4101: past the region
+        "gaps do not describe ": gaps(2, [5]),  # two rows promised, one sent
+        "gaps do not describe  ": gaps(1, [5, 6]),  # a byte left over
+        "gaps do not describe   ": gaps(1, [0x80, 0x80, 0x80, 0x80, 0x80]),  # a varint that never ends
+        "4097 changed blocks": gaps(blocks + 1, [0] * 4),
     }
-    for message, (kind, count, rows) in bad.items():
-        parts = [np.array([kind], np.uint8), np.array([count], "<u8").view(np.uint8), np.array(rows, "<u4").view(np.uint8)]
-        with pytest.raises(ValueError, match=message):
+    for message, parts in bad.items():
+        with pytest.raises(ValueError, match=message.strip()):
             Changed.decode(read_from(parts), blocks)
     with pytest.raises(ValueError, match="unknown delta kind 7"):
         Changed.decode(read_from([np.array([7], np.uint8)]), blocks)
+
+
+def test_gaps_round_trip_every_varint_length() -> None:
+    """Rows whose gaps need 1 to 5 varint bytes (up to 2**32 - 1, an index's range) decode back."""
+    from jaxrl.weight_transfer import delta_loops
+
+    rng = np.random.default_rng(3)
+    steps = np.concatenate([rng.integers(1, 1 << b, 50) for b in (7, 14, 21, 25)] + [[1 << 31]])
+    rows = np.cumsum(rng.permutation(steps)) - 1
+    assert int(rows[-1]) < 1 << 32
+    rows = rows.astype("<u4")
+    out = np.empty(5 * rows.size, np.uint8)
+    n = delta_loops.encode_gaps(rows, out)
+    back = np.empty(rows.size, "<u4")
+    assert delta_loops.decode_gaps(out[:n], 1 << 32, back) and np.array_equal(back, rows)
+    assert not delta_loops.decode_gaps(out[:n], int(rows[-1]), back)  # the last row not below the bound
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
