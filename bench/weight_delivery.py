@@ -10,7 +10,7 @@ First this host's own limits (``host`` line: memcpy and one loopback socket stre
 the changed fraction of real optimizer steps (``changed_fraction`` lines: AdamW at each of
 ``--lrs``, the main recipe's 5e-4 and an LLM RL run's 1e-6, on a tiny Qwen3-shaped model: the
 bfloat16 serving bytes that changed per step, by element (and what an element delta sends:
-``bytes_element_delta``), whole tensor and block size). Then, per model, one JSON line per path:
+``bytes_element_delta``: its changed values and their gaps), whole tensor and block size). Then, per model, one JSON line per path:
 
 - ``gather``: today's path. ``export_hf`` gathers every weight to process 0 (``device_get``) and
   writes 2 GB shards there, one after another; then ``sync``.
@@ -27,8 +27,8 @@ bfloat16 serving bytes that changed per step, by element (and what an element de
 - ``direct_delta``: the same as ``direct`` with ``Publisher(delta=True)``: each version changes a fraction of
   every shard's elements, scattered (the measured fraction of a real step at each of ``--lrs``,
   then each of ``--fractions``) and the servers, holding the version before, pull only the
-  changed elements (a bitmap and their bytes);
-  ``publish_s`` includes the block compare and the gather; ``delta_bytes``: what a delta sends;
+  changed elements (their gaps and bytes);
+  ``publish_s`` includes the compare; ``delta_bytes``: what a delta sends each server;
 - ``direct_int8_delta``: ``direct_delta`` to int8 servers at the first fraction (a real step's):
   a bf16 element's one-ulp change moves its int8 value only when it crosses a rounding step, so
   a small share of the int8 values change (real steps: 0.14-0.29%, ``int8_values``);
@@ -225,8 +225,10 @@ class Procs:
         pull_s = time.perf_counter() - t0
         changed = sum(p.get("changed_bytes", 0) for p in pub)
         total = sum(p.get("bytes", 0) for p in pub)
+        sent = [p.get("sent_bytes") for p in pub]
         return {"publish_s": publish_s, "pull_s": pull_s, "delta": all(p["delta"] for p in pulls),
                 "changed_fraction": changed / total if total else None, "block_bytes": pub[0].get("block_bytes", 2),
+                "delta_bytes": None if None in sent else sum(sent),
                 "bytes_sent": Manifest.from_json(manifest).nbytes}  # fmt: skip
 
     def stop(self) -> None:
@@ -300,8 +302,8 @@ def measure_direct(label: str, name: str, layers: int | None, full_layers: int, 
             changed = statistics.median(r["changed_fraction"] for r in runs)
             row |= {"fraction_source": fraction[0], "fraction_asked": fraction[1],
                     "changed_fraction": round(changed, 4), "applied_as_delta": all(r["delta"] for r in runs),
-                    # what a delta sends: the changed blocks' bytes and a bitmap bit per block
-                    "delta_bytes": round(row["bytes"] * (changed + 1 / (8 * runs[0]["block_bytes"])))}  # fmt: skip
+                    # what a delta sends each server: the changed blocks' bytes and their description
+                    "delta_bytes": statistics.median(r["delta_bytes"] for r in runs)}  # fmt: skip
         if layers is not None:
             per_layer = (size - bytes_outside_layers(preset(name))) / layers
             full = size + per_layer * (full_layers - layers)

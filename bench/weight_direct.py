@@ -116,7 +116,7 @@ def changed_fraction(steps: int, block_sizes: tuple[int, ...], lr: float) -> lis
     from jaxrl.models.decoder import Decoder
     from jaxrl.models.quantize import quantize_param
     from jaxrl.models.tiny import qwen3_config
-    from jaxrl.weight_transfer.delta import Changed, changed_blocks, count_changed, delta_payload_bytes, num_blocks
+    from jaxrl.weight_transfer.delta import Changed, changed_blocks, count_changed, delta_payload_bytes, diff, num_blocks
     from jaxrl.weight_transfer.manifest import param_leaves
 
     hf = qwen3_config(vocab_size=151936, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -156,7 +156,8 @@ def changed_fraction(steps: int, block_sizes: tuple[int, ...], lr: float) -> lis
         row = {"step": i + 1, "loss": round(float(value), 4), "bytes": total}
         changed = sum(int((before[k].view(np.uint16) != after[k].view(np.uint16)).sum()) for k in after)
         row["elements"] = changed * 2 / total
-        row["bytes_element_delta"] = (changed * 2 + sum(-(-a.size // 8) for a in after.values())) / total  # bitmap + values
+        made = [diff(before[k], after[k], 2) for k in after]  # what a delta of elements sends: its description and values
+        row["bytes_element_delta"] = sum(sum(p.nbytes for p in c.encode()) + v.nbytes for c, v in made) / total
         row["tensors"] = sum(a.nbytes for k, a in after.items() if not np.array_equal(before[k].view(np.uint16), a.view(np.uint16))) / total  # fmt: skip
         for bs in block_sizes:  # the fraction of blocks, and of bytes in changed blocks (what a delta sends)
             bits = {k: changed_blocks(before[k], after[k], bs) for k in after}
@@ -261,7 +262,8 @@ def trainer(args: argparse.Namespace) -> None:
         answer: dict[str, Any] = {"publish_s": publish_s}
         changes = pub.changes(cmd["version"])
         if changes is not None:
-            answer |= {"changed_bytes": changes.changed_bytes, "bytes": changes.bytes, "block_bytes": pub.block_bytes}
+            answer |= {"changed_bytes": changes.changed_bytes, "bytes": changes.bytes, "block_bytes": pub.block_bytes,
+                       "sent_bytes": changes.sent_bytes}  # fmt: skip
         if jax.process_index() == 0:
             manifest = manifest_for(cmd["version"], pub.layout(), endpoints, None, lineage=pub.lineage,
                                     base_version=fragment.base_version, block_bytes=pub.block_bytes)  # fmt: skip

@@ -4,9 +4,11 @@ A version published as a delta names its base version (``Manifest.base_version``
 that holds exactly that base (same publisher lineage, same version) asks each endpoint for the
 delta of every region it pulls: which of the region's ``block_bytes`` blocks changed (its
 row-major bytes in the serving dtype, the last block possibly short: a packed bitmap or the
-blocks' indices, whichever is shorter: ``Changed``) and their bytes, one after another
-(``gather_blocks``), which it writes over a copy of its own base bytes (``scatter_blocks``). Equal bytes are equal bits, so the result is bitwise the new version
-whatever changed (a NaN's payload included).
+blocks' indices as varint gaps, whichever is shorter: ``Changed``) and their bytes, one after
+another (``gather_blocks``), which it writes over its own base bytes (``scatter_blocks``: in a
+buffer that holds them, or copied in from the base in the same pass, ``Patch``). Equal bytes
+are equal bits, so the result is bitwise the new version whatever changed (a NaN's payload
+included). The per-element loops are compiled (``delta_loops``, which says why).
 
 A bitmap is packed (``np.packbits``, little bit order: block ``i`` is bit ``i % 8`` of byte
 ``i // 8``), as it goes on the wire and as the publisher keeps it, and every pass here walks it a
@@ -20,8 +22,8 @@ are a few MB, which the allocator hands back from its heap window after window.
 Block size: one element of the serving dtype by default (``Publisher(block_bytes=None)``).
 Measured (bench/weight_delivery.py ``changed_fraction`` lines, AdamW on a Qwen3-shaped model,
 bfloat16 served, 2026-11-29): at an LLM RL learning rate (1e-6 .. 3e-6) a step changes 2.7-10% of
-the bfloat16 elements, scattered, so 99.99% of 64 KiB blocks hold one; by element the delta is the
-bitmap (1/16 of the bytes) plus the changed elements: ~9-16% of a full copy. At the main recipe's
+the bfloat16 elements, scattered, so 99.99% of 64 KiB blocks hold one; by element the delta is
+the changed elements and ~1 byte of gap each: ~4-15% of a full copy. At the main recipe's
 lr 5e-4 ~96% of elements change and a delta saves nothing at any block size. Larger blocks
 (``block_bytes``) only pay where whole rows stay untouched (embedding rows of unseen tokens).
 """
@@ -34,7 +36,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxrl.weight_transfer.bits import as_bits, copy_into
-from jaxrl.weight_transfer.delta_loops import CHUNK_WORDS, changed_lanes, decode_gaps, encode_gaps, patch_runs, scatter_runs
+from jaxrl.weight_transfer.delta_loops import (
+    CHUNK_WORDS,
+    changed_lanes,
+    decode_gaps,
+    encode_gaps,
+    patch_regions,
+    patch_runs,
+    scatter_runs,
+)
 
 WINDOW_BLOCKS = 1 << 20
 """Blocks per window (a multiple of 8, so a window starts on a bitmap byte): a 1 MB bool and at
@@ -277,6 +287,10 @@ class Patch:
 
     out: np.ndarray
     base: np.ndarray | None = None
+    later: list[tuple[np.ndarray, Changed, np.ndarray]] | None = None
+    """When given, the region's delta is appended there (``out``, which blocks changed, their
+    bytes) instead of written, to be written with the other regions of its buffer in one pass
+    (``write_regions``)."""
 
     @property
     def nbytes(self) -> int:
@@ -325,6 +339,36 @@ def scatter_blocks(
         else:
             patch_runs(span, base_span, starts, inner, begin, end, rows, part)
         at += rows.size
+
+
+def write_regions(
+    buf: np.ndarray, base: np.ndarray, parts: list[tuple[np.ndarray, Changed, np.ndarray]], block_bytes: int
+) -> None:
+    """``buf`` (C-contiguous) made the new version: ``base``'s bytes (same shape and dtype) with the
+    deltas of ``parts`` written over them: (a region of ``buf``, which of its blocks changed,
+    their bytes), regions that cover ``buf``. One pass over ``buf`` where a block is one element
+    (``delta_loops.patch_regions``), else a copy and then each region's scatter."""
+    bits = as_bits(buf)
+    runs = [_runs(as_bits(out)) for out, _, _ in parts]
+    if (
+        not parts
+        or block_bytes != buf.itemsize
+        or any(r is None for r in runs)
+        or not (buf.flags.c_contiguous and base.flags.c_contiguous)
+        or base.shape != buf.shape
+        or base.dtype != buf.dtype
+        or not all(c.blocks <= np.iinfo(INDEX).max for _, c, _ in parts)
+    ):
+        copy_into(buf, base)
+        for out, changed, payload in parts:
+            scatter_blocks(out, changed, block_bytes, payload)
+        return
+    at = [(out.ctypes.data - buf.ctypes.data) // buf.itemsize for out, _, _ in parts]
+    starts = tuple(r[1] + a for r, a in zip(runs, at, strict=True))  # type: ignore[index]
+    inners = np.array([r[2] for r in runs], np.int64)  # type: ignore[index]
+    rows = tuple(c.indices if c.indices is not None else np.concatenate([w for w in c.windows()] or [np.zeros(0, INDEX)]).astype(INDEX) for _, c, _ in parts)
+    values = tuple(p.view(bits.dtype) for _, _, p in parts)
+    patch_regions(bits.reshape(-1), as_bits(base).reshape(-1), starts, inners, rows, values)
 
 
 def _runs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, int] | None:

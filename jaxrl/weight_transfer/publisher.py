@@ -13,9 +13,9 @@ base (``Manifest.base_version``) unless ``full=True``: servers holding the base 
 changed blocks (``delta_of``). Each shard's delta (which blocks changed: ``delta.Changed``, and
 their bytes) is made once, at publish, for every server that asks (making it is most of a delta's
 CPU: every server asking for its own was twice the pull time with two servers). This costs the
-previous version (held anyway: ``keep = 2``), the deltas (a bit per block, or 4 bytes per changed
-block when fewer than 1/32 changed, plus the changed bytes), and one compare and one gather pass
-per publish; ``changes(version)`` reports what changed (``Changes``). A delta pull of
+previous version (held anyway: ``keep = 2``), the deltas (the changed blocks' indices and bytes,
+or a bit per block when more than 1/8 changed: ``delta.Changed``), and one compare pass per
+publish; ``changes(version)`` reports what changed (``Changes``). A delta pull of
 version n needs n - 1 too, so it must finish before n + 1 is published (the external backend
 waits for every server's answer before its next step); a full pull only before n + 2.
 
@@ -32,6 +32,7 @@ is a jitted program over the global arrays), as it calls the train step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import uuid
@@ -74,6 +75,7 @@ class Changes:
     changed_bytes: int  # the bytes of the changed blocks
     blocks: int
     changed_blocks: int
+    sent_bytes: int | None = None  # what the delta sends for these shards (its descriptions and changed bytes); None when published whole
 
     @property
     def fraction(self) -> float:
@@ -183,6 +185,9 @@ class Publisher:
         deltas = None
         if changed is not None and not full:
             deltas = {p: {b: _delta_parts(*made) for b, made in boxes.items()} for p, boxes in changed.items()}
+            if changes is not None:
+                sent = sum(part.nbytes for boxes in deltas.values() for parts in boxes.values() for part in parts)
+                changes = dataclasses.replace(changes, sent_bytes=sent)
         with self._lock:
             self._versions[version] = shards
             if changes is not None:

@@ -44,7 +44,7 @@ from jax import lax
 
 from jaxrl.weight_transfer.base import Connection, FetchFailed, Transport, WeightTransferError
 from jaxrl.weight_transfer.bits import copy_into
-from jaxrl.weight_transfer.delta import Patch
+from jaxrl.weight_transfer.delta import Patch, write_regions
 from jaxrl.weight_transfer.host_buffers import HostBufferPool, aligned_empty
 from jaxrl.weight_transfer.manifest import (
     Box,
@@ -265,10 +265,16 @@ class _Fetcher:
 
     def fetch_group(self, group: list[Chunk]) -> list[np.ndarray]:
         started = [self._start(c) for c in group]
-        buffers = [buf for buf, _ in started]
+        buffers = [buf for buf, _, _ in started]
         items: dict[int, list[tuple[Pull, np.ndarray | Patch]]] = {}
         copies: list[tuple[np.ndarray, np.ndarray]] = []  # (temporary, destination) for strided destinations
-        for chunk, (buf, base) in zip(group, started, strict=True):
+        merged: list[tuple[np.ndarray, np.ndarray, list[Any]]] = []  # (buffer, base, its regions' deltas)
+        for chunk, (buf, base, merge) in zip(group, started, strict=True):
+            later: list[Any] | None = None
+            if merge:
+                assert base is not None
+                later = []
+                merged.append((buf, base, later))
             for pull in chunk.piece.pulls:
                 if (region := intersect(pull.region, chunk.box)) is None:
                     continue
@@ -286,7 +292,7 @@ class _Fetcher:
                                 dst = tmp
                             items.setdefault(pull.endpoint, []).append((sub, dst))
                             continue
-                        patch = Patch(dst, None if base is None else base[where])
+                        patch = Patch(dst, None if base is None or merge else base[where], later)
                         # A delta of whole elements is written through a strided view (scatter_blocks).
                         if not dst.flags.c_contiguous and self.delta[1] != dst.itemsize:
                             tmp = self.empty(dst.shape, dst.dtype)
@@ -309,6 +315,9 @@ class _Fetcher:
         if pending:
             endpoint, pull = futures[next(iter(pending))]
             raise self._error(endpoint, pull.param, "TimeoutError: no answer before the pull's deadline")
+        for buf, base, later in merged:
+            assert self.delta is not None
+            write_regions(buf, base, later, self.delta[1])
         for tmp, dst in copies:
             copy_into(dst, tmp)
         if self.buffers is not None:  # what each buffer now holds, for the next delta (``_start``)
@@ -319,30 +328,30 @@ class _Fetcher:
     def _key(self, version: int | None, chunk: Chunk) -> tuple[Any, ...]:
         return (self.manifest.lineage, version, chunk.piece.param, chunk.box)
 
-    def _start(self, chunk: Chunk) -> tuple[np.ndarray, np.ndarray | None]:
-        """A host buffer for ``chunk`` and, for a delta, where its base's bytes come from: None
-        when the buffer holds them already (the pooled buffer the base was pulled into, free
-        again: a TPU / GPU server's staging buffer, so no read back of the whole base from the
-        device, 1.7 GB/s on an H200), else the base's rows of ``chunk`` on the device (a view on
-        CPU, which serves from its pulled buffers: they are not free), copied in as each region's
-        delta is written (``delta.Patch``: one pass over the memory instead of a copy and then a
-        scatter). When the pulls do not cover the chunk, the base is copied in first."""
+    def _start(self, chunk: Chunk) -> tuple[np.ndarray, np.ndarray | None, bool]:
+        """A host buffer for ``chunk`` and, for a delta, where its base's bytes come from, and
+        whether its regions' deltas are written together. The base: None when the buffer holds
+        it already (the pooled buffer the base was pulled into, free again: a TPU / GPU server's
+        staging buffer, so no read back of the whole base from the device, 1.7 GB/s on an H200),
+        else the base's rows of ``chunk`` on the device (a view on CPU, which serves from its
+        pulled buffers: they are not free), copied in as the delta is written: by each region
+        (``delta.Patch``) where its runs of contiguous memory are long, else by the chunk once all
+        its regions' deltas are in (``delta.write_regions``, True): one pass over the memory
+        either way, not a copy and then a scatter. When the pulls do not cover the chunk, or
+        its blocks are not elements, the base is copied in first."""
         shape, dtype = box_shape(chunk.box), _dtype(self.manifest, chunk.piece.param)
         if self.base is None:
-            return self.empty(shape, dtype), None
+            return self.empty(shape, dtype), None, False
         if self.buffers is not None:
             if (buf := self.buffers.take(self._key(self.manifest.base_version, chunk), shape, dtype)) is not None:
-                return buf, None
+                return buf, None, False
         buf, base = self.empty(shape, dtype), self._base_bytes(chunk)
         regions = [r for p in chunk.piece.pulls if (r := intersect(p.region, chunk.box)) is not None]
-        # Copied in with the delta only when every element is written by a region's delta, in
-        # runs long enough: runs of a few hundred elements (a weight split along its last axis)
-        # cost more a run than a whole-chunk memcpy does (2-core host 2026-11-30: Qwen3-0.6B's
-        # embedding split in 4 along its columns, 0.031 s through runs, 0.005 s as one copy).
-        if sum(map(box_size, regions)) != box_size(chunk.box) or min(_run(r, chunk.box) for r in regions) < MIN_RUN:
+        assert self.delta is not None
+        if sum(map(box_size, regions)) != box_size(chunk.box) or self.delta[1] != buf.itemsize:
             copy_into(buf, base)
-            return buf, None
-        return buf, base
+            return buf, None, False
+        return buf, base, min(_run(r, chunk.box) for r in regions) < MIN_RUN
 
     def _base_bytes(self, chunk: Chunk) -> np.ndarray:
         """The delta's base bytes of ``chunk``: its rows of the previous state's shard on the
@@ -402,7 +411,10 @@ def _cut(region: Box, itemsize: int, connections: int) -> list[Box]:
 
 MIN_RUN = 1 << 16
 """Elements a region's runs of contiguous memory hold at least for its delta to copy the base in
-the same pass (``_Fetcher._start``)."""
+as it is written, region by region; shorter runs are written with the chunk's other regions
+(``_Fetcher._start``): runs of a few hundred elements (a weight split along its last axis) cost
+more a run than a whole chunk's copy does (2-core host 2026-11-30: Qwen3-0.6B's embedding split
+in 4 along its columns, 0.031 s through runs, 0.005 s as one copy)."""
 
 
 def _run(region: Box, within: Box) -> int:

@@ -316,7 +316,10 @@ class TcpConnection:
         payload = np.empty(n - head, np.uint8)
         if payload.size and not recv_into(self._sock, memoryview(payload), deadline):
             raise ConnectionError("connection closed by the peer")
-        scatter_blocks(out, changed, k, payload, patch.base)
+        if patch.later is not None:
+            patch.later.append((out, changed, payload))
+        else:
+            scatter_blocks(out, changed, k, payload, patch.base)
 
     def close(self) -> None:
         shutdown(self._sock)

@@ -176,6 +176,34 @@ def test_a_delta_given_its_base_copies_every_element_in_the_same_pass(monkeypatc
         scatter_blocks(np.zeros(3, np.uint16), Changed(3, indices=np.zeros(0, "<u4")), 2, np.zeros(0, np.uint8), base=np.zeros(2, np.uint16))
 
 
+@pytest.mark.parametrize("form", ["gaps", "bitmap"])
+def test_regions_written_together_over_their_base_are_the_new_version(monkeypatch, form: str) -> None:
+    """``write_regions``: a buffer split among regions along its last axis (runs of 8 elements,
+    interleaved), some changed elements in each, written over its base in one pass: every
+    element the new version's, none left from the buffer's old contents. Blocks larger than an
+    element (regions of whole rows) take the copy-then-scatter way, with the same result."""
+    from jaxrl.weight_transfer import delta
+    from jaxrl.weight_transfer.delta import write_regions
+
+    monkeypatch.setattr(delta, "patch_regions", merged := _Counted(delta.patch_regions))
+    rng = np.random.default_rng(9)
+    base = rng.integers(0, 1 << 16, (40, 32), dtype=np.uint16)
+    want = base.copy()
+    want.reshape(-1)[rng.choice(want.size, want.size // 30 if form == "gaps" else want.size // 2, replace=False)] ^= 1
+    for block, cuts in ((2, [np.s_[:, c : c + 8] for c in range(0, 32, 8)]), (4, [np.s_[r : r + 10] for r in range(0, 40, 10)])):
+        buf = np.full(base.shape, 0xBEEF, np.uint16)
+        parts = []
+        for cut in cuts:
+            new = want[cut].copy()
+            changed = Changed.of(changed_blocks(base[cut], new, block), new.size * 2 // block)
+            assert (changed.indices is not None) == (form == "gaps")
+            parts.append((buf[cut], changed, gather_blocks(new.reshape(-1).view(np.uint8), changed, block)))
+        calls = merged.calls
+        write_regions(buf, base, parts, block)
+        assert np.array_equal(buf, want), block
+        assert (merged.calls > calls) == (block == 2)
+
+
 class _Counted:
     def __init__(self, fn):
         self.fn, self.calls = fn, 0
@@ -211,6 +239,10 @@ def test_a_sequence_of_full_and_delta_pulls_is_bitwise_the_latest_version(state:
                 changes = pub.changes(v)
                 assert changes is not None and changes.base == v - 1
                 assert 0 < changes.changed_bytes < changes.bytes / 4  # a sparse step: few blocks
+                # What travels: the changed bytes and their description, at most a bitmap's worth
+                # (1 bit a block) and each shard's head.
+                assert changes.sent_bytes is not None
+                assert changes.changed_bytes < changes.sent_bytes <= changes.changed_bytes + changes.blocks / 8 + 64 * 17
         assert kinds == ["full", "delta", "delta", "full", "delta", "delta", "full"]  # full_every = 3
 
 
@@ -231,8 +263,9 @@ def test_delta_pulls_through_a_pool_start_from_the_buffer_that_holds_the_base(
     every region, the test's tensors being small), else up front."""
     from jaxrl.weight_transfer import HostBufferPool, delta, puller
 
-    counted = _Counted(delta.patch_runs)
+    counted, merged = _Counted(delta.patch_runs), _Counted(delta.patch_regions)
     monkeypatch.setattr(delta, "patch_runs", counted)
+    monkeypatch.setattr(delta, "patch_regions", merged)
     if min_run is not None:
         monkeypatch.setattr(puller, "MIN_RUN", min_run)
 
@@ -257,7 +290,9 @@ def test_delta_pulls_through_a_pool_start_from_the_buffer_that_holds_the_base(
         assert [g >= size for g in gained] == [False, True, True, True, False, True, True], gained
     else:
         assert not gained.any(), gained
-    assert (counted.calls > 0) == (min_run == 1)  # the tests' tensors have runs below MIN_RUN
+    # How a CPU server copied its base in: region by region (runs at least min_run), else by
+    # the chunk with its regions' deltas (the tests' tensors have runs below MIN_RUN).
+    assert (counted.calls > 0, merged.calls > 0) == (min_run == 1, not staging and min_run is None)
 
 
 def test_a_delta_is_written_over_exactly_the_base_it_is_given(state: nnx.State) -> None:
