@@ -128,6 +128,15 @@ def plan(resolved: dict[str, str], have: dict[str, str | None]) -> Plan:
     return Plan(carry, kept, upgraded)
 
 
+def leave_out(p: Plan, names: list[str]) -> tuple[Plan, list[str]]:
+    """``p`` without the carried packages ``names`` (``--skip``), and their canonical names; a
+    name it does not carry is refused (a typo would carry the package after all)."""
+    skipped = sorted({canonicalize_name(n) for n in names})
+    if unknown := [n for n in skipped if n not in p.carry]:
+        raise WheelhouseError(f"--skip {', '.join(unknown)}: not in the wheelhouse (it carries {', '.join(p.carry)})")
+    return Plan({n: v for n, v in p.carry.items() if n not in skipped}, p.kept, p.upgraded), skipped
+
+
 def _platform_parts(platform: str) -> tuple[str, int]:
     m = _PLATFORM.match(platform)
     if not m:
@@ -203,6 +212,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--platform", default="x86_64-manylinux_2_28",
                    help="the target's ARCH-manylinux_2_GLIBC (default x86_64-manylinux_2_28)")
     p.add_argument("--extra", action="append", default=[], help="jaxrl extras to include (repeatable): cuda, tpu ...")
+    p.add_argument("--skip", action="append", default=[], metavar="NAME",
+                   help="a package to leave out although jaxrl requires it (repeatable), for a carry limit; "
+                        "only for packages the target's work never imports (docs/accelerator.md)")
     p.add_argument("-o", "--out", required=True, type=Path, metavar="DIR", help="a new or empty folder")
     a = p.parse_args(argv)
     if not re.fullmatch(r"3\.\d+", a.python_version):
@@ -228,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         must = rejected(have, reqs)
         resolved = resolve(have, a.extra, a.python_version, a.platform, pyproject_path)
         p = plan(resolved, have)
-        if missed := sorted(set(must) - set(p.carry)):
+        p, skipped = leave_out(p, a.skip)
+        if missed := sorted(set(must) - set(p.carry) - set(skipped)):
             raise WheelhouseError(f"resolution kept {', '.join(missed)} that jaxrl rejects: {must[missed[0]]}")
         a.out.mkdir(parents=True, exist_ok=True)
         download(p.carry, a.python_version, a.platform, a.out)
@@ -240,11 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     size = sum(w.stat().st_size for w in wheels)
     record = {"python_version": a.python_version, "platform": a.platform, "extras": a.extra, "have": str(a.have),
               "wheels": [w.name for w in wheels], "bytes": size, "own_wheel": own.name, **asdict(p),
-              "rejected_by_jaxrl": must}
+              "rejected_by_jaxrl": must, "skipped": skipped}
     (a.out / "wheelhouse.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"{len(wheels)} wheels ({len(p.carry)} the target lacks + {own.name}), {size / 2**20:.1f} MiB in {a.out}; "
           f"{len(p.kept)} of the target's packages used as they are"
-          + (f"; upgraded: {', '.join(f'{k} {v}' for k, v in p.upgraded.items())}" if p.upgraded else ""))
+          + (f"; upgraded: {', '.join(f'{k} {v}' for k, v in p.upgraded.items())}" if p.upgraded else "")
+          + (f"; left out (--skip): {', '.join(skipped)}" if skipped else ""))
     print("install on the target (no network):")
     print(f"  pip install --no-index --no-deps {a.out}/*.whl")
     return 0

@@ -71,6 +71,14 @@ def test_plan_carries_only_what_the_image_lacks_or_has_at_another_version() -> N
     assert p.upgraded == {"transformers": "5.10.0 -> 5.17.0"}
 
 
+def test_skip_leaves_out_carried_packages_and_refuses_a_name_it_does_not_carry() -> None:
+    p = wh.Plan({"llvmlite": "0.50.0", "numba": "0.68.1", "grain": "0.2.15"}, ["jax"], {})
+    left, skipped = wh.leave_out(p, ["Numba", "llvmlite"])
+    assert left.carry == {"grain": "0.2.15"} and skipped == ["llvmlite", "numba"] and left.kept == ["jax"]
+    with pytest.raises(wh.WheelhouseError, match="--skip numpa: not in the wheelhouse"):
+        wh.leave_out(p, ["numpa"])
+
+
 def test_platform_tags_cover_older_manylinux() -> None:
     tags = wh.pip_platform_tags("x86_64-manylinux_2_28")
     assert tags[0] == "manylinux_2_28_x86_64" and "manylinux_2_27_x86_64" in tags and "manylinux_2_17_x86_64" in tags

@@ -30,21 +30,14 @@ lr 5e-4 ~96% of elements change and a delta saves nothing at any block size. Lar
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 
 from jaxrl.weight_transfer.bits import as_bits, copy_into
-from jaxrl.weight_transfer.delta_loops import (
-    CHUNK_WORDS,
-    changed_lanes,
-    decode_gaps,
-    encode_gaps,
-    patch_regions,
-    patch_runs,
-    scatter_runs,
-)
 
 WINDOW_BLOCKS = 1 << 20
 """Blocks per window (a multiple of 8, so a window starts on a bitmap byte): a 1 MB bool and at
@@ -117,9 +110,9 @@ def _sparse_diff(a: np.ndarray, b: np.ndarray, block_bytes: int) -> tuple[Change
     limit = packed_size(blocks) - 1  # Changed.of's choice
     words = a.size // 8
     # Room for what a round of the loop may write past ``limit``; pages never written cost nothing.
-    room = limit + 8 // block_bytes * CHUNK_WORDS
+    room = limit + 8 // block_bytes * _loops().CHUNK_WORDS
     rows, values = np.empty(room, INDEX), np.empty(room, unit)
-    count = changed_lanes(
+    count = _loops().changed_lanes(
         a[: words * 8].view(np.uint64), b[: words * 8].view(np.uint64), 8 * block_bytes, limit, rows, values
     )
     if count < 0:
@@ -216,7 +209,7 @@ class Changed:
         (``GAPS``), whichever is shorter."""
         if self.indices is not None:
             gaps = np.empty(5 * self.indices.size, np.uint8)  # pages never written cost nothing
-            n = encode_gaps(self.indices, gaps)
+            n = _loops().encode_gaps(self.indices, gaps)
             if n + 2 * _COUNT.itemsize < packed_size(self.blocks):
                 head = np.array([self.indices.size, n], _COUNT).view(np.uint8)
                 return [np.array([GAPS], np.uint8), head, gaps[:n]]
@@ -245,7 +238,7 @@ class Changed:
         if count > blocks or n > 5 * count:
             raise ValueError(f"a delta of {count} changed blocks in {n} bytes for a region of {blocks}")
         rows = np.empty(count, INDEX)
-        if not decode_gaps(np.frombuffer(read(n), np.uint8) if n else np.zeros(0, np.uint8), blocks, rows):
+        if not _loops().decode_gaps(np.frombuffer(read(n), np.uint8) if n else np.zeros(0, np.uint8), blocks, rows):
             raise ValueError("a delta's block gaps do not describe ascending blocks of its region")
         return cls(blocks, indices=rows)
 
@@ -335,9 +328,9 @@ def scatter_blocks(
     for begin, end, rows in changed.spans():
         part = values[at : at + rows.size]
         if base_span is None:
-            scatter_runs(span, starts, inner, rows, part)
+            _loops().scatter_runs(span, starts, inner, rows, part)
         else:
-            patch_runs(span, base_span, starts, inner, begin, end, rows, part)
+            _loops().patch_runs(span, base_span, starts, inner, begin, end, rows, part)
         at += rows.size
 
 
@@ -368,7 +361,7 @@ def write_regions(
     inners = np.array([r[2] for r in runs], np.int64)  # type: ignore[index]
     rows = tuple(c.indices if c.indices is not None else np.concatenate([w for w in c.windows()] or [np.zeros(0, INDEX)]).astype(INDEX) for _, c, _ in parts)
     values = tuple(p.view(bits.dtype) for _, _, p in parts)
-    patch_regions(bits.reshape(-1), as_bits(base).reshape(-1), starts, inners, rows, values)
+    _loops().patch_regions(bits.reshape(-1), as_bits(base).reshape(-1), starts, inners, rows, values)
 
 
 def _runs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, int] | None:
@@ -405,6 +398,17 @@ def _scatter_flat(flat: np.ndarray, changed: Changed, block_bytes: int, payload:
             at += n
     if full < changed.blocks and changed.marks(full):
         flat[full * block_bytes :] = payload[at:]
+
+
+def _loops() -> ModuleType:
+    """The compiled loops (``delta_loops``, numba), imported when a delta is first made or
+    applied: importing this package (the engine does) needs no numba, so a host that never
+    makes a delta runs without it (the accelerator check's offline install leaves its 60 MB out:
+    docs/accelerator.md)."""
+    try:
+        return importlib.import_module("jaxrl.weight_transfer.delta_loops")
+    except ImportError as e:
+        raise ImportError(f"weight deltas need numba, a jaxrl dependency missing here ({e}): pip install 'numba>=0.62'") from e
 
 
 def _windows(blocks: int) -> Iterator[tuple[int, int]]:

@@ -5,6 +5,9 @@ previous state pulls whole), and every ``full_every``-th version is published wh
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -144,10 +147,10 @@ def test_a_delta_given_its_base_copies_every_element_in_the_same_pass(monkeypatc
     none left from the buffer's old contents, the memory around a strided region untouched;
     whole regions, runs of stacked layers, empty bitmap windows, and a base laid out otherwise
     (copied first) alike."""
-    from jaxrl.weight_transfer import delta
+    from jaxrl.weight_transfer import delta, delta_loops
 
     monkeypatch.setattr(delta, "WINDOW_BLOCKS", 64)  # bitmap windows with no change in them
-    monkeypatch.setattr(delta, "patch_runs", counted := _Counted(delta.patch_runs))
+    monkeypatch.setattr(delta_loops, "patch_runs", counted := _Counted(delta_loops.patch_runs))
     rng = np.random.default_rng(5)
     base_stack = rng.integers(0, 1 << 16, (3, 8, 96), dtype=np.uint16)
     cases = {
@@ -182,10 +185,10 @@ def test_regions_written_together_over_their_base_are_the_new_version(monkeypatc
     interleaved), some changed elements in each, written over its base in one pass: every
     element the new version's, none left from the buffer's old contents. Blocks larger than an
     element (regions of whole rows) take the copy-then-scatter way, with the same result."""
-    from jaxrl.weight_transfer import delta
+    from jaxrl.weight_transfer import delta_loops
     from jaxrl.weight_transfer.delta import write_regions
 
-    monkeypatch.setattr(delta, "patch_regions", merged := _Counted(delta.patch_regions))
+    monkeypatch.setattr(delta_loops, "patch_regions", merged := _Counted(delta_loops.patch_regions))
     rng = np.random.default_rng(9)
     base = rng.integers(0, 1 << 16, (40, 32), dtype=np.uint16)
     want = base.copy()
@@ -202,6 +205,25 @@ def test_regions_written_together_over_their_base_are_the_new_version(monkeypatc
         write_regions(buf, base, parts, block)
         assert np.array_equal(buf, want), block
         assert (merged.calls > calls) == (block == 2)
+
+
+def test_the_package_imports_without_numba_and_a_delta_says_what_it_needs() -> None:
+    """A host that never makes a delta (the accelerator check's offline install leaves numba's
+    60 MB out) imports jaxrl.weight_transfer and pulls whole versions; the first delta names
+    the missing package and the install line."""
+    script = """
+import sys
+sys.modules["numba"] = None  # as if not installed
+import numpy as np
+import jaxrl.weight_transfer
+from jaxrl.weight_transfer.delta import diff
+try:
+    diff(np.zeros(64, np.uint16), np.ones(64, np.uint16), 2)
+except ImportError as e:
+    print(e)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert "weight deltas need numba" in out.stdout and "pip install 'numba>=0.62'" in out.stdout, out
 
 
 class _Counted:
@@ -261,11 +283,11 @@ def test_delta_pulls_through_a_pool_start_from_the_buffer_that_holds_the_base(
     trainer's either way, a full version (``full_every``) in the chain included. A CPU server
     copies its base in with each region's delta where the runs are long (``min_run`` 1 here:
     every region, the test's tensors being small), else up front."""
-    from jaxrl.weight_transfer import HostBufferPool, delta, puller
+    from jaxrl.weight_transfer import HostBufferPool, delta_loops, puller
 
-    counted, merged = _Counted(delta.patch_runs), _Counted(delta.patch_regions)
-    monkeypatch.setattr(delta, "patch_runs", counted)
-    monkeypatch.setattr(delta, "patch_regions", merged)
+    counted, merged = _Counted(delta_loops.patch_runs), _Counted(delta_loops.patch_regions)
+    monkeypatch.setattr(delta_loops, "patch_runs", counted)
+    monkeypatch.setattr(delta_loops, "patch_regions", merged)
     if min_run is not None:
         monkeypatch.setattr(puller, "MIN_RUN", min_run)
 
