@@ -38,6 +38,7 @@ from types import ModuleType
 import numpy as np
 
 from jaxrl.weight_transfer.bits import as_bits, copy_into
+from jaxrl.weight_transfer.manifest import Box
 
 WINDOW_BLOCKS = 1 << 20
 """Blocks per window (a multiple of 8, so a window starts on a bitmap byte): a 1 MB bool and at
@@ -373,17 +374,41 @@ def _runs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, int] | None:
     item = x.itemsize
     if x.ndim == 0 or x.size == 0 or x.strides[-1] != item or any(st % item or st < 0 for st in x.strides):
         return None
-    shape, strides = list(x.shape), [st // item for st in x.strides]
+    starts, inner = _run_starts(list(x.shape), [st // item for st in x.strides])
+    length = int(starts[-1]) + inner
+    return np.lib.stride_tricks.as_strided(x, shape=(length,), strides=(item,)), starts, inner
+
+
+def _run_starts(shape: list[int], strides: list[int]) -> tuple[np.ndarray, int]:
+    """Where each run of an array of ``shape`` with ``strides`` (elements; the last 1) starts,
+    from its first element, and the run length."""
     inner = shape.pop()
     strides.pop()
     while shape and strides[-1] == inner:  # the axis's steps are whole runs: merge it into the run
         inner *= shape.pop()
         strides.pop()
     starts = np.zeros(1, np.int64)
-    for n, st in zip(shape, strides):  # row-major: the last outer axis varies fastest
+    for n, st in zip(shape, strides, strict=True):  # row-major: the last outer axis varies fastest
         starts = (starts[:, None] + np.arange(n, dtype=np.int64)[None, :] * st).reshape(-1)
-    length = int(starts[-1]) + inner
-    return np.lib.stride_tricks.as_strided(x, shape=(length,), strides=(item,)), starts, inner
+    return starts, inner
+
+
+def element_offsets(within: Box, parts: list[tuple[Box, Changed]]) -> np.ndarray:
+    """The changed elements of regions of a row-major array holding ``within`` as offsets into
+    it, region after region (``int32``; each region's ascending): where a server scatters a
+    delta on its device (``puller``). ``parts``: (a region inside ``within``, its changed
+    elements)."""
+    shape = [b - a for a, b in within]
+    strides = [int(np.prod(shape[d + 1 :], dtype=np.int64)) for d in range(len(shape))]
+    out = np.empty(sum(c.count for _, c in parts), np.int32)
+    at = 0
+    for region, changed in parts:
+        first = sum((r[0] - w[0]) * st for r, w, st in zip(region, within, strides, strict=True))
+        starts, inner = _run_starts([b - a for a, b in region], list(strides))
+        for rows in changed.windows():
+            _loops().run_offsets(starts + first, inner, rows, out[at : at + rows.size])
+            at += rows.size
+    return out
 
 
 def _scatter_flat(flat: np.ndarray, changed: Changed, block_bytes: int, payload: np.ndarray) -> None:

@@ -78,6 +78,22 @@ def scatter_runs(span: np.ndarray, starts: np.ndarray, inner: int, rows: np.ndar
         span[shift + r] = values[i]
 
 
+@numba.njit(nogil=True, cache=True)
+def run_offsets(starts: np.ndarray, inner: int, rows: np.ndarray, out: np.ndarray) -> None:
+    """``out[i]``: where ``scatter_runs`` would write ``rows[i]`` (an offset from the start of
+    the memory ``starts`` count from): the offsets a device scatter takes."""
+    run = 0
+    end = inner
+    shift = starts[0]
+    for i in range(rows.size):
+        r = rows[i]
+        while r >= end:
+            run += 1
+            end += inner
+            shift = starts[run] - run * inner
+        out[i] = shift + r
+
+
 COPY_BLOCK = 1 << 16
 """Elements ``patch_runs`` copies before writing the changed ones among them (128 KB of
 bfloat16: they are still in cache when written)."""

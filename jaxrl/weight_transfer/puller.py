@@ -15,9 +15,13 @@ A delta manifest (``Manifest.base_version``) is applied as a delta only on top o
 base: ``previous`` must be the state pulled as ``(have_lineage, have_version) == (manifest.lineage,
 manifest.base_version)`` (``applies_as_delta``). Each host buffer then starts with the previous
 state's bytes there (``_Fetcher._start``: the pooled buffer the base was pulled into when it is
-free, else a copy) and only the changed blocks are fetched over it; new device buffers
-are made as for a full pull, so the previous state (still being served) is never written. Any
-other server pulls the version whole: a publisher serves every version it holds in full.
+free, else the base it serves, copied in as the changed blocks are written) and only the
+changed blocks are fetched over it; new device buffers are made as for a full pull, so the
+previous state (still being served) is never written. On GPUs (``on_device``) a delta skips
+host buffers: each piece's changed elements go to its devices as offsets and values and are
+scattered into a copy of the base's shard there, so a delta step moves ~6 bytes a changed
+element to the device instead of the whole version. Any other server pulls the version whole:
+a publisher serves every version it holds in full.
 
 What it returns has ``target``'s tree structure with a ``jax.Array`` on the target sharding for
 each leaf: for the engine, ``target`` is its param state's abstract form (the runner's
@@ -29,11 +33,13 @@ param that failed; a partial state is never returned.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import queue
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Self
@@ -44,7 +50,7 @@ from jax import lax
 
 from jaxrl.weight_transfer.base import Connection, FetchFailed, Transport, WeightTransferError
 from jaxrl.weight_transfer.bits import copy_into
-from jaxrl.weight_transfer.delta import Patch, write_regions
+from jaxrl.weight_transfer.delta import Patch, element_offsets, write_regions
 from jaxrl.weight_transfer.host_buffers import HostBufferPool, aligned_empty
 from jaxrl.weight_transfer.manifest import (
     Box,
@@ -121,13 +127,18 @@ def pull_weights(
     have_version: int | None = None,
     have_lineage: str | None = None,
     buffers: HostBufferPool | None = None,
+    on_device: bool | None = None,
 ) -> Any:
     """``manifest``'s version pulled onto ``target``'s shardings; see the module docstring.
 
     ``target``: a pytree of ``jax.ShapeDtypeStruct`` (with shardings), its leaf paths the
     manifest's param paths, shapes and dtypes equal. ``previous`` (the same tree of arrays,
     pulled as version ``have_version`` of ``have_lineage``) supplies params the manifest marks
-    unchanged since then, and the base of a delta (``applies_as_delta``).
+    unchanged since then, and the base of a delta (``applies_as_delta``). ``on_device``: write a
+    delta's changed elements on the devices (``_Fetcher.apply_on_device``) rather than into host
+    buffers that are then put on the devices whole; None: on GPUs (the host-to-device copy of a
+    whole version is what a delta step costs there), not on CPUs (the host buffer is the device
+    buffer) nor TPUs (their scatter is not measured yet: docs/benchmarks.md).
     """
     deadline = time.monotonic() + timeout_s
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
@@ -147,8 +158,13 @@ def pull_weights(
     base = None
     if previous is not None and applies_as_delta(manifest, have_lineage, have_version):
         base = dict(param_leaves(previous))
+    host_plan = plan
     with _Fetcher(manifest, get_transport(manifest.transport), connections, deadline, base, buffers) as fetcher:
-        for group in chunk_groups(plan, host_bytes):
+        if base is not None and (on_device if on_device is not None else _gpu(devices.values())):
+            scattered = [p for p in plan.pieces if p.pulls and _scatters_on_device(manifest, p)]
+            fetcher.apply_on_device(scattered, devices, placed)
+            host_plan = dataclasses.replace(plan, pieces=tuple(p for p in plan.pieces if p not in scattered))
+        for group in chunk_groups(host_plan, host_bytes):
             host = fetcher.fetch_group(group)
             _place(group, host, devices, placed)
             del host
@@ -160,6 +176,16 @@ def pull_weights(
             x.shape, x.sharding, [per_device[d.id] for d in _addressable(x.sharding)]
         )
     return jax.tree_util.tree_unflatten(treedef, [arrays[param_path(k)] for k, _ in flat])
+
+
+def _gpu(devices: Iterable[Any]) -> bool:
+    return any(d.platform in ("gpu", "cuda", "rocm") for d in devices)
+
+
+def _scatters_on_device(manifest: Manifest, piece: TargetPiece) -> bool:
+    """Whether a delta piece can be scattered on its devices: blocks of one element, offsets
+    that fit ``int32`` (jax's default index width)."""
+    return manifest.block_bytes == piece.pulls[0].itemsize and box_size(piece.box) + (1 << 24) < 2**31
 
 
 def applies_as_delta(manifest: Manifest, have_lineage: str | None, have_version: int | None) -> bool:
@@ -218,6 +244,20 @@ def _place(
             per_device[d] = _zeros(chunk.piece.shape, x.dtype, devices[d])
         row = chunk.box[0][0] - chunk.piece.box[0][0]
         per_device[d] = _write_rows(per_device[d], x, np.int32(row))
+
+
+@jax.jit
+def _scatter_elements(base: jax.Array, offsets: jax.Array, values: jax.Array) -> jax.Array:
+    """A copy of ``base`` with its row-major elements ``offsets`` set to ``values`` (offsets past
+    the end are padding, dropped)."""
+    flat = base.reshape(-1).at[offsets].set(values, mode="drop", unique_indices=True)
+    return flat.reshape(base.shape)
+
+
+def _shape_only(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An array of ``shape`` and ``dtype`` over one element of memory (every stride 0): what a
+    delta fetched for a device scatter is described against; nothing reads or writes it."""
+    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape=shape, strides=(0,) * len(shape))
 
 
 def _zeros(shape: tuple[int, ...], dtype: Any, device: Any) -> jax.Array:
@@ -299,6 +339,19 @@ class _Fetcher:
                             copies.append((tmp, dst))
                             patch = Patch(tmp, dst if base is None else patch.base)
                         items.setdefault(pull.endpoint, []).append((sub, patch))
+        self._run(items)
+        for buf, base, later in merged:
+            assert self.delta is not None
+            write_regions(buf, base, later, self.delta[1])
+        for tmp, dst in copies:
+            copy_into(dst, tmp)
+        if self.buffers is not None:  # what each buffer now holds, for the next delta (``_start``)
+            for chunk, buf in zip(group, buffers, strict=True):
+                self.buffers.tag(buf, self._key(self.manifest.version, chunk))
+        return buffers
+
+    def _run(self, items: dict[int, list[tuple[Pull, np.ndarray | Patch]]]) -> None:
+        """Fetch every item, each endpoint's over its connections at once, by the deadline."""
         futures: dict[Future[None], tuple[int, Pull]] = {}
         for endpoint, its in items.items():
             for batch in _split(its, self.connections):
@@ -315,15 +368,46 @@ class _Fetcher:
         if pending:
             endpoint, pull = futures[next(iter(pending))]
             raise self._error(endpoint, pull.param, "TimeoutError: no answer before the pull's deadline")
-        for buf, base, later in merged:
-            assert self.delta is not None
-            write_regions(buf, base, later, self.delta[1])
-        for tmp, dst in copies:
-            copy_into(dst, tmp)
-        if self.buffers is not None:  # what each buffer now holds, for the next delta (``_start``)
-            for chunk, buf in zip(group, buffers, strict=True):
-                self.buffers.tag(buf, self._key(self.manifest.version, chunk))
-        return buffers
+
+    def apply_on_device(
+        self, pieces: list[TargetPiece], devices: dict[int, Any], placed: dict[str, dict[int, jax.Array]]
+    ) -> None:
+        """A delta's pieces written on their devices: each region's changed elements fetched
+        (their gaps and values only: no host buffer of the piece), turned into offsets in the
+        piece, and scattered into a copy of the base's shard on each device that holds the piece.
+        What crosses to the device is the changed elements (~6 bytes each), not the version: a
+        whole 8B bfloat16 version is 16.4 GB to each server's devices, 2.2 s at the H200's
+        7.6 GB/s host-to-device, where an RL step's 3% is ~1.4 GB."""
+        assert self.base is not None
+        items: dict[int, list[tuple[Pull, np.ndarray | Patch]]] = {}
+        found: list[tuple[TargetPiece, Box, list[Any]]] = []
+        for piece in pieces:
+            for pull in piece.pulls:
+                later: list[Any] = []
+                found.append((piece, pull.region, later))
+                dtype = _dtype(self.manifest, piece.param)
+                items.setdefault(pull.endpoint, []).append((pull, Patch(_shape_only(box_shape(pull.region), dtype), None, later)))
+        self._run(items)
+        parts: dict[int, list[tuple[Box, Any, np.ndarray]]] = {}
+        for piece, region, later in found:
+            ((_, changed, payload),) = later
+            parts.setdefault(id(piece), []).append((region, changed, payload))
+        for piece in pieces:
+            dtype = _dtype(self.manifest, piece.param)
+            got = parts[id(piece)]
+            offsets = element_offsets(piece.box, [(region, changed) for region, changed, _ in got])
+            values = np.concatenate([payload for _, _, payload in got]).view(dtype) if got else np.zeros(0, dtype)
+            size = box_size(piece.box)
+            bucket = max(1024, 1 << max(0, int(offsets.size - 1).bit_length()))  # few distinct shapes to compile
+            pad = bucket - offsets.size
+            offsets = np.concatenate([offsets, np.arange(size, size + pad, dtype=np.int32)])  # past the end: dropped
+            values = np.concatenate([values, np.zeros(pad, dtype)])
+            base = {s.device.id: s.data for s in self.base[piece.param].addressable_shards}
+            for d in piece.devices:
+                on = devices[d]
+                placed[piece.param][d] = _scatter_elements(
+                    base[d], jax.device_put(offsets, on), jax.device_put(values, on)
+                )
 
     def _key(self, version: int | None, chunk: Chunk) -> tuple[Any, ...]:
         return (self.manifest.lineage, version, chunk.piece.param, chunk.box)

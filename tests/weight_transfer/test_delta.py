@@ -511,3 +511,34 @@ def test_diff_describes_the_same_blocks_and_bytes_as_the_bitmap_pass(dtype, frac
     back = old.copy()
     scatter_blocks(back, changed, k, payload)
     assert np.array_equal(back, new)
+
+
+@pytest.mark.parametrize("target", [one_device, tensor_parallel], ids=["one-device", "tensor-parallel"])
+def test_a_delta_scattered_on_the_devices_is_bitwise_the_new_version(state: nnx.State, target, monkeypatch) -> None:
+    """``on_device=True`` (the default on GPUs; forced here on CPU): a server's delta pieces take
+    their changed elements' offsets and values to the devices and scatter them into a copy of
+    the base there; no host buffer the size of a piece is made, and every version of a chain
+    (full versions in it included) is bitwise the trainer's, on one device and on strided
+    tensor-parallel shards."""
+    from jaxrl.weight_transfer import HostBufferPool, puller
+
+    scattered = _Counted(puller._scatter_elements)
+    monkeypatch.setattr(puller, "_scatter_elements", scattered)
+    versions = [state]
+    for v in range(2, 7):
+        versions.append(step(versions[-1], v))
+    pool = HostBufferPool()
+    with Publisher(delta=True, full_every=3, block_bytes=None) as pub:
+        held, have = None, None
+        for v, params in enumerate(versions, start=1):
+            manifest = pub.publish(v, params)
+            delta = applies_as_delta(manifest, pub.lineage if have else None, have)
+            before, calls = pool.fresh_bytes + pool.reused_bytes, scattered.calls
+            held = pull_weights(manifest, target(state), timeout_s=20, previous=held, have_version=have,
+                                have_lineage=pub.lineage, buffers=pool, on_device=True)  # fmt: skip
+            have = v
+            assert same_bits(held, params), f"version {v}"
+            if delta:  # no piece went through host memory; every piece was scattered on its device(s)
+                assert pool.fresh_bytes + pool.reused_bytes == before and scattered.calls > calls, v
+            else:
+                assert scattered.calls == calls, v
