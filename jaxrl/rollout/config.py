@@ -186,20 +186,19 @@ class ExternalConfig(BaseModel):
 
     weight_transfer_delta: bool = False
     """With "direct": publish each version as a delta against the one before it, so a server
-    that holds exactly that version pulls only the changed elements of each shard (a bitmap, one
-    bit per element, and the changed elements' bytes), in the serving dtype
-    (``jaxrl.weight_transfer.delta``); a server that missed a version or restarted pulls the
-    version whole. It costs no trainer memory (the publisher holds the previous version anyway),
-    one compare pass over this process's host copy per step on the trainer, and a copy of the
-    base on each server (on a GPU or TPU server, a read of the base back from the device:
-    docs/benchmarks.md). Measured (bench/weight_delivery.py, ``changed_fraction``): an AdamW step
-    at an LLM RL learning rate (1e-6 .. 3e-6) changes 2.7-10% of the bfloat16 elements, so a
-    delta is ~9-16% of the bytes; at the reverse_text recipes' lr 5e-4 ~96% change and a delta
-    saves nothing, hence off by default. Fewer bytes cost CPU (numpy's compare, index and
-    scatter passes), so on this 2-core host's loopback a Qwen3-0.6B delta step (2.8% of
-    elements) took 0.75 s where a full direct pull took 0.72 s and the files path 4.54 s
-    (bench/weight_delivery.py, 2026-11-30): turn it on where the link between trainer and
-    servers, not the hosts' CPU, is the bottleneck. Each step logs ``weights/changed_fraction``."""
+    that holds exactly that version pulls only the changed elements of each shard (their bytes
+    in the serving dtype and their positions as varint gaps, or a bitmap when more than 1/8
+    changed: ``jaxrl.weight_transfer.delta``); a server that missed a version or restarted pulls
+    the version whole. It costs no trainer memory (the publisher holds the previous version
+    anyway) and one compare pass over this process's host copy per step on the trainer; a CPU
+    server writes the delta over a copy of its base in one pass, a GPU server scatters it on
+    its devices (docs/benchmarks.md). Measured (bench/weight_delivery.py, ``changed_fraction``):
+    an AdamW step at an LLM RL learning rate (1e-6 .. 3e-6) changes 2.7-10% of the bfloat16
+    elements, so a delta is ~4-15% of the bytes; at the reverse_text recipes' lr 5e-4 ~96%
+    change and a delta saves nothing, hence off by default. On this 2-core host's loopback a
+    Qwen3-0.6B delta step (2.8% of elements) took 0.41-0.55 s where a full direct pull took
+    0.69-0.78 s and the files path 4.6-6.1 s (median 10.9x, 2026-11-30). Each step logs
+    ``weights/changed_fraction``."""
 
     weight_transfer_full_every: int = Field(10, ge=1, le=100_000)
     """With ``weight_transfer_delta``: every this many versions one is published whole (1: every
