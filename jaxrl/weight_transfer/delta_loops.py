@@ -60,38 +60,37 @@ def changed_lanes(old: np.ndarray, new: np.ndarray, bits: int, limit: int, rows:
     return k
 
 
+@numba.njit(inline="always")
+def _run_of(r: int, run: int, end: int, shift: int, starts: np.ndarray, inner: int) -> tuple[int, int, int]:
+    """The run holding region element ``r``, walked forward from ``run`` (which ends at region
+    element ``end``): (run, where it ends, ``shift`` with element ``r`` at ``shift + r``)."""
+    while r >= end:
+        run += 1
+        end += inner
+        shift = starts[run] - run * inner
+    return run, end, shift
+
+
 @numba.njit(nogil=True, cache=True)
 def scatter_runs(span: np.ndarray, starts: np.ndarray, inner: int, rows: np.ndarray, values: np.ndarray) -> None:
     """``span[offset(rows[i])] = values[i]`` for a region laid out as runs of ``inner`` contiguous
     elements starting at ``starts`` (``delta._runs``; one run for a contiguous region): element
     ``r`` is at ``starts[r // inner] + r % inner``. ``rows`` ascending and below
     ``starts.size * inner`` (``Changed.decode`` makes sure of both), so the run only moves forward."""
-    run = 0
-    end = inner
-    shift = starts[0]
+    run, end, shift = 0, inner, starts[0]
     for i in range(rows.size):
-        r = rows[i]
-        while r >= end:
-            run += 1
-            end += inner
-            shift = starts[run] - run * inner
-        span[shift + r] = values[i]
+        run, end, shift = _run_of(np.int64(rows[i]), run, end, shift, starts, inner)
+        span[shift + rows[i]] = values[i]
 
 
 @numba.njit(nogil=True, cache=True)
 def run_offsets(starts: np.ndarray, inner: int, rows: np.ndarray, out: np.ndarray) -> None:
     """``out[i]``: where ``scatter_runs`` would write ``rows[i]`` (an offset from the start of
     the memory ``starts`` count from): the offsets a device scatter takes."""
-    run = 0
-    end = inner
-    shift = starts[0]
+    run, end, shift = 0, inner, starts[0]
     for i in range(rows.size):
-        r = rows[i]
-        while r >= end:
-            run += 1
-            end += inner
-            shift = starts[run] - run * inner
-        out[i] = shift + r
+        run, end, shift = _run_of(np.int64(rows[i]), run, end, shift, starts, inner)
+        out[i] = shift + rows[i]
 
 
 COPY_BLOCK = 1 << 16
@@ -159,10 +158,7 @@ def patch_regions(
             i = at[q]
             while i < r_q.size:
                 r = np.int64(r_q[i])
-                while r >= end[q]:
-                    run[q] += 1
-                    end[q] += inners[q]
-                    shift[q] = starts[q][run[q]] - run[q] * inners[q]
+                run[q], end[q], shift[q] = _run_of(r, run[q], end[q], shift[q], starts[q], inners[q])
                 off = shift[q] + r
                 if off >= hi:
                     break
