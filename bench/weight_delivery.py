@@ -47,7 +47,7 @@ Qwen3-8B (16.4 GB) does not fit this machine's free memory three times over (mod
 load), so it runs with ``--layers-8b`` of its 36 layers (embeddings and head whole) and the
 line also gives the time extrapolated by bytes to all 36 layers (``extrapolated_*``). Its direct
 paths (2 trainers holding two versions, 2 servers holding two) need ~6x its bytes of memory and
-run only with ``--direct-8b``. The file paths' numbers are this machine's disk: a TPU VM writing through GCS FUSE sees other bandwidths; the
+run only with ``--direct-8b`` (more than a 24 GB host has, even at one layer: the embedding and head are 2.5 GB). The file paths' numbers are this machine's disk: a TPU VM writing through GCS FUSE sees other bandwidths; the
 ratio of the two paths is what carries over.
 """
 

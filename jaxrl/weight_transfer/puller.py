@@ -94,15 +94,20 @@ def chunk_groups(plan: Plan, host_bytes: int) -> list[list[Chunk]]:
     """The plan's target pieces cut into row chunks of at most ``host_bytes`` (at least one row)
     and packed, in order, into groups of at most ``host_bytes`` (a single row larger than that
     is a group of its own)."""
-    groups: list[list[Chunk]] = [[]]
+    chunks = [chunk for piece in plan.pieces for chunk in _row_chunks(piece, host_bytes)]
+    return _pack(chunks, [c.nbytes for c in chunks], host_bytes)
+
+
+def _pack(items: list[Any], sizes: list[int], limit: int) -> list[list[Any]]:
+    """``items`` in order, in groups of at most ``limit`` bytes by ``sizes`` (a larger one alone)."""
+    groups: list[list[Any]] = [[]]
     used = 0
-    for piece in plan.pieces:
-        for chunk in _row_chunks(piece, host_bytes):
-            if groups[-1] and used + chunk.nbytes > host_bytes:
-                groups.append([])
-                used = 0
-            groups[-1].append(chunk)
-            used += chunk.nbytes
+    for item, size in zip(items, sizes, strict=True):
+        if groups[-1] and used + size > limit:
+            groups.append([])
+            used = 0
+        groups[-1].append(item)
+        used += size
     return [g for g in groups if g]
 
 
@@ -162,7 +167,9 @@ def pull_weights(
     with _Fetcher(manifest, get_transport(manifest.transport), connections, deadline, base, buffers) as fetcher:
         if base is not None and (on_device if on_device is not None else _gpu(devices.values())):
             scattered = [p for p in plan.pieces if p.pulls and _scatters_on_device(manifest, p)]
-            fetcher.apply_on_device(scattered, devices, placed)
+            sizes = [box_size(p.box) * p.pulls[0].itemsize for p in scattered]
+            for pieces in _pack(scattered, sizes, host_bytes):  # a delta is at most its pieces' bytes on host
+                fetcher.apply_on_device(pieces, devices, placed)
             host_plan = dataclasses.replace(plan, pieces=tuple(p for p in plan.pieces if p not in scattered))
         for group in chunk_groups(host_plan, host_bytes):
             host = fetcher.fetch_group(group)

@@ -534,8 +534,9 @@ def test_a_delta_scattered_on_the_devices_is_bitwise_the_new_version(state: nnx.
             manifest = pub.publish(v, params)
             delta = applies_as_delta(manifest, pub.lineage if have else None, have)
             before, calls = pool.fresh_bytes + pool.reused_bytes, scattered.calls
+            # host_bytes small: the delta's pieces go in several groups, the full versions in row chunks
             held = pull_weights(manifest, target(state), timeout_s=20, previous=held, have_version=have,
-                                have_lineage=pub.lineage, buffers=pool, on_device=True)  # fmt: skip
+                                have_lineage=pub.lineage, buffers=pool, on_device=True, host_bytes=4096)  # fmt: skip
             have = v
             assert same_bits(held, params), f"version {v}"
             if delta:  # no piece went through host memory; every piece was scattered on its device(s)
