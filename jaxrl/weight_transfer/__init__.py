@@ -12,10 +12,11 @@ Bytes travel over a ``Transport``: raw TCP (``"tcp"``) or ``jax.experimental.tra
 
 With ``Publisher(delta=True)`` a version may be published as a delta against the one before it
 (``Manifest.base_version``): a server holding exactly that base pulls only the changed blocks
-(``delta.py``), any other pulls the version whole.
+(``delta.py``; the per-element loops compiled with numba, ``delta_loops.py``, imported when a
+delta is first made or applied), any other pulls the version whole.
 
-This package builds on ``jax`` and numpy only (no jaxrl module but its own): the trainer and the
-engine each use it without knowing the other.
+This package builds on ``jax``, numpy and (for deltas) numba only (no jaxrl module but its
+own): the trainer and the engine each use it without knowing the other.
 """
 
 from jaxrl.weight_transfer.base import VersionUnavailable, WeightTransferError
