@@ -360,8 +360,13 @@ def write_regions(
     at = [(out.ctypes.data - buf.ctypes.data) // buf.itemsize for out, _, _ in parts]
     starts = tuple(r[1] + a for r, a in zip(runs, at, strict=True))  # type: ignore[index]
     inners = np.array([r[2] for r in runs], np.int64)  # type: ignore[index]
-    rows = tuple(c.indices if c.indices is not None else np.concatenate([w for w in c.windows()] or [np.zeros(0, INDEX)]).astype(INDEX) for _, c, _ in parts)
-    values = tuple(p.view(bits.dtype) for _, _, p in parts)
+    # One array type for every region (the compiled loop indexes the tuples at run time): C-contiguous
+    # and writable (a read-only array is another numba type).
+    rows = tuple(
+        np.require(c.indices if c.indices is not None else np.concatenate([*c.windows(), np.zeros(0, INDEX)]), INDEX, "CW")
+        for _, c, _ in parts
+    )
+    values = tuple(np.require(p.view(bits.dtype), None, "CW") for _, _, p in parts)
     _loops().patch_regions(bits.reshape(-1), as_bits(base).reshape(-1), starts, inners, rows, values)
 
 
