@@ -197,7 +197,7 @@ class ExternalConfig(BaseModel):
     elements, so a delta is ~4-15% of the bytes; at the reverse_text recipes' lr 5e-4 ~96%
     change and a delta saves nothing, hence off by default. On this 2-core host's loopback a
     Qwen3-0.6B delta step (2.8% of elements) took 0.41-0.55 s where a full direct pull took
-    0.69-0.78 s and the files path 4.6-6.1 s (median 10.9x, 2026-11-30). Each step logs
+    0.69-0.81 s and the files path 4.6-6.1 s (median 10.6x over five runs, 2026-11-30). Each step logs
     ``weights/changed_fraction``."""
 
     weight_transfer_full_every: int = Field(10, ge=1, le=100_000)
