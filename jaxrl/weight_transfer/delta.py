@@ -30,6 +30,7 @@ lr 5e-4 ~96% of elements change and a delta saves nothing at any block size. Lar
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -290,6 +291,13 @@ class Patch:
     def nbytes(self) -> int:
         return self.out.nbytes
 
+    def write(self, changed: Changed, block_bytes: int, payload: np.ndarray) -> None:
+        """The region's delta, as it arrived: written over the base now, or kept in ``later``."""
+        if self.later is not None:
+            self.later.append((self.out, changed, payload))
+        else:
+            scatter_blocks(self.out, changed, block_bytes, payload, self.base)
+
 
 def scatter_blocks(
     dst: np.ndarray, changed: Changed, block_bytes: int, payload: np.ndarray, base: np.ndarray | None = None
@@ -430,6 +438,7 @@ def _scatter_flat(flat: np.ndarray, changed: Changed, block_bytes: int, payload:
         flat[full * block_bytes :] = payload[at:]
 
 
+@functools.cache
 def _loops() -> ModuleType:
     """The compiled loops (``delta_loops``, numba), imported when a delta is first made or
     applied: importing this package (the engine does) needs no numba, so a host that never

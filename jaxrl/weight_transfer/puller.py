@@ -191,8 +191,20 @@ def _gpu(devices: Iterable[Any]) -> bool:
 
 def _scatters_on_device(manifest: Manifest, piece: TargetPiece) -> bool:
     """Whether a delta piece can be scattered on its devices: blocks of one element, offsets
-    that fit ``int32`` (jax's default index width)."""
-    return manifest.block_bytes == piece.pulls[0].itemsize and box_size(piece.box) + (1 << 24) < 2**31
+    (the padding's past the end included, ``_bucket``) that fit ``int32``, jax's index width."""
+    size = box_size(piece.box)
+    return manifest.block_bytes == piece.pulls[0].itemsize and size + _step(size) < 2**31
+
+
+def _bucket(n: int) -> int:
+    """``n`` changed elements padded to a few sizes, so a device scatter compiles for few shapes:
+    rounded up to a multiple of ``_step(n)`` (at most 12.5% more), at least 1024."""
+    return -(-max(n, 1) // _step(n)) * _step(n)
+
+
+def _step(n: int) -> int:
+    """An eighth of ``n``'s power of two, at least 1024: ``_bucket``'s padding stays below it."""
+    return max(1024, 1 << max(0, n.bit_length() - 4))
 
 
 def applies_as_delta(manifest: Manifest, have_lineage: str | None, have_version: int | None) -> bool:
@@ -405,8 +417,7 @@ class _Fetcher:
             offsets = element_offsets(piece.box, [(region, changed) for region, changed, _ in got])
             values = np.concatenate([payload for _, _, payload in got]).view(dtype) if got else np.zeros(0, dtype)
             size = box_size(piece.box)
-            bucket = max(1024, 1 << max(0, int(offsets.size - 1).bit_length()))  # few distinct shapes to compile
-            pad = bucket - offsets.size
+            pad = _bucket(offsets.size) - offsets.size
             offsets = np.concatenate([offsets, np.arange(size, size + pad, dtype=np.int32)])  # past the end: dropped
             values = np.concatenate([values, np.zeros(pad, dtype)])
             base = {s.device.id: s.data for s in self.base[piece.param].addressable_shards}

@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxrl.weight_transfer.base import FetchFailed, RemoteError, ShardSource, WeightTransferError
 from jaxrl.weight_transfer.bits import contiguous
-from jaxrl.weight_transfer.delta import Changed, Patch, delta_payload_bytes, num_blocks, scatter_blocks
+from jaxrl.weight_transfer.delta import Changed, Patch, delta_payload_bytes, num_blocks
 from jaxrl.weight_transfer.manifest import local_slices
 from jaxrl.weight_transfer.plan import Pull
 
@@ -316,10 +316,7 @@ class TcpConnection:
         payload = np.empty(n - head, np.uint8)
         if payload.size and not recv_into(self._sock, memoryview(payload), deadline):
             raise ConnectionError("connection closed by the peer")
-        if patch.later is not None:
-            patch.later.append((out, changed, payload))
-        else:
-            scatter_blocks(out, changed, k, payload, patch.base)
+        patch.write(changed, k, payload)
 
     def close(self) -> None:
         shutdown(self._sock)
