@@ -546,3 +546,17 @@ def test_a_delta_scattered_on_the_devices_is_bitwise_the_new_version(state: nnx.
                 assert pool.fresh_bytes + pool.reused_bytes == before and scattered.calls > calls, v
             else:
                 assert scattered.calls == calls, v
+
+
+def test_device_scatter_counts_pad_to_few_sizes_within_an_eighth() -> None:
+    """The GPU path's padding: at least the count, at most 1/8 more (or 1024), few distinct sizes
+    over a range of counts, and past-the-end padding offsets that still fit int32 wherever the
+    path is taken."""
+    from jaxrl.weight_transfer.puller import _bucket, _step
+
+    counts = range(1, 3_000_000, 997)
+    for n in counts:
+        assert n <= _bucket(n) < n + _step(n) and _step(n) <= max(1024, n / 4)
+    assert len({_bucket(n) for n in counts}) <= 8 * ((3_000_000 // 1024).bit_length() + 1)  # 8 an octave
+    size = 2**31 - 1 - _step(2**31 - 1)  # the largest piece the path takes: its padding still fits
+    assert size + _bucket(size) - size < 2**31
