@@ -106,7 +106,7 @@ class JaxTransferTransport:
                     continue
                 try:
                     pieces = [region_bytes(source, request["version"], item) for item in request["items"]]
-                except (WeightTransferError, KeyError, ValueError) as e:
+                except (WeightTransferError, KeyError, TypeError, ValueError) as e:
                     send_error(sock, str(e))
                     continue
                 uuid = secrets.randbits(

@@ -35,7 +35,7 @@ import numpy as np
 from jaxrl.weight_transfer.base import FetchFailed, RemoteError, ShardSource, WeightTransferError
 from jaxrl.weight_transfer.bits import contiguous
 from jaxrl.weight_transfer.delta import Changed, Patch, delta_payload_bytes, num_blocks
-from jaxrl.weight_transfer.manifest import local_slices
+from jaxrl.weight_transfer.manifest import Box, local_slices
 from jaxrl.weight_transfer.plan import Pull
 
 log = logging.getLogger(__name__)
@@ -49,10 +49,27 @@ MAX_REQUEST = 64 << 20
 # -- framing helpers (both transports) ---------------------------------------------------------
 
 
+def request_item(item: Sequence[Any]) -> tuple[str, Box, Box]:
+    """A request item ``[param, shard, region]`` as (param, shard box, region box); raises
+    ``ValueError`` unless the region is a box inside the shard (numpy would clip a slice past
+    the shard's end and serve other bytes than asked for)."""
+    try:
+        param, shard, region = str(item[0]), _box(item[1]), _box(item[2])
+    except (TypeError, ValueError, IndexError) as e:
+        raise ValueError(f"request item {item!r}: give [param, shard box, region box] ({e})") from e
+    if len(region) != len(shard) or any(not (s0 <= r0 < r1 <= s1) for (r0, r1), (s0, s1) in zip(region, shard)):
+        raise ValueError(f"request item for {param!r}: region {list(region)} is not inside shard {list(shard)}")
+    return param, shard, region
+
+
+def _box(value: Any) -> Box:
+    return tuple((int(a), int(b)) for a, b in value)
+
+
 def region_bytes(source: ShardSource, version: int, item: Sequence[Any]) -> np.ndarray:
     """The C-contiguous array of one request item ``[param, shard, region]`` (a view when the
     region is contiguous in the shard, else a copy)."""
-    param, shard, region = item[0], tuple(map(tuple, item[1])), tuple(map(tuple, item[2]))
+    param, shard, region = request_item(item)
     array = source.shard(version, param, shard)
     return contiguous(array[local_slices(region, shard)])
 
@@ -233,13 +250,17 @@ def serve_get(sock: socket.socket, source: ShardSource, request: dict[str, Any])
     if op not in ("get", "delta"):
         send_error(sock, f"unknown op {op!r}")
         return
-    for item in request["items"]:
+    items = request.get("items")
+    if not isinstance(items, list):
+        send_error(sock, f"items {items!r}: give a list of [param, shard box, region box]")
+        return
+    for item in items:
         try:
             if op == "get":
                 data = region_bytes(source, request["version"], item)
             else:
                 parts = delta_parts(source, request, item)
-        except (WeightTransferError, KeyError, ValueError) as e:
+        except (WeightTransferError, KeyError, TypeError, ValueError) as e:
             send_error(sock, str(e))
             return
         if op == "get":
@@ -256,8 +277,8 @@ def delta_parts(source: ShardSource, request: dict[str, Any], item: Sequence[Any
     k = int(request["block_bytes"])
     if k < 1:
         raise ValueError(f"block_bytes {k}")
-    shard, region = tuple(map(tuple, item[1])), tuple(map(tuple, item[2]))
-    return [memoryview(p) for p in source.delta_of(request["version"], request["base"], item[0], shard, region, k)]
+    param, shard, region = request_item(item)
+    return [memoryview(p) for p in source.delta_of(request["version"], request["base"], param, shard, region, k)]
 
 
 class TcpConnection:

@@ -263,3 +263,39 @@ def test_host_copies_reuse_memory_of_dropped_versions_never_what_a_pull_still_re
     size = sum(x.size * 2 for x in jax.tree.leaves(bf16))  # one version's shards (fsdp: each element once)
     assert fresh[1] >= 3 * size  # versions 1-3 take fresh memory (two held while the next is made)
     assert fresh[-1] == fresh[-2] == fresh[-3] and pub._buffers.reused_bytes >= 2 * size  # then it is reused
+
+
+def test_a_bad_request_gets_one_clear_error_and_the_publisher_keeps_serving() -> None:
+    """Raw requests over a real socket (as a buggy or hostile puller sends them): a region past
+    its shard's end (numpy would clip the slice and serve other bytes), a malformed item, items
+    that are not a list, block_bytes 0, an unheld base: each answered with an error naming what
+    is wrong, on the same connection, and a real delta pull goes through afterwards."""
+    import time
+
+    from jaxrl.weight_transfer import applies_as_delta, tcp
+    from jaxrl.weight_transfer.base import RemoteError
+
+    x = {"w": jnp.arange(4096, dtype=jnp.float32).reshape(64, 64)}
+    y = {"w": x["w"].at[3, 5].add(1.0)}
+    whole = [[0, 64], [0, 64]]
+    bad = {
+        "is not inside shard": {"op": "delta", "version": 2, "base": 1, "block_bytes": 2, "items": [["w", whole, [[0, 99], [0, 64]]]]},
+        "is not inside shard ": {"op": "get", "version": 2, "items": [["w", whole, [[10, 5], [0, 64]]]]},
+        "give \\[param, shard box, region box\\]": {"op": "get", "version": 2, "items": [["w", whole]]},
+        "items 7: give a list": {"op": "get", "version": 2, "items": 7},
+        "block_bytes 0": {"op": "delta", "version": 2, "base": 1, "block_bytes": 0, "items": [["w", whole, whole]]},
+        "version 7 is not held": {"op": "delta", "version": 2, "base": 7, "block_bytes": 2, "items": [["w", whole, whole]]},
+    }
+    with Publisher(delta=True) as pub:
+        m1, m2 = pub.publish(1, x), pub.publish(2, y)
+        host, port = pub.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            for message, request in bad.items():
+                tcp.send_request(sock, request, time.monotonic() + 10)
+                with pytest.raises(RemoteError, match=message.strip()):
+                    tcp.read_reply(sock, time.monotonic() + 10)
+        target = {"w": jax.ShapeDtypeStruct((64, 64), jnp.bfloat16, sharding=SingleDeviceSharding(jax.devices()[0]))}
+        v1 = pull_weights(m1, target, timeout_s=10)
+        assert applies_as_delta(m2, pub.lineage, 1)
+        v2 = pull_weights(m2, target, timeout_s=10, previous=v1, have_version=1, have_lineage=pub.lineage)
+        assert np.array_equal(np.asarray(v2["w"]), np.asarray(y["w"].astype(jnp.bfloat16)))
