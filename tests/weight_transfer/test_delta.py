@@ -5,7 +5,6 @@ previous state pulls whole), and every ``full_every``-th version is published wh
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import jax
@@ -210,23 +209,24 @@ def test_regions_written_together_over_their_base_are_the_new_version(monkeypatc
         assert (merged.calls > calls) == (block == 2)
 
 
-def test_the_package_imports_without_numba_and_a_delta_says_what_it_needs() -> None:
+def test_the_package_imports_without_numba_and_a_delta_says_what_it_needs(monkeypatch) -> None:
     """A host that never makes a delta (the accelerator check's offline install leaves numba's
-    60 MB out) imports jaxrl.weight_transfer and pulls whole versions; the first delta names
-    the missing package and the install line."""
-    script = """
-import sys
-sys.modules["numba"] = None  # as if not installed
-import numpy as np
-import jaxrl.weight_transfer
-from jaxrl.weight_transfer.delta import diff
-try:
-    diff(np.zeros(64, np.uint16), np.ones(64, np.uint16), 2)
-except ImportError as e:
-    print(e)
-"""
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
-    assert "weight deltas need numba" in out.stdout and "pip install 'numba>=0.62'" in out.stdout, out
+    60 MB out) imports the delta module and pulls whole versions; the first delta names the
+    missing package and the install line. In this process (no child: the fast tier's memory),
+    the module loaded afresh under another name with numba made unimportable."""
+    import importlib.util
+
+    from jaxrl.weight_transfer import delta
+
+    monkeypatch.setitem(sys.modules, "numba", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "jaxrl.weight_transfer.delta_loops", raising=False)
+    spec = importlib.util.spec_from_file_location("delta_without_numba", delta.__file__)
+    assert spec is not None and spec.loader is not None
+    fresh = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "delta_without_numba", fresh)  # dataclasses look their module up
+    spec.loader.exec_module(fresh)  # the import itself needs no numba
+    with pytest.raises(ImportError, match=r"weight deltas need numba.*pip install 'numba>=0.62'"):
+        fresh.diff(np.zeros(64, np.uint16), np.ones(64, np.uint16), 2)
 
 
 class _Counted:
